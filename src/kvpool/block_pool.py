@@ -1,0 +1,210 @@
+"""The block pool: every block record, the free queue and the prefix-cache index.
+
+The pool is shared by all layer groups of a model. It knows nothing about
+requests beyond what caching a block needs; block tables live in the group
+managers. Its operations:
+
+* ``get_new_blocks(n)``: take ``n`` blocks from the front of the free queue.
+  A block that still carries a hash is evicted from the index at this moment
+  and only now (lazy eviction).
+* ``touch(blocks)``: prefix hits gain an owner; a free one leaves the queue.
+* ``free_blocks(blocks)``: owners let go, in eviction order (first = evicted
+  first). A block whose count reaches 0 goes to the free queue: to the front
+  when it has no hash, to the back when it is cached.
+* ``cache_full_blocks(...)``: blocks that became full enter the index.
+
+Block 0 is the null block: materialised, never handed out, never freed, never
+cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvpool.block import NULL_BLOCK_ID, KVBlock
+from kvpool.errors import InvariantViolation
+from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvpool.free_queue import FreeBlockQueue
+from kvpool.prefix_index import PrefixIndex, VerifiedPrefixIndex
+from kvpool.request import Request
+
+__all__ = ["BlockPool"]
+
+
+class BlockPool:
+    """Blocks ``0 .. num_blocks-1``, block 0 reserved as the null block.
+
+    Args:
+        num_blocks: blocks in the pool, the null block included.
+        num_groups: layer groups sharing the pool (each has its own index).
+        enable_caching: whether full blocks are cached for prefix reuse.
+        verify_content: use the verified index (for non-cryptographic hashes).
+        enable_events: record KV events for ``take_events``.
+        free_queue: the eviction policy object; the default is vLLM's order
+            (:class:`FreeBlockQueue`). It must be built over ``blocks`` and
+            ``num_blocks`` exactly as the default is.
+    """
+
+    __slots__ = (
+        "num_blocks",
+        "blocks",
+        "null_block",
+        "free_queue",
+        "indexes",
+        "enable_caching",
+        "events",
+        "num_evictions",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        num_groups: int = 1,
+        enable_caching: bool = True,
+        verify_content: bool = False,
+        enable_events: bool = False,
+        free_queue_factory=FreeBlockQueue,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.null_block = KVBlock(NULL_BLOCK_ID)
+        self.blocks: list[KVBlock] = [self.null_block]
+        self.free_queue = free_queue_factory(self.blocks, num_blocks)
+        index_type = VerifiedPrefixIndex if verify_content else PrefixIndex
+        self.indexes: tuple[PrefixIndex | VerifiedPrefixIndex, ...] = tuple(index_type() for _ in range(num_groups))
+        self.enable_caching = enable_caching
+        self.events: list[KVCacheEvent] | None = [] if enable_events else None
+        #: Blocks evicted from the index so far (a logical clock for stale-hit checks).
+        self.num_evictions = 0
+
+    # -- sizes -------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the non-null blocks that are in use."""
+        usable = self.num_blocks - 1
+        return 1.0 - self.free_queue.num_free_blocks / usable if usable else 0.0
+
+    def block(self, block_id: int) -> KVBlock:
+        """The record of a block that has been handed out at least once."""
+        if not 0 <= block_id < len(self.blocks):
+            raise InvariantViolation(f"block {block_id} has no record (never handed out)")
+        return self.blocks[block_id]
+
+    # -- allocation ----------------------------------------------------------------
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take ``n`` blocks from the free queue, evicting their cached hashes."""
+        blocks = self.free_queue.popleft_n(n)
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def _evict(self, block: KVBlock) -> None:
+        self.indexes[block.group_id].remove(block)
+        if self.events is not None:
+            self.events.append(BlockRemoved(block_hashes=(block.block_hash,), group_id=block.group_id))  # type: ignore[arg-type]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Give each hit block one more owner; free ones leave the free queue."""
+        remove = self.free_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0:
+                if block.block_id == NULL_BLOCK_ID:
+                    continue
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
+        """Drop one owner from each block, given in eviction order (first = evicted first).
+
+        Blocks that become free without a hash are put at the front of the
+        queue as one run (reused first); cached ones at the back as one run.
+        """
+        first: list[KVBlock] = []
+        last: list[KVBlock] = []
+        caching = self.enable_caching
+        for block in ordered:
+            if block.block_id == NULL_BLOCK_ID:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None or not caching:
+                    first.append(block)
+                else:
+                    last.append(block)
+            elif block.ref_cnt < 0:
+                raise InvariantViolation(f"block {block.block_id} was freed more often than it was taken")
+        self.free_queue.release(first, last)
+
+    # -- caching -------------------------------------------------------------------
+
+    def cache_full_blocks(
+        self, request: Request, table: Sequence[KVBlock], start: int, stop: int, group_id: int, block_size: int
+    ) -> None:
+        """Enter ``table[start:stop]`` (now full) into group ``group_id``'s index.
+
+        Block ``k`` of the table is cached under ``request.block_hashes[k]``.
+        Null blocks are skipped. With the verified index a block whose hash is
+        held by other content stays uncached (and so do its successors).
+        """
+        index = self.indexes[group_id]
+        hashes = request.block_hashes
+        contents = request._block_contents
+        stored: list = []
+        for k in range(start, stop):
+            block = table[k]
+            if block.block_id == NULL_BLOCK_ID:
+                continue
+            if block.block_hash is not None:
+                raise InvariantViolation(f"block {block.block_id} is cached twice")
+            block_hash = hashes[k]
+            parent = table[k - 1] if k else None
+            if not index.insert(block_hash, block, parent, contents[k] if contents is not None else None):
+                break
+            block.block_hash = block_hash
+            block.group_id = group_id
+            stored.append(k)
+        if self.events is not None and stored:
+            self._record_stored(request, stored, group_id, block_size)
+
+    def _record_stored(self, request: Request, stored: list[int], group_id: int, block_size: int) -> None:
+        tokens = request.all_token_ids
+        first = stored[0]
+        self.events.append(  # type: ignore[union-attr]
+            BlockStored(
+                block_hashes=tuple(request.block_hashes[k] for k in stored),
+                parent_block_hash=request.block_hashes[first - 1] if first else None,
+                token_ids=tuple(t for k in stored for t in tokens[k * block_size : (k + 1) * block_size]),
+                block_size=block_size,
+                lora_name=request.lora_name,
+                extra_keys=tuple(request.extra_keys(k * block_size, (k + 1) * block_size) for k in stored),
+                group_id=group_id,
+            )
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is in use."""
+        if self.free_queue.num_free_blocks != self.num_blocks - 1:
+            return False
+        for index in self.indexes:
+            index.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,62 @@
+"""Exceptions raised by kvpool.
+
+kvpool reports trouble in three tiers:
+
+1. An expected shortage is not an exception. ``allocate_slots`` returns
+   ``None`` when the free blocks cannot cover a step; the caller preempts or
+   waits.
+2. Caller misuse raises a :class:`KVPoolError`, a ``ValueError`` subclass whose
+   message names the offending value. Nothing has changed when it is raised:
+   the pool's invariants hold afterwards.
+3. Internal corruption raises :class:`InvariantViolation`. Its message says it
+   is a bug in kvpool; the pool should not be used any further.
+
+::
+
+    ValueError
+     └── KVPoolError
+          ├── ConfigError            bad construction argument (block_size, algo, ...)
+          ├── InvalidTokenError      a token ID that is not an integer in [0, 2**32)
+          ├── RequestStateError      a call that contradicts the request's state
+          └── CapacityError          a request that can never fit, even alone
+    AssertionError
+     └── InvariantViolation          kvpool's own bookkeeping is inconsistent (a bug)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "ConfigError",
+    "InvalidTokenError",
+    "InvariantViolation",
+    "KVPoolError",
+    "RequestStateError",
+]
+
+
+class KVPoolError(ValueError):
+    """Base class of every error a caller can cause."""
+
+
+class ConfigError(KVPoolError):
+    """A construction argument is out of range or unknown."""
+
+
+class InvalidTokenError(KVPoolError):
+    """A token ID is not an integer in ``[0, 2**32)``."""
+
+
+class RequestStateError(KVPoolError):
+    """A call contradicts what the manager knows about the request."""
+
+
+class CapacityError(KVPoolError):
+    """A request needs more blocks than the whole pool holds."""
+
+
+class InvariantViolation(AssertionError):
+    """kvpool's bookkeeping is inconsistent. This is a bug in kvpool."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"kvpool invariant violated (this is a bug in kvpool): {message}")

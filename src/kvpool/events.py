@@ -1,0 +1,49 @@
+"""KV cache events: what a router needs to know about this replica's cache.
+
+A router that sends requests to the replica already holding their prefix
+follows these events. They are recorded only when the manager is built with
+``enable_events=True`` and are drained with ``KVCacheManager.take_events()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.hashing import BlockHash
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockStored:
+    """Consecutive full blocks of one request entered the prefix cache.
+
+    ``parent_block_hash`` is the hash of the block before the first one (None
+    when the first stored block is the request's block 0). ``token_ids`` holds
+    ``len(block_hashes) * block_size`` tokens; ``extra_keys`` has one entry per
+    block (None for a block without extra keys).
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None
+    extra_keys: tuple[tuple | None, ...]
+    group_id: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockRemoved:
+    """Cached blocks were evicted (their memory is being reused)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    group_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -1,0 +1,275 @@
+"""Chained block hashes: what makes prefix caching a dictionary lookup.
+
+A full block's hash covers its parent's hash, its token IDs and the extra keys
+that change what its KV means::
+
+    h[0] = H(root      | tokens[0:B]   | extras(0))      root = H(seed)
+    h[1] = H(h[0]      | tokens[B:2B]  | extras(1))
+    h[k] = H(h[k-1]    | tokens[kB:(k+1)B] | extras(k))
+
+Because every hash includes its parent, equal hashes mean equal prefixes from
+the first token, and a lookup can stop at the first miss. Only full blocks are
+hashed. Extra keys are the LoRA adapter name (every block), each multimodal
+item whose placeholder range overlaps the block (its identifier and its offset
+from the block start), and the request's cache salt (block 0 only; the chain
+carries it to every later block).
+
+The byte layout is fixed-width (parent digest, then ``B`` little-endian uint32
+token IDs), followed by tagged, length-prefixed extra keys, so two different
+inputs never serialise to the same bytes. The root is derived from an
+injectable seed, so hashes are reproducible across processes and machines.
+
+Two algorithms:
+
+* ``sha256`` (default): cryptographic. Required wherever tenants do not trust
+  each other: with a weak hash, crafted prompts can collide with another
+  tenant's blocks and read their KV (CVE-2025-25183).
+* ``xxh3_128`` (the ``fast`` extra): much faster, not collision resistant.
+  kvpool then verifies every hit against the block's stored content and
+  parent, so a collision costs a miss and can never serve another prompt's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, NewType
+
+from kvpool.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvpool.request import Request
+
+__all__ = [
+    "DEFAULT_HASH_SEED",
+    "BlockHash",
+    "BlockHasher",
+    "HashAlgo",
+    "MultiModalInput",
+]
+
+#: A block hash: the digest bytes of one full block and its whole prefix.
+BlockHash = NewType("BlockHash", bytes)
+
+#: Seed of the chain's root when none is given. Changing it changes every hash.
+DEFAULT_HASH_SEED = b"kvpool/block-hash/v1"
+
+# Token IDs are serialised as little-endian uint32.
+_TOKEN_TYPECODE = "I"
+if array(_TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - exotic platforms
+    _TOKEN_TYPECODE = "L" if array("L").itemsize == 4 else "I"
+_BIG_ENDIAN = sys.byteorder == "big"
+
+_TAG_LORA = b"\x01"
+_TAG_MM = b"\x02"
+_TAG_SALT = b"\x03"
+
+
+class HashAlgo(Enum):
+    """Block hash algorithm."""
+
+    SHA256 = "sha256"
+    XXH3_128 = "xxh3_128"
+
+    @property
+    def is_cryptographic(self) -> bool:
+        return self is HashAlgo.SHA256
+
+    @classmethod
+    def parse(cls, value: HashAlgo | str) -> HashAlgo:
+        if isinstance(value, HashAlgo):
+            return value
+        try:
+            return cls(str(value).lower().replace("-", "_"))
+        except ValueError:
+            names = ", ".join(a.value for a in cls)
+            raise ConfigError(f"unknown hash algorithm {value!r}; choose one of: {names}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MultiModalInput:
+    """A multimodal item in a prompt: its content identifier and placeholder range.
+
+    ``identifier`` should be a hash of the item's content (an image, audio
+    clip, ...); ``offset`` is the position of its first placeholder token and
+    ``length`` the number of placeholder tokens.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str) or not self.identifier:
+            raise ConfigError(f"multimodal identifier must be a non-empty string, got {self.identifier!r}")
+        if type(self.offset) is not int or self.offset < 0:
+            raise ConfigError(f"multimodal offset must be a non-negative integer, got {self.offset!r}")
+        if type(self.length) is not int or self.length < 1:
+            raise ConfigError(f"multimodal length must be a positive integer, got {self.length!r}")
+
+
+def _text_key(tag: bytes, text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return tag + struct.pack("<I", len(raw)) + raw
+
+
+class BlockHasher:
+    """Computes a request's chained block hashes, once and incrementally.
+
+    One hasher belongs to one manager; requests bound to it get their prompt
+    hashed once, and each block that becomes full as output tokens are appended
+    is hashed at that moment. Nothing is rehashed per lookup.
+
+    Args:
+        block_size: tokens per block.
+        algo: :class:`HashAlgo` or its name.
+        seed: bytes the chain's root is derived from.
+    """
+
+    __slots__ = ("block_size", "algo", "seed", "root", "stores_contents", "_sha", "_xxh")
+
+    def __init__(
+        self, block_size: int, algo: HashAlgo | str = HashAlgo.SHA256, seed: bytes = DEFAULT_HASH_SEED
+    ) -> None:
+        if type(block_size) is not int or block_size < 1:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        if not isinstance(seed, bytes | bytearray) or not seed:
+            raise ConfigError(f"hash seed must be non-empty bytes, got {seed!r}")
+        self.block_size = block_size
+        self.algo = HashAlgo.parse(algo)
+        self.seed = bytes(seed)
+        self._sha = hashlib.sha256
+        self._xxh = None
+        if self.algo is HashAlgo.XXH3_128:
+            try:
+                import xxhash
+            except ImportError:
+                raise ConfigError("hash algorithm 'xxh3_128' needs the xxhash package: pip install 'kvpool[fast]'") from None
+            self._xxh = xxhash.xxh3_128_digest
+        # The verified index compares each hit block's content bytes.
+        self.stores_contents = not self.algo.is_cryptographic
+        self.root = self.digest(b"root:" + self.seed)
+
+    @property
+    def signature(self) -> tuple[int, HashAlgo, bytes]:
+        """Two hashers with equal signatures produce identical hashes."""
+        return (self.block_size, self.algo, self.seed)
+
+    def digest(self, data: bytes) -> BlockHash:
+        if self._xxh is not None:
+            return BlockHash(self._xxh(data))
+        return BlockHash(self._sha(data).digest())
+
+    def extend(self, request: Request) -> None:
+        """Hash every block of ``request`` that is full but not yet hashed.
+
+        Cost: one digest of ``len(parent) + 4 * block_size`` bytes (plus extra
+        keys) per new block; O(1) when no block became full.
+        """
+        hashes = request.block_hashes
+        bs = self.block_size
+        start = len(hashes)
+        tokens = request._token_ids
+        stop = len(tokens) // bs
+        if stop <= start:
+            return
+        data = tokens[start * bs : stop * bs]
+        if _BIG_ENDIAN:  # pragma: no cover
+            data.byteswap()
+        raw = data.tobytes()
+        width = 4 * bs
+        parent = hashes[-1] if hashes else self.root
+        contents = request._block_contents if self.stores_contents else None
+        if request._has_extra_keys:
+            extras = request._extra_key_bytes
+            for k in range(start, stop):
+                off = (k - start) * width
+                content = raw[off : off + width] + extras(k * bs, k * bs + bs)
+                parent = self.digest(parent + content)
+                hashes.append(parent)
+                if contents is not None:
+                    contents.append(content)
+        elif self._xxh is not None:
+            xxh = self._xxh
+            for off in range(0, len(raw), width):
+                content = raw[off : off + width]
+                parent = xxh(parent + content)
+                hashes.append(parent)
+                contents.append(content)  # type: ignore[union-attr]
+        else:
+            sha = self._sha
+            for off in range(0, len(raw), width):
+                parent = sha(parent + raw[off : off + width]).digest()
+                hashes.append(parent)
+
+    def hash_token_ids(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_inputs: Sequence[MultiModalInput] = (),
+    ) -> list[BlockHash]:
+        """The block hashes of a token sequence, as a manager would compute them.
+
+        For routers and tools that need the hashes without a manager.
+        """
+        from kvpool.request import Request
+
+        request = Request("<hash>", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_inputs=mm_inputs)
+        request._block_contents = [] if self.stores_contents else None
+        self.extend(request)
+        return list(request.block_hashes)
+
+
+def extra_key_bytes(
+    lora_key: bytes, salt_key: bytes, mm_inputs: Sequence[MultiModalInput], start: int, end: int
+) -> bytes:
+    """Serialised extra keys of the block covering token positions ``[start, end)``."""
+    parts = [lora_key]
+    for item in mm_inputs:
+        if item.offset >= end:
+            break
+        if item.offset + item.length > start:
+            rel = item.offset - start
+            parts.append(_text_key(_TAG_MM, item.identifier) + struct.pack("<q", rel))
+    if start == 0:
+        parts.append(salt_key)
+    return b"".join(parts)
+
+
+def extra_keys_readable(
+    lora_name: str | None,
+    cache_salt: str | None,
+    mm_inputs: Sequence[MultiModalInput],
+    start: int,
+    end: int,
+) -> tuple[tuple[str, ...] | tuple[str, str, int], ...] | None:
+    """The extra keys of one block in readable form, for KV events."""
+    keys: list = []
+    if lora_name is not None:
+        keys.append(("lora", lora_name))
+    for item in mm_inputs:
+        if item.offset >= end:
+            break
+        if item.offset + item.length > start:
+            keys.append(("mm", item.identifier, item.offset - start))
+    if start == 0 and cache_salt is not None:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) or None
+
+
+def lora_key(lora_name: str | None) -> bytes:
+    return b"" if lora_name is None else _text_key(_TAG_LORA, lora_name)
+
+
+def salt_key(cache_salt: str | None) -> bytes:
+    return b"" if cache_salt is None else _text_key(_TAG_SALT, cache_salt)
+
+
+TOKEN_TYPECODE = _TOKEN_TYPECODE

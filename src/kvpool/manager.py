@@ -1,0 +1,346 @@
+"""The KV cache manager: the one object a scheduler talks to.
+
+::
+
+    mgr = KVCacheManager(num_blocks=12, block_size=4)
+    hit, num_hit = mgr.get_computed_blocks(req)              # lookup; changes nothing
+    new = mgr.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit)
+    ...                                                      # None: no room, preempt or wait
+    mgr.free(req)                                            # tail first
+
+A step asks for room for a request's new tokens. The manager counts the blocks
+the request's computed + new (+ lookahead) tokens need in every layer group,
+refuses (``None``) if the free queue cannot supply them, and otherwise takes
+the prefix-hit blocks, takes new blocks from the front of the free queue,
+appends them to the block tables, and caches every block that became full.
+
+Hybrid models are several layer groups sharing the pool; with one
+full-attention group (the default) this is exactly vLLM V1's single-group
+manager, decision for decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.block import KVBlock
+from kvpool.block_pool import BlockPool
+from kvpool.coordinator import Coordinator, make_group_managers
+from kvpool.errors import CapacityError, ConfigError, RequestStateError
+from kvpool.events import KVCacheEvent
+from kvpool.hashing import DEFAULT_HASH_SEED, BlockHasher, HashAlgo
+from kvpool.request import Request
+from kvpool.stats import PrefixCacheStats, StatsCounter
+
+__all__ = ["HitBlocks", "KVCacheManager"]
+
+
+class HitBlocks:
+    """The cached blocks a lookup found, one list per layer group.
+
+    Pass it back to ``allocate_slots`` unchanged. It remembers the pool's
+    eviction clock, so a hit that went stale (a block evicted between the
+    lookup and the allocation) is detected instead of served.
+    """
+
+    __slots__ = ("blocks", "num_tokens", "request_id", "_evictions")
+
+    def __init__(self, blocks: tuple[list[KVBlock], ...], num_tokens: int, request_id: str, evictions: int) -> None:
+        self.blocks = blocks
+        self.num_tokens = num_tokens
+        self.request_id = request_id
+        self._evictions = evictions
+
+    @property
+    def block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks[0]) if self.blocks else 0
+
+    def __repr__(self) -> str:
+        return f"HitBlocks({self.request_id!r}, tokens={self.num_tokens}, blocks={self.block_ids})"
+
+
+class KVCacheManager:
+    """Paged KV cache manager with prefix caching.
+
+    Args:
+        num_blocks: blocks in the pool, including the reserved null block 0.
+        block_size: tokens per block.
+        enable_caching: prefix caching on (default) or off.
+        hash_algo: ``"sha256"`` (default; required when tenants do not trust
+            each other) or ``"xxh3_128"`` (the ``fast`` extra; every hit is
+            verified against the block's content).
+        hash_seed: bytes the hash chain's root derives from.
+        enable_events: record KV events for :meth:`take_events`.
+        max_model_len: cap on the tokens one request may hold slots for.
+        groups: the model's layer groups (``KVCacheGroup`` objects from
+            :mod:`kvpool.specs`); None means one full-attention group.
+        eviction_policy: factory of the free-block structure; None means
+            vLLM's order (:class:`kvpool.free_queue.FreeBlockQueue`).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_caching: bool = True,
+        hash_algo: HashAlgo | str = HashAlgo.SHA256,
+        hash_seed: bytes = DEFAULT_HASH_SEED,
+        enable_events: bool = False,
+        max_model_len: int | None = None,
+        groups: Sequence | None = None,
+        eviction_policy=None,
+    ) -> None:
+        if type(num_blocks) is not int or num_blocks < 2:
+            raise ConfigError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {num_blocks!r}")
+        if type(block_size) is not int or block_size < 1:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive integer or None, got {max_model_len!r}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = bool(enable_caching)
+        self.max_model_len = max_model_len
+        self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
+        group_specs = tuple(groups) if groups else ()
+        num_groups = max(1, len(group_specs))
+        pool_kwargs = {} if eviction_policy is None else {"free_queue_factory": eviction_policy}
+        self.pool = BlockPool(
+            num_blocks,
+            num_groups=num_groups,
+            enable_caching=self.enable_caching,
+            verify_content=self.hasher.stores_contents,
+            enable_events=enable_events,
+            **pool_kwargs,
+        )
+        self.groups = make_group_managers(self.pool, group_specs, block_size, self.enable_caching)
+        if self.hasher.stores_contents and any(not g.supports_verified_index for g in self.groups):
+            raise ConfigError(
+                f"hash_algo {self.hasher.algo.value!r} verifies hits by walking prefixes from the first "
+                "block, which sliding-window, chunked-local and state-space groups do not do; use 'sha256'"
+            )
+        self.coordinator = Coordinator(self.groups)
+        self._owners: dict[str, Request] = {}
+        self._stats = StatsCounter()
+        self._empty_hit = HitBlocks(tuple([] for _ in self.groups), 0, "", 0)
+
+    # -- sizes -------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the non-null blocks in use (0.0 .. 1.0)."""
+        return self.pool.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._stats.snapshot()
+
+    # -- hashing -------------------------------------------------------------------
+
+    def hash_request(self, request: Request) -> None:
+        """Compute the request's block hashes now (e.g. on an engine's input thread).
+
+        Otherwise they are computed when the manager first sees the request.
+        Either way each block is hashed once.
+        """
+        if self.enable_caching:
+            request._bind(self.hasher)
+
+    # -- lookup --------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[HitBlocks, int]:
+        """The longest cached prefix of the request, and its length in tokens.
+
+        The hit covers at most ``num_tokens - 1`` tokens: the model must compute
+        at least the last token to produce logits, so a fully cached,
+        block-aligned prompt recomputes its whole last block. Changes no
+        reference count.
+        """
+        if not self.enable_caching:
+            return self._empty_hit, 0
+        request._bind(self.hasher)
+        blocks, num_hit = self.coordinator.find_longest_cache_hit(request, request.num_tokens - 1)
+        self._stats.record(request.num_tokens, num_hit, request.num_preemptions > 0)
+        return HitBlocks(blocks, num_hit, request.request_id, self.pool.num_evictions), num_hit
+
+    # -- allocation ----------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: HitBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> tuple[list[int], ...] | None:
+        """Make room for ``num_new_tokens`` new tokens of ``request``.
+
+        Args:
+            request: the request; ``request.num_computed_tokens`` tokens are
+                already in its blocks.
+            num_new_tokens: tokens to compute in this step.
+            num_new_computed_tokens: tokens just found in the prefix cache
+                (first allocation of a request only).
+            new_computed_blocks: the :class:`HitBlocks` of that lookup.
+            num_lookahead_tokens: extra slots (speculative tokens), not cached.
+
+        Returns:
+            The newly allocated block IDs, one list per group, or None when the
+            free blocks cannot cover the step; then nothing has changed.
+
+        Raises:
+            RequestStateError: the arguments contradict the request's state.
+            CapacityError: the request needs more blocks than the pool holds.
+        """
+        rid = request.request_id
+        owner = self._owners.get(rid)
+        computed = request.num_computed_tokens
+        if (
+            type(num_new_tokens) is not int
+            or type(num_new_computed_tokens) is not int
+            or type(num_lookahead_tokens) is not int
+            or num_new_tokens < 0
+            or num_new_computed_tokens < 0
+            or num_lookahead_tokens < 0
+        ):
+            raise RequestStateError(
+                f"request {rid!r}: token counts must be non-negative integers, got num_new_tokens={num_new_tokens!r}, "
+                f"num_new_computed_tokens={num_new_computed_tokens!r}, num_lookahead_tokens={num_lookahead_tokens!r}"
+            )
+        if owner is not request:
+            self._check_admission(request, owner, num_new_computed_tokens, new_computed_blocks)
+            hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty_hit.blocks
+        else:
+            if num_new_computed_tokens or (new_computed_blocks is not None and new_computed_blocks.num_tokens):
+                raise RequestStateError(
+                    f"request {rid!r} already holds blocks; prefix hits are only taken on its first allocation"
+                )
+            hits = None
+        total_computed = computed + num_new_computed_tokens
+        num_tokens = request.num_tokens
+        if total_computed + num_new_tokens > num_tokens:
+            raise RequestStateError(
+                f"request {rid!r}: {computed} computed + {num_new_computed_tokens} cached + {num_new_tokens} new "
+                f"tokens exceed its {num_tokens} tokens"
+            )
+        if total_computed + num_new_tokens == 0:
+            raise RequestStateError(f"request {rid!r}: num_new_tokens must be positive when nothing is computed")
+        need = total_computed + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None and need > self.max_model_len:
+            need = self.max_model_len
+
+        coordinator = self.coordinator
+        if owner is request:
+            coordinator.remove_skipped_blocks(rid, computed)
+            num_needed = coordinator.num_blocks_to_allocate(rid, need, None, total_computed)
+            if num_needed > self.pool.free_queue.num_free_blocks:
+                return self._refuse(request, need)
+            new_blocks = coordinator.allocate_new_blocks(rid, need)
+        else:
+            num_needed = coordinator.num_blocks_to_allocate(rid, need, hits, total_computed)
+            if num_needed > self.pool.free_queue.num_free_blocks:
+                return self._refuse(request, need)
+            coordinator.add_hit_blocks(rid, hits, total_computed)
+            new_blocks = coordinator.allocate_new_blocks(rid, need)
+            self._owners[rid] = request
+        if self.enable_caching:
+            cached = total_computed + num_new_tokens
+            coordinator.cache_blocks(request, cached if cached < num_tokens else num_tokens)
+        return tuple([b.block_id for b in blocks] for blocks in new_blocks)
+
+    def _check_admission(
+        self, request: Request, owner: Request | None, num_new_computed_tokens: int, hit: HitBlocks | None
+    ) -> None:
+        """Validate a request's first allocation (or re-admission after a free)."""
+        rid = request.request_id
+        if owner is not None:
+            raise RequestStateError(
+                f"request ID {rid!r} already holds blocks for a different Request object; free it first"
+            )
+        if request.num_computed_tokens != 0:
+            raise RequestStateError(
+                f"request {rid!r} claims num_computed_tokens={request.num_computed_tokens} but holds no blocks; "
+                "reset it to 0 before admitting it (again)"
+            )
+        if self.enable_caching:
+            request._bind(self.hasher)
+        if hit is None:
+            if num_new_computed_tokens:
+                raise RequestStateError(
+                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} without the lookup's blocks"
+                )
+            return
+        if not isinstance(hit, HitBlocks):
+            raise RequestStateError(
+                f"request {rid!r}: new_computed_blocks must be the HitBlocks from get_computed_blocks, got {type(hit).__name__}"
+            )
+        if hit.num_tokens == 0 and not num_new_computed_tokens:
+            return
+        if hit.request_id != rid:
+            raise RequestStateError(f"request {rid!r}: the hit blocks were looked up for request {hit.request_id!r}")
+        if hit.num_tokens != num_new_computed_tokens:
+            raise RequestStateError(
+                f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} but the hit covers {hit.num_tokens} tokens"
+            )
+        if hit._evictions != self.pool.num_evictions and not self.coordinator.hit_still_valid(request, hit.blocks):
+            raise RequestStateError(
+                f"request {rid!r}: a hit block was evicted after the lookup; look the request up again"
+            )
+
+    def _refuse(self, request: Request, need: int) -> None:
+        """No room now. Raise instead if the request could never fit, even alone."""
+        most = self.coordinator.max_blocks_for(need)
+        if most > self.num_blocks - 1:
+            raise CapacityError(
+                f"request {request.request_id!r} needs {most} blocks for {need} tokens, "
+                f"but the pool has only {self.num_blocks - 1} usable blocks"
+            )
+        return None
+
+    # -- release ---------------------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first. A no-op if it holds none."""
+        rid = request.request_id
+        owner = self._owners.get(rid)
+        if owner is None:
+            return
+        if owner is not request:
+            raise RequestStateError(f"request ID {rid!r} holds blocks for a different Request object")
+        del self._owners[rid]
+        self.coordinator.free(rid)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Refused (returns False) while any block is in use."""
+        return self.pool.reset_prefix_cache()
+
+    # -- inspection ------------------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in every group (empty lists if it holds none)."""
+        return tuple([b.block_id for b in g.tables.get(request_id, ())] for g in self.groups)
+
+    def free_queue_block_ids(self) -> list[int]:
+        """Block IDs in free-queue order: front (reused first) to back."""
+        return list(self.pool.free_queue.block_ids())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events recorded since the last call (empty unless ``enable_events``)."""
+        return self.pool.take_events()
+
+    def running_request_ids(self) -> list[str]:
+        """IDs of the requests that hold blocks."""
+        return list(self._owners)
+
+    def check_invariants(self) -> None:
+        """Verify the pool's bookkeeping in O(blocks); raises InvariantViolation."""
+        from kvpool.invariants import check_manager
+
+        check_manager(self)

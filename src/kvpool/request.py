@@ -1,0 +1,203 @@
+"""A request as the KV cache manager sees it: token IDs, cache keys, progress.
+
+Token IDs are stored as a compact ``array('I')`` (4 bytes per token), which
+also validates them: anything that is not an integer in ``[0, 2**32)`` is
+rejected when it enters.
+
+Block hashes are computed once. A request is *bound* to a manager's hasher the
+first time the manager sees it (or earlier, through
+``KVCacheManager.hash_request``, which an engine can call on its input
+thread); from then on each block that becomes full as output tokens are
+appended is hashed right away.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from kvpool.errors import InvalidTokenError, RequestStateError
+from kvpool.hashing import (
+    TOKEN_TYPECODE,
+    BlockHash,
+    MultiModalInput,
+    extra_key_bytes,
+    extra_keys_readable,
+    lora_key,
+    salt_key,
+)
+
+if TYPE_CHECKING:
+    from kvpool.hashing import BlockHasher
+
+__all__ = ["Request"]
+
+_TOKEN_LIMIT = 2**32
+
+
+def _to_token_array(token_ids: Iterable[int], what: str) -> array:
+    if isinstance(token_ids, array) and token_ids.typecode == TOKEN_TYPECODE:
+        return array(TOKEN_TYPECODE, token_ids)
+    if isinstance(token_ids, str | bytes):
+        raise InvalidTokenError(f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}")
+    try:
+        values = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
+        tokens = array(TOKEN_TYPECODE, values)
+    except (TypeError, OverflowError, ValueError):
+        raise InvalidTokenError(_describe_bad_token(token_ids, what)) from None
+    return tokens
+
+
+def _describe_bad_token(token_ids: Iterable[int], what: str) -> str:
+    try:
+        items = list(token_ids)
+    except TypeError:
+        return f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}"
+    for i, t in enumerate(items):
+        if not hasattr(t, "__index__") or isinstance(t, bool):
+            return f"{what}[{i}] = {t!r} is not an integer token ID"
+        if not 0 <= int(t) < _TOKEN_LIMIT:
+            return f"{what}[{i}] = {int(t)} is out of range: token IDs must be in [0, 2**32)"
+    return f"{what} holds an invalid token ID"
+
+
+class Request:
+    """A request's tokens, cache keys and progress.
+
+    Args:
+        request_id: unique among the requests that hold blocks.
+        prompt_token_ids: the prompt; at least one token.
+        cache_salt: tenant isolation; requests with different salts never
+            share cached blocks (the salt enters the first block's hash).
+        lora_name: the LoRA adapter; enters every block's hash.
+        mm_inputs: multimodal items (identifier and placeholder range).
+
+    ``num_computed_tokens`` is advanced by the caller after each step has run,
+    as a scheduler does; the manager checks it against the blocks it holds.
+    """
+
+    __slots__ = (
+        "request_id",
+        "_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "cache_salt",
+        "lora_name",
+        "mm_inputs",
+        "block_hashes",
+        "num_preemptions",
+        "_hasher",
+        "_block_contents",
+        "_has_extra_keys",
+        "_lora_key",
+        "_salt_key",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_inputs: Sequence[MultiModalInput] = (),
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestStateError(f"request_id must be a non-empty string, got {request_id!r}")
+        tokens = _to_token_array(prompt_token_ids, "prompt_token_ids")
+        if len(tokens) == 0:
+            raise RequestStateError(f"request {request_id!r}: prompt_token_ids is empty; a prompt needs at least one token")
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestStateError(f"request {request_id!r}: {name} must be a non-empty string or None, got {value!r}")
+        items = tuple(mm_inputs)
+        for item in items:
+            if not isinstance(item, MultiModalInput):
+                raise RequestStateError(f"request {request_id!r}: mm_inputs must hold MultiModalInput, got {item!r}")
+            if item.offset + item.length > len(tokens):
+                raise RequestStateError(
+                    f"request {request_id!r}: multimodal item {item.identifier!r} covers positions "
+                    f"{item.offset}..{item.offset + item.length - 1}, beyond the prompt's {len(tokens)} tokens"
+                )
+        self.request_id = request_id
+        self._token_ids = tokens
+        self.num_prompt_tokens = len(tokens)
+        self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.mm_inputs = tuple(sorted(items, key=lambda m: m.offset))
+        self.block_hashes: list[BlockHash] = []
+        self.num_preemptions = 0
+        self._hasher: BlockHasher | None = None
+        self._block_contents: list[bytes] | None = None
+        self._has_extra_keys = bool(cache_salt is not None or lora_name is not None or items)
+        self._lora_key = lora_key(lora_name)
+        self._salt_key = salt_key(cache_salt)
+
+    # -- sizes -------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._token_ids) - self.num_prompt_tokens
+
+    @property
+    def all_token_ids(self) -> array:
+        """Prompt and output token IDs (an ``array('I')``; treat as read-only)."""
+        return self._token_ids
+
+    @property
+    def prompt_token_ids(self) -> array:
+        return self._token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> array:
+        return self._token_ids[self.num_prompt_tokens :]
+
+    # -- growth --------------------------------------------------------------------
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append sampled tokens; hashes of blocks that became full follow at once."""
+        if type(token_ids) is int:
+            if not 0 <= token_ids < _TOKEN_LIMIT:
+                raise InvalidTokenError(f"output token ID {token_ids} is out of range: token IDs must be in [0, 2**32)")
+            self._token_ids.append(token_ids)
+        else:
+            self._token_ids.extend(_to_token_array(token_ids, "output token_ids"))
+        if self._hasher is not None:
+            self._hasher.extend(self)
+
+    # -- cache keys ---------------------------------------------------------------
+
+    def _extra_key_bytes(self, start: int, end: int) -> bytes:
+        return extra_key_bytes(self._lora_key, self._salt_key, self.mm_inputs, start, end)
+
+    def extra_keys(self, start: int, end: int) -> tuple | None:
+        """Readable extra keys of the block covering ``[start, end)`` (for KV events)."""
+        return extra_keys_readable(self.lora_name, self.cache_salt, self.mm_inputs, start, end)
+
+    def _bind(self, hasher: BlockHasher) -> None:
+        """Attach the hasher that will hash this request's blocks from now on."""
+        current = self._hasher
+        if current is hasher:
+            return
+        if current is not None:
+            if current.signature == hasher.signature:
+                return
+            raise RequestStateError(
+                f"request {self.request_id!r} was hashed with block_size={current.block_size}, "
+                f"algo={current.algo.value}; this manager uses block_size={hasher.block_size}, algo={hasher.algo.value}"
+            )
+        self._hasher = hasher
+        self._block_contents = [] if hasher.stores_contents else None
+        hasher.extend(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, prompt={self.num_prompt_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
