@@ -1,0 +1,661 @@
+"""Capacity planning: how many KV blocks (and tokens, and requests) fit on a GPU.
+
+:func:`plan_kv_cache` is a pure function of a model config and a memory
+picture. All sizes are per GPU (per tensor-parallel rank) and in bytes:
+
+    budget     = floor(gpu_memory * gpu_memory_utilization)
+                 - weights / tp - activations - other overhead
+    num_blocks = floor(budget / pool_block_bytes)
+
+``pool_block_bytes`` is one block of the shared pool (``layers_per_block``
+layer pages, see :mod:`kvpool.specs`). A request of ``L`` tokens holds, in
+every group, the blocks that group's layer kind keeps (all ``cdiv(L,
+block_size)`` for full attention, the window's blocks for sliding windows, one
+block for a Mamba state); summing over the groups gives ``blocks_per_request``
+and::
+
+    max_concurrency = num_blocks / blocks_per_request
+    kv_cache_tokens = floor(max_concurrency * L)
+
+which is the "KV cache size ... maximum concurrency" figure serving engines
+print. Estimates, used for any term not given (each is marked as an estimate
+in the result):
+
+* weights: the parameter count from :func:`kvpool.model_config.estimate_parameters`
+  times the model dtype's bytes (fp8-quantized checkpoints: 1 byte per matrix
+  weight; MXFP4 experts: 4.25 bits), divided by the tensor-parallel size.
+* activations: the peak of one profiling step of ``8192`` batched tokens and
+  ``256`` sequences: ``8192 * (4 * hidden + 2 * mlp_width / tp) * dtype_bytes``
+  for the hidden states and MLP intermediates, plus ``256 * vocab * 4`` bytes of
+  float32 logits. ``mlp_width`` is the larger of ``intermediate_size`` and
+  ``num_experts_per_tok * moe_intermediate_size``.
+* other overhead: 1 GiB (CUDA context, allocator slack, CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from decimal import Decimal, InvalidOperation
+from enum import Enum
+from fractions import Fraction
+from typing import Any
+
+from kvpool.errors import ConfigError
+from kvpool.model_config import (
+    MlpKind,
+    StateFamily,
+    cache_layer_indices,
+    checkpoint_dtype,
+    decoder_layers,
+    head_dim,
+    layer_kinds,
+    layer_specs_from_config,
+    max_position_embeddings,
+    model_dtype,
+    num_kv_heads,
+    state_dims,
+    state_size,
+    text_config_view,
+)
+from kvpool.specs import (
+    KVCacheGroup,
+    KVDtype,
+    LayerKind,
+    LayerSpec,
+    MambaSpec,
+    group_layers,
+    layers_per_pool_block,
+    pool_block_bytes,
+)
+
+__all__ = [
+    "ACTIVATION_BATCH_TOKENS",
+    "ACTIVATION_NUM_SEQS",
+    "GB",
+    "GiB",
+    "OTHER_OVERHEAD_BYTES",
+    "GroupPlan",
+    "KVPlan",
+    "MemoryBudget",
+    "MemoryTerm",
+    "ParameterEstimate",
+    "TermSource",
+    "estimate_activation_bytes",
+    "estimate_parameters",
+    "estimate_weight_bytes",
+    "parse_size",
+    "plan_kv_cache",
+]
+
+KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
+KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
+
+#: Tokens in the profiling step the activation estimate assumes.
+ACTIVATION_BATCH_TOKENS = 8192
+#: Sequences whose logits the activation estimate assumes at once.
+ACTIVATION_NUM_SEQS = 256
+#: The estimate of memory outside weights, activations and KV cache.
+OTHER_OVERHEAD_BYTES = GiB
+
+_UNITS = {"": 1, "b": 1, "kb": KB, "mb": MB, "gb": GB, "tb": TB, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, *, field: str = "size") -> int:
+    """Parse a memory size into bytes.
+
+    ``"80GB"`` is 80 * 10**9 bytes, ``"80GiB"`` is 80 * 2**30; KB/MB/TB and
+    KiB/MiB/TiB likewise, ``B`` or no unit means bytes; units ignore case and
+    fractional values are allowed (``"74.5GiB"``), rounded down to whole bytes.
+    A bare ``G``/``M``/``K``/``T`` is rejected as ambiguous. Raises
+    :class:`ConfigError` naming ``field`` and the text for malformed or
+    negative input.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ConfigError(f"{field} must not be negative, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise ConfigError(f"{field} must be a size such as '80GB' or '80GiB', got {text!r}")
+    if text.strip().startswith("-"):
+        raise ConfigError(f"{field} must not be negative, got {text!r}")
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ConfigError(
+            f"{field} {text!r} is not a size; write e.g. 80GB (10^9 bytes), 80GiB (2^30) or 1000000 (bytes)"
+        )
+    number, unit = match.groups()
+    unit = unit.lower()
+    if unit in ("k", "m", "g", "t"):
+        raise ConfigError(
+            f"{field} {text!r} has an ambiguous unit {match.group(2)!r}: write {unit.upper()}B "
+            f"(powers of 10) or {unit.upper()}iB (powers of 2)"
+        )
+    if unit not in _UNITS:
+        raise ConfigError(
+            f"{field} {text!r} has an unknown unit {match.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
+    try:
+        value = Fraction(Decimal(number.replace("_", "")))
+    except InvalidOperation:
+        raise ConfigError(f"{field} {text!r} is not a size") from None
+    return int(value * _UNITS[unit])
+
+
+class TermSource(Enum):
+    """Whether a memory term was given by the caller or estimated here."""
+
+    GIVEN = "given"
+    ESTIMATED = "estimated"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryTerm:
+    """One subtracted term of the budget, per GPU, with how it was obtained."""
+
+    bytes: int
+    source: TermSource
+    basis: str  # one line saying how the figure was obtained
+
+    @property
+    def estimated(self) -> bool:
+        return self.source is TermSource.ESTIMATED
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBudget:
+    """``usable - weights - activations - other = kv_budget``, all per GPU, in bytes.
+
+    ``usable_bytes`` is ``floor(gpu_memory_bytes * gpu_memory_utilization)``
+    computed exactly from the utilization's decimal value.
+    """
+
+    gpu_memory_bytes: int
+    gpu_memory_utilization: float
+    usable_bytes: int
+    weights: MemoryTerm
+    activations: MemoryTerm
+    other: MemoryTerm
+    kv_budget_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupPlan:
+    """One KV cache group as planned.
+
+    ``layer_ids`` index the cache-holding layers (as in
+    :class:`kvpool.specs.KVCacheGroup`); ``decoder_layers`` are the same
+    layers' indices among all decoder layers. ``page_bytes`` is one layer's
+    bytes per block, ``block_bytes`` the group's (``len(layer_ids) *
+    page_bytes``), and ``blocks_per_request`` what one ``max_model_len``-token
+    request holds in this group.
+    """
+
+    index: int
+    kind: LayerKind
+    spec: LayerSpec
+    layer_ids: tuple[int, ...]
+    decoder_layers: tuple[int, ...]
+    block_size: int
+    page_bytes: int
+    block_bytes: int
+    blocks_per_request: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KVPlan:
+    """The result of :func:`plan_kv_cache` (see the module docstring for the formulas).
+
+    ``block_size`` is the tokens per block of the attention groups after any
+    raise for Mamba states (``requested_block_size`` is what was asked).
+    ``pool_tokens`` is ``num_blocks * block_size``; ``kv_cache_tokens`` the
+    engine-style capacity ``floor(num_blocks * max_model_len /
+    blocks_per_request)``. When one ``max_model_len`` request does not fit,
+    ``max_fitting_model_len`` is the longest request that does (otherwise it
+    equals ``max_model_len``).
+    """
+
+    model: str
+    tp_size: int
+    model_dtype: KVDtype
+    kv_dtype: KVDtype
+    requested_block_size: int
+    block_size: int
+    max_model_len: int
+    groups: tuple[GroupPlan, ...]
+    layers_per_block: int
+    pool_block_bytes: int
+    budget: MemoryBudget
+    num_blocks: int
+    pool_tokens: int
+    blocks_per_request: int
+    max_concurrency: float
+    kv_cache_tokens: int
+    fits_max_model_len: bool
+    max_fitting_model_len: int
+    notes: tuple[str, ...]
+
+    @property
+    def capacity_line(self) -> str:
+        """The serving-engine style summary line."""
+        return (
+            f"KV cache size: {self.kv_cache_tokens:,} tokens; maximum concurrency for "
+            f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole plan as JSON-ready data (enums as their values, specs with their kind), plus the capacity line."""
+        data: dict[str, Any] = _jsonable(self)
+        data["capacity_line"] = self.capacity_line
+        return data
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        out = {f.name: _jsonable(getattr(value, f.name)) for f in fields(value)}
+        if hasattr(type(value), "kind") and "kind" not in out:
+            out = {"kind": value.kind.value, **out, "page_bytes": value.page_bytes}
+        return out
+    return value
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{name} must be {bound}, got {value!r}")
+    return value
+
+
+def _utilization(value: object) -> Fraction:
+    """The utilization as an exact fraction of its decimal spelling (0.9 is 9/10), checked to be in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal, Fraction)):
+        raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {value!r}")
+    try:
+        fraction = value if isinstance(value, Fraction) else Fraction(str(value))
+    except (ValueError, ZeroDivisionError):  # nan, inf, or not a number
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {value!r}") from None
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {value}")
+    return fraction
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterEstimate:
+    """Approximate parameter count of the language model, by part.
+
+    Counts weight matrices, embeddings and norms; biases and vision or audio
+    towers are left out. ``experts`` holds the routed and shared experts and
+    the routers of mixture-of-experts layers.
+    """
+
+    embedding: int
+    attention: int
+    recurrent: int
+    dense_mlp: int
+    experts: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.attention + self.recurrent + self.dense_mlp + self.experts
+
+
+def _field(cfg: dict[str, Any], *names: str) -> int:
+    """The first of ``names`` present in the config, as a positive integer."""
+    for name in names:
+        value = cfg.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"config.json field {name!r} must be a positive integer, got {value!r}")
+        return value
+    raise ConfigError(f"config.json field {names[0]!r} is missing (needed for the memory estimates)")
+
+
+def _attention_params(cfg: dict[str, Any], kind: LayerKind) -> int:
+    h, heads = _field(cfg, "hidden_size"), _field(cfg, "num_attention_heads")
+    if kind is LayerKind.MLA:
+        rope, nope = _field(cfg, "qk_rope_head_dim"), _field(cfg, "qk_nope_head_dim")
+        v_dim, rank = _field(cfg, "v_head_dim"), _field(cfg, "kv_lora_rank")
+        q_rank = cfg.get("q_lora_rank")
+        q = h * heads * (nope + rope) if not q_rank else h * q_rank + q_rank * heads * (nope + rope)
+        return q + h * (rank + rope) + rank * heads * (nope + v_dim) + heads * v_dim * h + 2 * h
+    d = head_dim(cfg)
+    return 2 * h * heads * d + 2 * h * num_kv_heads(cfg) * d + 2 * h  # q, o; k, v; two norms
+
+
+def _recurrent_params(cfg: dict[str, Any]) -> int:
+    h = _field(cfg, "hidden_size")
+    d = state_dims(cfg)
+    conv = d.conv_dim * (d.d_conv + 1)  # weights and bias
+    if d.family is StateFamily.GATED_DELTA_NET:  # in_proj (q, k, v, z, two gates), out_proj, A, dt, norm
+        return h * (d.conv_dim + d.d_inner + 2 * d.heads) + conv + d.d_inner * h + 2 * d.heads + d.head_dim
+    if d.family is StateFamily.MAMBA2:  # in_proj (z, x, B, C, dt), out_proj, A, D, dt bias, gated norm
+        return h * (d.d_inner + d.conv_dim + d.heads) + conv + d.d_inner * h + 3 * d.heads + d.d_inner
+    dt_rank = cfg.get("mamba_dt_rank") or cfg.get("time_step_rank")
+    if isinstance(dt_rank, bool) or not isinstance(dt_rank, int):
+        dt_rank = -(-h // 16)  # Mamba-1's "auto"
+    # in_proj (x, z), x_proj (dt, B, C), dt_proj, A, D, out_proj
+    return (
+        2 * h * d.d_inner + conv + d.d_inner * (dt_rank + 2 * d.d_state) + (dt_rank + 1) * d.d_inner
+        + d.d_inner * (d.d_state + 1) + d.d_inner * h
+    )  # fmt: skip
+
+
+def _mlp_params(cfg: dict[str, Any], mlp: MlpKind) -> tuple[int, int]:
+    """(dense, experts) parameters of one layer's feed-forward part."""
+    if mlp is MlpKind.NONE:
+        return 0, 0
+    h = _field(cfg, "hidden_size")
+    matrices = 2 if (cfg.get("mlp_hidden_act") or cfg.get("hidden_act")) == "relu2" else 3
+    if mlp is MlpKind.DENSE:
+        return matrices * h * _field(cfg, "intermediate_size"), 0
+    experts = _field(cfg, "n_routed_experts", "num_local_experts", "num_experts")
+    inner = _field(cfg, "moe_intermediate_size", "intermediate_size")
+    shared = (cfg.get("n_shared_experts") or 0) * inner
+    for name in ("shared_expert_intermediate_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size"):
+        if not shared and cfg.get(name):
+            shared = _field(cfg, name)
+    return 0, experts * matrices * h * inner + matrices * h * shared + h * experts + h
+
+
+def estimate_parameters(config: dict[str, Any]) -> ParameterEstimate:
+    """Estimate the language model's parameter count from its config (see :class:`ParameterEstimate`).
+
+    Attention: q, k, v, o projections (MLA: its low-rank projections). Dense
+    MLP: 3 matrices of ``hidden x intermediate`` (2 for relu2 MLPs). Experts:
+    every routed and shared expert plus the router. Recurrent mixers: input and
+    output projections, convolution and the per-head parameters. Embeddings:
+    ``vocab x hidden``, twice unless ``tie_word_embeddings``.
+    """
+    cfg = text_config_view(config)
+    h, vocab = _field(cfg, "hidden_size"), _field(cfg, "vocab_size")
+    tied = cfg.get("tie_word_embeddings", True) is not False
+    attention = recurrent = dense = experts = 0
+    for layer in decoder_layers(cfg):
+        if layer.kind is LayerKind.MAMBA:
+            recurrent += _recurrent_params(cfg)
+        elif layer.kind is not None:
+            attention += _attention_params(cfg, layer.kind)
+        d, e = _mlp_params(cfg, layer.mlp)
+        dense, experts = dense + d, experts + e
+    return ParameterEstimate(
+        embedding=vocab * h * (1 if tied else 2) + h,
+        attention=attention,
+        recurrent=recurrent,
+        dense_mlp=dense,
+        experts=experts,
+    )
+
+
+def estimate_weight_bytes(config: dict[str, Any], *, tp_size: int = 1) -> MemoryTerm:
+    """Estimated weight bytes on one GPU: parameters x bytes per parameter / tp (see module docstring)."""
+    cfg = text_config_view(config)
+    params = estimate_parameters(cfg)
+    dtype = model_dtype(cfg)
+    quant = cfg.get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
+    matrices = params.attention + params.recurrent + params.dense_mlp + params.experts
+    if method == "fp8":
+        total = params.embedding * dtype.itemsize + matrices
+        how = f"{params.total / 1e9:.2f}B params; fp8 matrices (1 B), embeddings {dtype.value}"
+    elif method == "mxfp4":
+        total = (params.total - params.experts) * dtype.itemsize + params.experts * 17 // 32
+        how = f"{params.total / 1e9:.2f}B params; MXFP4 experts (4.25 bits), the rest {dtype.value}"
+    elif method in ("gptq", "awq") and isinstance(quant.get("bits"), int):
+        total = params.embedding * dtype.itemsize + matrices * quant["bits"] // 8
+        how = f"{params.total / 1e9:.2f}B params; {quant['bits']}-bit {method} matrices"
+    else:
+        total = params.total * dtype.itemsize
+        how = f"{params.total / 1e9:.2f}B params x {dtype.itemsize} B ({dtype.value})"
+        if method:
+            how += f"; quantization {method!r} not modelled"
+    per_gpu = -(-total // tp_size)
+    if tp_size > 1:
+        how += f", / tp {tp_size}"
+    return MemoryTerm(bytes=per_gpu, source=TermSource.ESTIMATED, basis=how)
+
+
+def estimate_activation_bytes(config: dict[str, Any], *, tp_size: int = 1) -> MemoryTerm:
+    """Estimated peak activation bytes on one GPU (formula in the module docstring)."""
+    cfg = text_config_view(config)
+    dtype = model_dtype(cfg)
+    hidden, vocab = _field(cfg, "hidden_size"), _field(cfg, "vocab_size")
+    width = _field(cfg, "intermediate_size") if cfg.get("intermediate_size") is not None else 4 * hidden
+    if cfg.get("moe_intermediate_size") is not None and cfg.get("num_experts_per_tok") is not None:
+        width = max(width, _field(cfg, "moe_intermediate_size") * _field(cfg, "num_experts_per_tok"))
+    per_token = (4 * hidden + 2 * width // tp_size) * dtype.itemsize
+    total = ACTIVATION_BATCH_TOKENS * per_token + ACTIVATION_NUM_SEQS * vocab * 4
+    how = (
+        f"{ACTIVATION_BATCH_TOKENS} tokens x (4 x {hidden} + 2 x {width}"
+        f"{f' / {tp_size}' if tp_size > 1 else ''}) x {dtype.itemsize} B + "
+        f"{ACTIVATION_NUM_SEQS} seqs x {vocab} vocab x 4 B logits"
+    )
+    return MemoryTerm(bytes=total, source=TermSource.ESTIMATED, basis=how)
+
+
+def _given(name: str, value: int | str, basis: str) -> MemoryTerm:
+    return MemoryTerm(bytes=parse_size(value, field=name), source=TermSource.GIVEN, basis=basis)
+
+
+def _blocks_per_request(groups: tuple[KVCacheGroup, ...], num_tokens: int) -> int:
+    return sum(g.spec.blocks_per_request(num_tokens) for g in groups)
+
+
+def _longest_fitting(groups: tuple[KVCacheGroup, ...], num_blocks: int, upper: int) -> int:
+    """The largest length in [1, upper] whose request fits in ``num_blocks`` (the need grows with length)."""
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _blocks_per_request(groups, mid) <= num_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _model_name(config: dict[str, Any]) -> str:
+    arch = config.get("architectures")
+    if isinstance(arch, list) and arch:
+        return str(arch[0])
+    return str(config.get("model_type", "model"))
+
+
+def plan_kv_cache(
+    config: dict[str, Any],
+    *,
+    gpu_memory_bytes: int | str,
+    gpu_memory_utilization: float = 0.9,
+    weights_bytes: int | str | None = None,
+    activation_bytes: int | str | None = None,
+    other_overhead_bytes: int | str | None = None,
+    tp_size: int = 1,
+    kv_dtype: KVDtype | str | None = None,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    name: str | None = None,
+) -> KVPlan:
+    """Plan the KV cache of one GPU (one tensor-parallel rank) for the model described by ``config``.
+
+    ``gpu_memory_bytes`` is one GPU's memory; ``weights_bytes`` the whole
+    model's weights (split evenly over ``tp_size`` GPUs); ``activation_bytes``
+    and ``other_overhead_bytes`` are per GPU. Sizes may be integers (bytes) or
+    strings for :func:`parse_size`. A None term is estimated (see the module
+    docstring). ``kv_dtype`` None or ``"auto"`` means the model dtype;
+    ``max_model_len`` None means the config's ``max_position_embeddings``.
+
+    Raises :class:`ConfigError`, naming the field, for invalid arguments or
+    config fields, and when the terms leave no room for even one request.
+    """
+    total = parse_size(gpu_memory_bytes, field="gpu_memory_bytes")
+    if total <= 0:
+        raise ConfigError(f"gpu_memory_bytes must be positive, got {total}")
+    utilization = _utilization(gpu_memory_utilization)
+    tp_size = _check_int("tp_size", tp_size, minimum=1)
+    block_size = _check_int("block_size", block_size, minimum=1)
+    cfg = text_config_view(config)
+    if max_model_len is None:
+        max_model_len = max_position_embeddings(cfg)
+    max_model_len = _check_int("max_model_len", max_model_len, minimum=1)
+    dtype = model_dtype(cfg)
+    if isinstance(kv_dtype, KVDtype):
+        cache_dtype = kv_dtype
+    else:
+        cache_dtype = KVDtype.parse("auto" if kv_dtype is None else kv_dtype, auto=dtype, field="kv_cache_dtype")
+
+    specs = layer_specs_from_config(cfg, block_size=block_size, kv_dtype=cache_dtype, tp_size=tp_size)
+    groups = group_layers(specs)
+    decoder_index = cache_layer_indices(cfg)
+    page = pool_block_bytes(groups)
+    attention_sizes = [g.block_size for g in groups if g.kind is not LayerKind.MAMBA]
+    effective_block_size = min(attention_sizes) if attention_sizes else block_size
+
+    if weights_bytes is None:
+        weights = estimate_weight_bytes(cfg, tp_size=tp_size)
+    else:
+        whole = parse_size(weights_bytes, field="weights_bytes")
+        weights = MemoryTerm(
+            bytes=-(-whole // tp_size),
+            source=TermSource.GIVEN,
+            basis="given" + (f", {whole:,} B / tp {tp_size}" if tp_size > 1 else ""),
+        )
+    if activation_bytes is None:
+        activations = estimate_activation_bytes(cfg, tp_size=tp_size)
+    else:
+        activations = _given("activation_bytes", activation_bytes, "given")
+    if other_overhead_bytes is None:
+        other = MemoryTerm(bytes=OTHER_OVERHEAD_BYTES, source=TermSource.ESTIMATED, basis="1 GiB allowance")
+    else:
+        other = _given("other_overhead_bytes", other_overhead_bytes, "given")
+
+    usable = int(total * utilization)
+    kv_budget = usable - weights.bytes - activations.bytes - other.bytes
+    if kv_budget <= 0:
+        terms = {"weights": weights, "activations": activations, "other overhead": other}
+        largest = max(terms, key=lambda k: terms[k].bytes)
+        kind = "estimated" if terms[largest].estimated else "given"
+        raise ConfigError(
+            f"no memory left for the KV cache: {largest} ({kind}, {terms[largest].bytes:,} B per GPU) "
+            f"leave nothing of the usable {usable:,} B (gpu_memory_bytes x gpu_memory_utilization): "
+            f"{usable:,} - weights {weights.bytes:,} - activations {activations.bytes:,} "
+            f"- other {other.bytes:,} = {kv_budget:,} B"
+        )
+    num_blocks = kv_budget // page
+    if num_blocks == 0:
+        raise ConfigError(f"KV cache budget of {kv_budget:,} B is smaller than one pool block ({page:,} B)")
+    needed = _blocks_per_request(groups, max_model_len)
+    fits = needed <= num_blocks
+    if fits:
+        longest = max_model_len
+    elif _blocks_per_request(groups, 1) > num_blocks:
+        raise ConfigError(
+            f"the KV cache holds {num_blocks:,} blocks but even a 1-token request needs "
+            f"{_blocks_per_request(groups, 1):,} (one per group)"
+        )
+    else:
+        longest = _longest_fitting(groups, num_blocks, max_model_len)
+
+    group_plans = tuple(
+        GroupPlan(
+            index=i,
+            kind=g.kind,
+            spec=g.spec,
+            layer_ids=g.layer_ids,
+            decoder_layers=tuple(decoder_index[j] for j in g.layer_ids),
+            block_size=g.block_size,
+            page_bytes=g.page_bytes,
+            block_bytes=g.block_bytes,
+            blocks_per_request=g.spec.blocks_per_request(max_model_len),
+        )
+        for i, g in enumerate(groups)
+    )
+    budget = MemoryBudget(
+        gpu_memory_bytes=total,
+        gpu_memory_utilization=float(utilization),
+        usable_bytes=usable,
+        weights=weights,
+        activations=activations,
+        other=other,
+        kv_budget_bytes=kv_budget,
+    )
+    notes = _notes(cfg, groups, specs, block_size, effective_block_size, tp_size, max_model_len, longest, fits)
+    return KVPlan(
+        model=name or _model_name(config),
+        tp_size=tp_size,
+        model_dtype=dtype,
+        kv_dtype=cache_dtype,
+        requested_block_size=block_size,
+        block_size=effective_block_size,
+        max_model_len=max_model_len,
+        groups=group_plans,
+        layers_per_block=layers_per_pool_block(groups),
+        pool_block_bytes=page,
+        budget=budget,
+        num_blocks=num_blocks,
+        pool_tokens=num_blocks * effective_block_size,
+        blocks_per_request=needed,
+        max_concurrency=num_blocks / needed,
+        kv_cache_tokens=num_blocks * max_model_len // needed,
+        fits_max_model_len=fits,
+        max_fitting_model_len=longest,
+        notes=notes,
+    )
+
+
+def _notes(
+    cfg: dict[str, Any],
+    groups: tuple[KVCacheGroup, ...],
+    specs: list[LayerSpec],
+    requested: int,
+    effective: int,
+    tp_size: int,
+    max_model_len: int,
+    longest: int,
+    fits: bool,
+) -> tuple[str, ...]:
+    notes: list[str] = []
+    if checkpoint_dtype(cfg) is KVDtype.FP32:
+        notes.append("the checkpoint is float32; it is served (and estimated) in bf16")
+    states = [s for s in specs if isinstance(s, MambaSpec)]
+    if states:
+        size = state_size(cfg, tp_size=tp_size)
+        state = max(s.state_bytes for s in states)
+        page = groups[0].page_bytes
+        notes.append(
+            f"each {size.family.value} layer keeps a {state:,} B state per request "
+            f"({size.conv_elements:,} conv x {size.conv_dtype.itemsize} B + "
+            f"{size.ssm_elements:,} SSM x {size.ssm_dtype.itemsize} B)"
+            + ("" if size.sharded or tp_size == 1 else ", replicated on every tp rank")
+        )
+        if effective != requested:
+            notes.append(
+                f"attention block size raised from {requested} to {effective} tokens so that one "
+                f"page ({page:,} B) holds the state; states are padded by {page - state:,} B"
+            )
+    elif effective != requested:
+        notes.append(f"attention block size raised from {requested} to {effective} tokens to equalize pages")
+    kinds = layer_kinds(cfg)
+    no_cache = sum(1 for k in kinds if k is None)
+    if no_cache:
+        notes.append(f"{no_cache} of {len(kinds)} decoder layers keep no cache (MLP-only layers)")
+    width = layers_per_pool_block(groups)
+    padded = [g for g in groups if g.num_layers < width]
+    if padded:
+        notes.append(
+            f"{len(padded)} group(s) have fewer than {width} layers; their unused page slots are padding"
+        )
+    heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    per_head_kinds = (LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL)
+    if isinstance(heads, int) and tp_size > heads and any(g.kind in per_head_kinds for g in groups):
+        notes.append(f"tp {tp_size} exceeds the {heads} KV heads: each rank holds one replicated head")
+    if any(g.kind is LayerKind.MLA for g in groups) and tp_size > 1:
+        notes.append("the MLA latent is replicated on every tp rank")
+    if not fits:
+        notes.append(
+            f"one {max_model_len:,}-token request does not fit; the longest that does is {longest:,} tokens"
+        )
+    return tuple(notes)

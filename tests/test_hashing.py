@@ -1,0 +1,108 @@
+"""Chained block hashes: reproducible, incremental, keyed by salt, LoRA and media."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvpool import BlockHasher, ConfigError, HashAlgo, KVCacheManager, MultiModalInput, Request
+
+TOKENS = list(range(1000, 1040))  # 10 blocks of 4
+
+
+def test_hashes_are_reproducible_and_depend_on_the_seed():
+    one = BlockHasher(4).hash_token_ids(TOKENS)
+    two = BlockHasher(4).hash_token_ids(TOKENS)
+    other = BlockHasher(4, seed=b"another deployment").hash_token_ids(TOKENS)
+    assert one == two
+    assert len(one) == 10 and len(set(one)) == 10
+    assert all(len(h) == 32 for h in one)
+    assert not set(one) & set(other)
+
+
+def test_the_chain_matches_its_documented_definition():
+    hasher = BlockHasher(4)
+    hashes = hasher.hash_token_ids(TOKENS[:8])
+    root = hashlib.sha256(b"root:" + hasher.seed).digest()
+    block0 = b"".join(t.to_bytes(4, "little") for t in TOKENS[:4])
+    block1 = b"".join(t.to_bytes(4, "little") for t in TOKENS[4:8])
+    h0 = hashlib.sha256(root + block0).digest()
+    assert hashes == [h0, hashlib.sha256(h0 + block1).digest()]
+
+
+def test_only_full_blocks_are_hashed():
+    assert len(BlockHasher(4).hash_token_ids(TOKENS[:11])) == 2
+    assert BlockHasher(16).hash_token_ids(TOKENS[:15]) == []
+
+
+def test_a_block_hash_identifies_the_whole_prefix():
+    hasher = BlockHasher(4)
+    base = hasher.hash_token_ids(TOKENS)
+    changed = TOKENS.copy()
+    changed[0] += 1  # first block differs, so every later hash differs too
+    assert not set(base) & set(hasher.hash_token_ids(changed))
+    tail = TOKENS.copy()
+    tail[-1] += 1
+    assert hasher.hash_token_ids(tail)[:-1] == base[:-1]
+
+
+def test_incremental_hashing_equals_hashing_at_once():
+    mgr = KVCacheManager(64, 4)
+    req = Request("r", TOKENS[:6])
+    mgr.hash_request(req)
+    assert len(req.block_hashes) == 1
+    for token in TOKENS[6:]:
+        req.append_output_token_ids(token)
+    assert req.block_hashes == BlockHasher(4).hash_token_ids(TOKENS)
+
+
+def test_salt_enters_block_zero_and_the_chain_carries_it():
+    hasher = BlockHasher(4)
+    plain = hasher.hash_token_ids(TOKENS)
+    salted = hasher.hash_token_ids(TOKENS, cache_salt="tenant-a")
+    other = hasher.hash_token_ids(TOKENS, cache_salt="tenant-b")
+    assert all(p != s for p, s in zip(plain, salted))
+    assert all(s != o for s, o in zip(salted, other))
+
+
+def test_lora_name_enters_every_block():
+    hasher = BlockHasher(4)
+    plain = hasher.hash_token_ids(TOKENS)
+    lora = hasher.hash_token_ids(TOKENS, lora_name="sql-adapter")
+    assert all(p != q for p, q in zip(plain, lora))
+
+
+def test_multimodal_items_change_only_the_blocks_they_overlap_and_later():
+    hasher = BlockHasher(4)
+    image_a = MultiModalInput(identifier="img-a", offset=9, length=6)  # blocks 2 and 3
+    image_b = MultiModalInput(identifier="img-b", offset=9, length=6)
+    plain = hasher.hash_token_ids(TOKENS)
+    with_a = hasher.hash_token_ids(TOKENS, mm_inputs=[image_a])
+    with_b = hasher.hash_token_ids(TOKENS, mm_inputs=[image_b])
+    assert with_a[:2] == plain[:2]
+    assert with_a[2] != plain[2] and with_a[2] != with_b[2]
+    shifted = hasher.hash_token_ids(TOKENS, mm_inputs=[MultiModalInput(identifier="img-a", offset=10, length=5)])
+    assert shifted[2] != with_a[2]  # the offset within the block is part of the key
+
+
+def test_xxh3_algorithm_is_available_and_different():
+    pytest.importorskip("xxhash")
+    fast = BlockHasher(4, "xxh3_128").hash_token_ids(TOKENS)
+    assert len(fast) == 10 and all(len(h) == 16 for h in fast)
+    assert fast == BlockHasher(4, HashAlgo.XXH3_128).hash_token_ids(TOKENS)
+    assert HashAlgo.SHA256.is_cryptographic and not HashAlgo.XXH3_128.is_cryptographic
+
+
+@pytest.mark.parametrize("algo", ["md5", "", "sha-1"])
+def test_unknown_algorithm_is_rejected_by_name(algo):
+    with pytest.raises(ConfigError, match="unknown hash algorithm"):
+        KVCacheManager(8, 4, hash_algo=algo)
+
+
+def test_a_request_cannot_move_to_a_manager_with_other_hashing():
+    first, second = KVCacheManager(8, 4), KVCacheManager(8, 8)
+    req = Request("r", TOKENS)
+    first.hash_request(req)
+    with pytest.raises(ValueError, match="block_size=4"):
+        second.hash_request(req)
