@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import admit, snapshot
+from tests.helpers import admit, snapshot
 
 from kvpool import AllBlocksCleared, KVCacheManager, Request
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import admit
+from tests.helpers import admit
 
 from kvpool import BlockRemoved, BlockStored, KVCacheManager, Request
 

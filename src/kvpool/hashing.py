@@ -176,6 +176,7 @@ class BlockHasher:
         start = len(hashes)
         tokens = request._token_ids
         stop = len(tokens) // bs
+        request._next_full = (stop + 1) * bs
         if stop <= start:
             return
         data = tokens[start * bs : stop * bs]

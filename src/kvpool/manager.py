@@ -123,6 +123,7 @@ class KVCacheManager:
                 "block, which sliding-window, chunked-local and state-space groups do not do; use 'sha256'"
             )
         self.coordinator = Coordinator(self.groups)
+        self._single_group = self.groups[0] if len(self.groups) == 1 else None
         self._owners: dict[str, Request] = {}
         self._stats = StatsCounter()
         self._empty_hit = HitBlocks(tuple([] for _ in self.groups), 0, "", 0)
@@ -201,6 +202,28 @@ class KVCacheManager:
         """
         rid = request.request_id
         owner = self._owners.get(rid)
+        single = self._single_group
+        if (
+            owner is request
+            and single is not None
+            and type(num_new_tokens) is int
+            and num_new_tokens > 0
+            and num_new_computed_tokens == 0
+            and num_lookahead_tokens == 0
+            and new_computed_blocks is None
+        ):
+            # The common step of a running request (a decode or a prefill chunk)
+            # in a single-group model: the same decisions as the general path
+            # below, without its per-group fan-out.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(request._token_ids):
+                need = total if self.max_model_len is None or total < self.max_model_len else self.max_model_len
+                new = single.grow(rid, request.num_computed_tokens, need)
+                if new is None:
+                    return self._refuse(request, need)
+                if single.enable_caching:
+                    single.cache_blocks(request, total)
+                return (new,)
         computed = request.num_computed_tokens
         if (
             type(num_new_tokens) is not int

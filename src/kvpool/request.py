@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["Request"]
 
 _TOKEN_LIMIT = 2**32
+_NEVER = 2**62
 
 
 def _to_token_array(token_ids: Iterable[int], what: str) -> array:
@@ -88,6 +89,7 @@ class Request:
         "block_hashes",
         "num_preemptions",
         "_hasher",
+        "_next_full",
         "_block_contents",
         "_has_extra_keys",
         "_lora_key",
@@ -130,6 +132,8 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.num_preemptions = 0
         self._hasher: BlockHasher | None = None
+        # Token count at which the next block becomes full (hashing is due then).
+        self._next_full = _NEVER
         self._block_contents: list[bytes] | None = None
         self._has_extra_keys = bool(cache_salt is not None or lora_name is not None or items)
         self._lora_key = lora_key(lora_name)
@@ -162,14 +166,15 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens; hashes of blocks that became full follow at once."""
+        tokens = self._token_ids
         if type(token_ids) is int:
             if not 0 <= token_ids < _TOKEN_LIMIT:
                 raise InvalidTokenError(f"output token ID {token_ids} is out of range: token IDs must be in [0, 2**32)")
-            self._token_ids.append(token_ids)
+            tokens.append(token_ids)
         else:
-            self._token_ids.extend(_to_token_array(token_ids, "output token_ids"))
-        if self._hasher is not None:
-            self._hasher.extend(self)
+            tokens.extend(_to_token_array(token_ids, "output token_ids"))
+        if len(tokens) >= self._next_full:
+            self._hasher.extend(self)  # type: ignore[union-attr]
 
     # -- cache keys ---------------------------------------------------------------
 

@@ -124,6 +124,25 @@ class GroupManager:
         table.extend(blocks)
         return blocks
 
+    def grow(self, request_id: str, num_computed_tokens: int, num_tokens: int) -> list[int] | None:
+        """One step of a running request in a single-group model, in one call.
+
+        Gives back skipped blocks, then grows the table to ``num_tokens`` tokens.
+        Returns the new block IDs, or None (and takes nothing) when the free
+        queue is short. Same decisions as ``num_blocks_to_allocate`` followed by
+        ``allocate_new_blocks``.
+        """
+        table = self.tables[request_id]
+        missing = -(-num_tokens // self.block_size) - len(table)
+        if missing <= 0:
+            return []
+        pool = self.pool
+        if missing > pool.free_queue.num_free_blocks:
+            return None
+        blocks = pool.get_new_blocks(missing)
+        table.extend(blocks)
+        return [b.block_id for b in blocks]
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Offer the blocks that the first ``num_tokens`` tokens fill to the index."""
         rid = request.request_id

@@ -1,0 +1,56 @@
+"""kvpool's reference inference engine (needs the ``engine`` extra: torch, transformers).
+
+Importing this package is cheap: torch and transformers load only when one of
+the torch-backed names below is first used.
+
+* :class:`SequenceChunk` (:mod:`.batch`): what a step computes for one request.
+* :mod:`.kv_cache`: :class:`KVCacheSpec`, :func:`allocate_kv_caches`,
+  :func:`num_blocks_for_budget`.
+* :mod:`.paged_attention`: writing K/V at slots and attention through block tables.
+* :class:`ModelRunner` (:mod:`.model_runner`): one forward pass per batch of chunks.
+* :mod:`.model_store`: :func:`resolve_model`, :func:`load_model`.
+* :mod:`.sampling`: :class:`SamplingParams`, :func:`make_generator`, :func:`sample_tokens`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvpool.engine.batch import SequenceChunk
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "KVCacheSpec",
+    "KVCaches",
+    "ModelRunner",
+    "SamplingParams",
+    "SequenceChunk",
+    "allocate_kv_caches",
+    "load_model",
+    "make_generator",
+    "num_blocks_for_budget",
+    "resolve_model",
+    "sample_tokens",
+]
+
+_LAZY = {
+    "KVCacheSpec": "kv_cache",
+    "KVCaches": "kv_cache",
+    "allocate_kv_caches": "kv_cache",
+    "num_blocks_for_budget": "kv_cache",
+    "ModelRunner": "model_runner",
+    "DEFAULT_MODEL": "model_store",
+    "resolve_model": "model_store",
+    "load_model": "model_store",
+    "SamplingParams": "sampling",
+    "make_generator": "sampling",
+    "sample_tokens": "sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,188 @@
+"""The KV cache memory: allocated once, as fixed-size blocks, and never again.
+
+Every attention layer owns one key tensor and one value tensor, both of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Block ``b`` of every layer
+together forms one logical KV block: a block ID handed out by the manager
+addresses the same row in each layer's tensors. Block ``0`` is the reserved
+null block, a placeholder that attention never reads. The buffer starts
+zero-filled so that even a stale block holds finite numbers.
+
+All layers' tensors are views into a single buffer, so the whole cache is one
+allocation whose size is known up front; nothing else in kvpool allocates KV
+memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpool.errors import ConfigError
+
+__all__ = [
+    "KVCacheSpec",
+    "KVCaches",
+    "allocate_kv_caches",
+    "num_blocks_for_budget",
+]
+
+#: Block 0 is never handed to a request; at least one usable block must follow it.
+MIN_NUM_BLOCKS = 2
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape and dtype of the KV cache of one model.
+
+    Attributes:
+        num_layers: Attention layers, each with its own K and V tensors.
+        num_kv_heads: Key/value heads per layer (fewer than query heads under GQA).
+        head_dim: Size of one head.
+        block_size: Tokens per block.
+        dtype: Element type of the cache; it must match the model's activations.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        _positive_int("num_layers", self.num_layers)
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        _positive_int("head_dim", self.head_dim)
+        _positive_int("block_size", self.block_size)
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ConfigError(f"KV cache dtype must be a floating torch.dtype, got {self.dtype!r}")
+
+    @classmethod
+    def from_model_config(
+        cls, config: Any, *, block_size: int = 16, dtype: torch.dtype = torch.float32
+    ) -> KVCacheSpec:
+        """Read layer count and head geometry from a Hugging Face model config."""
+        try:
+            num_layers = config.num_hidden_layers
+            num_heads = config.num_attention_heads
+            hidden_size = config.hidden_size
+        except AttributeError as exc:
+            raise ConfigError(f"model config lacks attention geometry: {exc}") from None
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or hidden_size // num_heads
+        return cls(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+        )
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per cache element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block in one layer, K and V together."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block ID costs across all layers, K and V together."""
+        return self.num_layers * self.layer_block_bytes
+
+
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
+    """Number of blocks (the null block included) that fit in ``budget_bytes``.
+
+    Raises:
+        ConfigError: the budget is not a positive int, or it holds fewer than
+            two blocks (the null block plus one usable block).
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ConfigError(f"KV cache budget must be an int number of bytes >= 1, got {budget_bytes!r}")
+    num_blocks = budget_bytes // spec.block_bytes
+    if num_blocks < MIN_NUM_BLOCKS:
+        raise ConfigError(
+            f"KV cache budget of {budget_bytes} bytes holds {num_blocks} block(s) of "
+            f"{spec.block_bytes} bytes; at least {MIN_NUM_BLOCKS} are needed"
+        )
+    return num_blocks
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KVCaches:
+    """The preallocated K and V tensors of every layer.
+
+    Attributes:
+        spec: Geometry and dtype.
+        num_blocks: Blocks per layer, the null block (ID 0) included.
+        key_caches: ``key_caches[i]`` has shape
+            ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        value_caches: Same shape as ``key_caches``.
+    """
+
+    spec: KVCacheSpec
+    num_blocks: int
+    key_caches: tuple[torch.Tensor, ...]
+    value_caches: tuple[torch.Tensor, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.key_caches[0].device
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes held by the cache."""
+        return self.num_blocks * self.spec.block_bytes
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(key_cache, value_cache)`` pair of layer ``index``."""
+        return self.key_caches[index], self.value_caches[index]
+
+
+def allocate_kv_caches(
+    spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"
+) -> KVCaches:
+    """Allocate the whole KV cache in one buffer and return per-layer views.
+
+    Args:
+        spec: Geometry and dtype.
+        num_blocks: Blocks per layer including the null block; see
+            :func:`num_blocks_for_budget`.
+        device: Where the memory lives.
+
+    Returns:
+        A :class:`KVCaches` whose tensors are zero-filled views of one buffer of
+        shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < MIN_NUM_BLOCKS:
+        raise ConfigError(f"num_blocks must be an int >= {MIN_NUM_BLOCKS}, got {num_blocks!r}")
+    buffer = torch.zeros(
+        (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+        dtype=spec.dtype,
+        device=device,
+    )
+    return KVCaches(
+        spec=spec,
+        num_blocks=num_blocks,
+        key_caches=tuple(buffer[i, 0] for i in range(spec.num_layers)),
+        value_caches=tuple(buffer[i, 1] for i in range(spec.num_layers)),
+    )

@@ -1,0 +1,428 @@
+"""Run a Hugging Face causal LM over paged KV caches.
+
+The runner reuses the model's own modules and weights (embedding, norms,
+projections, rotary embedding, MLP, head) and replaces only attention: each
+layer writes its new keys/values into the preallocated cache at the slots the
+block tables name, then attends through the block tables (see
+:mod:`kvpool.engine.paged_attention`). All chunks of a step are flattened into
+one token dimension, ``[T, hidden]``, with no padding, so one forward pass
+serves prefill chunks and decode tokens of many sequences at once.
+
+Supported architectures: Llama, Mistral (sliding window on every layer), Qwen2
+(sliding window on the layers ``layer_types`` marks), Qwen3 (q/k norms), and
+Gemma 2 / Gemma 3 text models (sandwich norms, attention logit soft-capping,
+per-layer-type rotary embeddings, final logit soft-capping).
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvpool.engine.batch import SequenceChunk
+from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
+from kvpool.engine.paged_attention import (
+    AttentionBackend,
+    AttentionBackendKind,
+    AttentionMetadata,
+    select_attention_backend,
+)
+from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
+
+__all__ = ["LayerInfo", "ModelFamily", "ModelRunner", "layer_sliding_windows"]
+
+
+class ModelFamily(enum.Enum):
+    """Decoder layouts the runner knows how to drive."""
+
+    #: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``: Llama, Mistral, Qwen2, Qwen3.
+    LLAMA = "llama"
+    #: Norms also after attention and MLP ("sandwich"): Gemma 2, Gemma 3.
+    GEMMA = "gemma"
+
+
+_MODEL_TYPES: dict[str, ModelFamily] = {
+    "llama": ModelFamily.LLAMA,
+    "mistral": ModelFamily.LLAMA,
+    "qwen2": ModelFamily.LLAMA,
+    "qwen3": ModelFamily.LLAMA,
+    "gemma2": ModelFamily.GEMMA,
+    "gemma3_text": ModelFamily.GEMMA,
+}
+
+_FULL = "full_attention"
+_SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerInfo:
+    """What the runner needs to know about one attention layer.
+
+    Attributes:
+        index: Layer number.
+        group: KV cache group whose block table the layer uses.
+        layer_type: ``"full_attention"`` or ``"sliding_attention"``.
+        sliding_window: ``W`` (a query sees the ``W`` most recent positions,
+            itself included), or None for full attention.
+        scale: Multiplier of ``q . k``, the model's own.
+        logit_softcap: Attention score soft-cap, or None.
+    """
+
+    index: int
+    group: int
+    layer_type: str
+    sliding_window: int | None
+    scale: float
+    logit_softcap: float | None
+
+
+def _layer_types(config: Any, model_type: str) -> list[str]:
+    """Per-layer attention type, following what each model class actually does."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if model_type == "llama":
+        return [_FULL] * num_layers
+    if model_type == "mistral":
+        # MistralModel applies its window (if any) to every layer and ignores layer_types.
+        return [_FULL if window is None else _SLIDING] * num_layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [_FULL] * num_layers
+    types = list(types)
+    if len(types) != num_layers:
+        raise ConfigError(f"config.layer_types has {len(types)} entries for {num_layers} layers")
+    for index, layer_type in enumerate(types):
+        if layer_type not in (_FULL, _SLIDING):
+            raise ConfigError(
+                f"layer {index} has attention type {layer_type!r}, which kvpool does not support"
+            )
+        if layer_type == _SLIDING and window is None:
+            raise ConfigError(f"layer {index} is a sliding-window layer but config.sliding_window is None")
+    return types
+
+
+def _supported_model_type(config: Any) -> str:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _MODEL_TYPES:
+        known = ", ".join(sorted(_MODEL_TYPES))
+        raise ConfigError(f"model type {model_type!r} is not supported; supported: {known}")
+    return model_type
+
+
+def layer_sliding_windows(config: Any) -> tuple[int | None, ...]:
+    """Per layer, the sliding window ``W`` its attention uses, or None for full attention.
+
+    This is what a block manager needs to form KV cache groups (full-attention
+    layers in one group, each window size in another) before the runner exists.
+
+    Raises:
+        ConfigError: the architecture is not supported.
+    """
+    model_type = _supported_model_type(config)
+    return tuple(
+        config.sliding_window if layer_type == _SLIDING else None
+        for layer_type in _layer_types(config, model_type)
+    )
+
+
+def _rotary_fn(attention: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The ``apply_rotary_pos_emb`` of the module that defines the attention class."""
+    module = inspect.getmodule(type(attention))
+    fn = getattr(module, "apply_rotary_pos_emb", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as fn
+    return fn
+
+
+class ModelRunner:
+    """Executes batches of :class:`SequenceChunk` on a causal LM with paged KV caches.
+
+    Args:
+        model: A ``*ForCausalLM`` of a supported architecture (see module doc),
+            in eval mode, on the caches' device.
+        kv_caches: From :func:`kvpool.engine.kv_cache.allocate_kv_caches`; its
+            geometry must match the model.
+        layer_to_group: KV cache group of each layer; default: one group.
+            Groups are numbered ``0..num_groups-1`` and every group has a layer.
+        attention_backend: Which paged-attention implementation to use; default:
+            the best one for the caches' device. Chosen once, here.
+
+    Attributes:
+        num_computed_tokens: Tokens fed through the model so far (summed over
+            all :meth:`execute` calls). Cached prefix tokens are never counted.
+        num_steps: Number of :meth:`execute` calls that ran a forward pass.
+
+    Raises:
+        ConfigError: unsupported architecture, or caches / groups that do not
+            fit the model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: KVCaches,
+        *,
+        layer_to_group: Sequence[int] | None = None,
+        attention_backend: AttentionBackendKind | str | None = None,
+    ) -> None:
+        config = model.config
+        model_type = _supported_model_type(config)
+        family = _MODEL_TYPES[model_type]
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ConfigError("models with use_bidirectional_attention are not causal LMs; not supported")
+        decoder = getattr(model, "model", None)
+        if decoder is None or not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
+            raise ConfigError(f"{type(model).__name__} does not have the expected .model.layers / .lm_head")
+
+        layers = list(decoder.layers)
+        num_layers = len(layers)
+        expected = KVCacheSpec.from_model_config(
+            config, block_size=kv_caches.block_size, dtype=kv_caches.spec.dtype
+        )
+        if expected != kv_caches.spec:
+            raise ConfigError(f"KV caches {kv_caches.spec} do not match the model, which needs {expected}")
+
+        groups = [0] * num_layers if layer_to_group is None else list(layer_to_group)
+        if len(groups) != num_layers:
+            raise ConfigError(f"layer_to_group has {len(groups)} entries for {num_layers} layers")
+        valid_ids = all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in groups)
+        num_groups = max(groups) + 1 if valid_ids else 0
+        if not valid_ids or set(groups) != set(range(num_groups)):
+            raise ConfigError(f"layer_to_group must name groups 0..n-1, each at least once; got {groups}")
+
+        param = next(model.parameters())
+        if param.device != kv_caches.device:
+            raise ConfigError(f"model is on {param.device} but the KV caches are on {kv_caches.device}")
+
+        types = _layer_types(config, model_type)
+        infos = []
+        for index, layer in enumerate(layers):
+            attn = layer.self_attn
+            softcap = getattr(attn, "attn_logit_softcapping", None)
+            infos.append(
+                LayerInfo(
+                    index=index,
+                    group=groups[index],
+                    layer_type=types[index],
+                    sliding_window=config.sliding_window if types[index] == _SLIDING else None,
+                    scale=float(attn.scaling),
+                    logit_softcap=None if softcap is None else float(softcap),
+                )
+            )
+
+        self.model = model
+        self.kv_caches = kv_caches
+        self.family = family
+        self.layers: tuple[LayerInfo, ...] = tuple(infos)
+        self.num_groups = num_groups
+        self.backend: AttentionBackend = select_attention_backend(kv_caches.device, attention_backend)
+        self.num_computed_tokens = 0
+        self.num_steps = 0
+        self._decoder = decoder
+        self._modules = layers
+        self._device = param.device
+        self._vocab_size = int(config.vocab_size)
+        self._head_dim = kv_caches.spec.head_dim
+        self._rotary = [_rotary_fn(layer.self_attn) for layer in layers]
+        # Gemma 3 keeps one rotary table per layer type (local layers use another base).
+        self._rotary_per_type = model_type == "gemma3_text"
+        self._final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    @classmethod
+    def create(
+        cls,
+        model: nn.Module,
+        *,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        block_size: int = 16,
+        layer_to_group: Sequence[int] | None = None,
+        attention_backend: AttentionBackendKind | str | None = None,
+    ) -> ModelRunner:
+        """Allocate KV caches sized for ``model`` and build a runner over them.
+
+        Exactly one of ``num_blocks`` (null block included) and ``kv_cache_bytes``
+        (a memory budget, see :func:`~kvpool.engine.kv_cache.num_blocks_for_budget`)
+        must be given. The caches take the model's dtype and device.
+        """
+        if (num_blocks is None) == (kv_cache_bytes is None):
+            raise ConfigError(
+                f"give exactly one of num_blocks ({num_blocks!r}) and kv_cache_bytes ({kv_cache_bytes!r})"
+            )
+        param = next(model.parameters())
+        spec = KVCacheSpec.from_model_config(model.config, block_size=block_size, dtype=param.dtype)
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(spec, kv_cache_bytes)
+        caches = allocate_kv_caches(spec, num_blocks, device=param.device)
+        return cls(model, caches, layer_to_group=layer_to_group, attention_backend=attention_backend)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_caches.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def _validate(self, chunks: Sequence[SequenceChunk]) -> None:
+        if not chunks:
+            raise KVPoolError("execute() needs at least one SequenceChunk")
+        seen: set[str] = set()
+        for chunk in chunks:
+            if not isinstance(chunk, SequenceChunk):
+                raise KVPoolError(f"expected SequenceChunk, got {type(chunk).__name__}")
+            if chunk.request_id in seen:
+                raise RequestStateError(f"request {chunk.request_id!r} appears twice in one batch")
+            seen.add(chunk.request_id)
+            if len(chunk.block_tables) != self.num_groups:
+                raise RequestStateError(
+                    f"request {chunk.request_id!r} has {len(chunk.block_tables)} block table(s); "
+                    f"the model has {self.num_groups} KV cache group(s)"
+                )
+            for token in chunk.token_ids:
+                if token >= self._vocab_size:
+                    raise InvalidTokenError(
+                        f"request {chunk.request_id!r}: token ID {token} is outside the "
+                        f"vocabulary of {self._vocab_size}"
+                    )
+
+    def _build_metadata(
+        self, chunks: Sequence[SequenceChunk]
+    ) -> dict[tuple[int, int | None], AttentionMetadata]:
+        """One set of indices per (group, window) that some layer uses."""
+        starts = [c.start_position for c in chunks]
+        qlens = [c.num_tokens for c in chunks]
+        labels = [c.request_id for c in chunks]
+        metadata: dict[tuple[int, int | None], AttentionMetadata] = {}
+        for info in self.layers:
+            key = (info.group, info.sliding_window)
+            if key not in metadata:
+                metadata[key] = self.backend.build_metadata(
+                    starts,
+                    qlens,
+                    [c.block_tables[info.group] for c in chunks],
+                    block_size=self.block_size,
+                    num_blocks=self.num_blocks,
+                    sliding_window=info.sliding_window,
+                    device=self._device,
+                    labels=labels,
+                )
+        return metadata
+
+    def _attention(
+        self,
+        info: LayerInfo,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``: projections, rotary, paged attention, output."""
+        attn = self._modules[info.index].self_attn
+        num_tokens = hidden.shape[0]
+        query = attn.q_proj(hidden).view(num_tokens, -1, self._head_dim)  # [T, H, D]
+        key = attn.k_proj(hidden).view(num_tokens, -1, self._head_dim)  # [T, Hkv, D]
+        value = attn.v_proj(hidden).view(num_tokens, -1, self._head_dim)
+        if hasattr(attn, "q_norm"):
+            query = attn.q_norm(query)
+            key = attn.k_norm(key)
+        # cos/sin are [T, D]; unsqueeze at dim 1 broadcasts them over heads.
+        query, key = self._rotary[info.index](query, key, cos, sin, unsqueeze_dim=1)
+        key_cache, value_cache = self.kv_caches.layer(info.index)
+        self.backend.write_kv(key_cache, value_cache, key, value, metadata)
+        out = self.backend.attend(
+            query, key_cache, value_cache, metadata, scale=info.scale, logit_softcap=info.logit_softcap
+        )
+        return attn.o_proj(out.reshape(num_tokens, -1))
+
+    def _rotary_tables(
+        self, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin of shape ``[T, D]`` per layer type, from the model's rotary module."""
+        rotary = self._decoder.rotary_emb
+        position_ids = positions[None, :]
+        x = hidden[None]
+        if self._rotary_per_type:
+            tables = {}
+            for layer_type in {info.layer_type for info in self.layers}:
+                cos, sin = rotary(x, position_ids, layer_type)
+                tables[layer_type] = (cos[0], sin[0])
+            return tables
+        cos, sin = rotary(x, position_ids=position_ids)
+        shared = (cos[0], sin[0])
+        return {layer_type: shared for layer_type in (_FULL, _SLIDING)}
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        """Compute one step for a batch and store its K/V in the caches.
+
+        Args:
+            chunks: The batch, at most one chunk per request. Each chunk's block
+                tables must cover positions ``0 .. end_position - 1``.
+
+        Returns:
+            ``[num_sampled, vocab_size]`` float32 logits of the last token of each
+            chunk with ``sample=True``, in chunk order (``[0, vocab_size]`` if none).
+
+        Raises:
+            KVPoolError: an empty batch, a duplicate request, a token outside the
+                vocabulary, or a block table that does not cover its positions.
+                Validation happens before anything is written to the caches.
+        """
+        chunks = tuple(chunks)
+        self._validate(chunks)
+        metadata = self._build_metadata(chunks)
+
+        token_ids = torch.tensor(
+            [t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self._device
+        )
+        positions = torch.tensor(
+            [p for c in chunks for p in range(c.start_position, c.end_position)],
+            dtype=torch.int64,
+            device=self._device,
+        )
+        num_tokens = token_ids.shape[0]
+
+        hidden = self._decoder.embed_tokens(token_ids)  # [T, hidden]
+        rotary = self._rotary_tables(hidden, positions)
+        for info in self.layers:
+            layer = self._modules[info.index]
+            cos, sin = rotary[info.layer_type]
+            meta = metadata[(info.group, info.sliding_window)]
+            residual = hidden
+            attn_out = self._attention(info, layer.input_layernorm(hidden), cos, sin, meta)
+            if self.family is ModelFamily.GEMMA:
+                hidden = residual + layer.post_attention_layernorm(attn_out)
+                mlp_out = layer.mlp(layer.pre_feedforward_layernorm(hidden))
+                hidden = hidden + layer.post_feedforward_layernorm(mlp_out)
+            else:
+                hidden = residual + attn_out
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = self._decoder.norm(hidden)
+
+        self.num_computed_tokens += num_tokens
+        self.num_steps += 1
+
+        last_rows: list[int] = []
+        offset = 0
+        for chunk in chunks:
+            offset += chunk.num_tokens
+            if chunk.sample:
+                last_rows.append(offset - 1)
+        if not last_rows:
+            return torch.empty((0, self._vocab_size), dtype=torch.float32, device=self._device)
+        selected = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.int64, device=self._device))
+        logits = self.model.lm_head(selected)
+        if self._final_softcap is not None:
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+        return logits.float()

