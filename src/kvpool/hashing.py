@@ -35,12 +35,12 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, NewType
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, InvalidTokenError
 
 if TYPE_CHECKING:
     from kvpool.request import Request
@@ -220,12 +220,28 @@ class BlockHasher:
 
         For routers and tools that need the hashes without a manager.
         """
-        from kvpool.request import Request
+        tokens = to_token_array(token_ids, "token_ids")
+        items = tuple(sorted(mm_inputs, key=lambda m: m.offset))
+        lora, salt = lora_key(lora_name), salt_key(cache_salt)
+        sequence = _TokenSequence(tokens, lambda start, end: extra_key_bytes(lora, salt, items, start, end))
+        sequence._has_extra_keys = bool(lora or salt or items)
+        sequence._block_contents = [] if self.stores_contents else None
+        self.extend(sequence)  # type: ignore[arg-type]
+        return sequence.block_hashes
 
-        request = Request("<hash>", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_inputs=mm_inputs)
-        request._block_contents = [] if self.stores_contents else None
-        self.extend(request)
-        return list(request.block_hashes)
+
+class _TokenSequence:
+    """The fields :meth:`BlockHasher.extend` reads, for hashing bare token IDs."""
+
+    __slots__ = ("_token_ids", "block_hashes", "_block_contents", "_has_extra_keys", "_extra_key_bytes", "_next_full")
+
+    def __init__(self, tokens: array, extras) -> None:
+        self._token_ids = tokens
+        self.block_hashes: list[BlockHash] = []
+        self._block_contents: list[bytes] | None = None
+        self._has_extra_keys = False
+        self._extra_key_bytes = extras
+        self._next_full = 0
 
 
 def extra_key_bytes(
@@ -274,3 +290,31 @@ def salt_key(cache_salt: str | None) -> bytes:
 
 
 TOKEN_TYPECODE = _TOKEN_TYPECODE
+TOKEN_LIMIT = 2**32
+
+
+def to_token_array(token_ids: Iterable[int], what: str) -> array:
+    """Token IDs as an ``array('I')``; anything else raises InvalidTokenError naming it."""
+    if isinstance(token_ids, array) and token_ids.typecode == _TOKEN_TYPECODE:
+        return array(_TOKEN_TYPECODE, token_ids)
+    if isinstance(token_ids, str | bytes):
+        raise InvalidTokenError(f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}")
+    try:
+        values = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
+        tokens = array(_TOKEN_TYPECODE, values)
+    except (TypeError, OverflowError, ValueError):
+        raise InvalidTokenError(_describe_bad_token(token_ids, what)) from None
+    return tokens
+
+
+def _describe_bad_token(token_ids: Iterable[int], what: str) -> str:
+    try:
+        items = list(token_ids)
+    except TypeError:
+        return f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}"
+    for i, t in enumerate(items):
+        if not hasattr(t, "__index__") or isinstance(t, bool):
+            return f"{what}[{i}] = {t!r} is not an integer token ID"
+        if not 0 <= int(t) < TOKEN_LIMIT:
+            return f"{what}[{i}] = {int(t)} is out of range: token IDs must be in [0, 2**32)"
+    return f"{what} holds an invalid token ID"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.errors import InvalidTokenError, RequestStateError
 from kvpool.hashing import (
+    TOKEN_LIMIT,
     TOKEN_TYPECODE,
     BlockHash,
     MultiModalInput,
@@ -26,6 +27,7 @@ from kvpool.hashing import (
     extra_keys_readable,
     lora_key,
     salt_key,
+    to_token_array,
 )
 
 if TYPE_CHECKING:
@@ -33,34 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Request"]
 
-_TOKEN_LIMIT = 2**32
 _NEVER = 2**62
-
-
-def _to_token_array(token_ids: Iterable[int], what: str) -> array:
-    if isinstance(token_ids, array) and token_ids.typecode == TOKEN_TYPECODE:
-        return array(TOKEN_TYPECODE, token_ids)
-    if isinstance(token_ids, str | bytes):
-        raise InvalidTokenError(f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}")
-    try:
-        values = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
-        tokens = array(TOKEN_TYPECODE, values)
-    except (TypeError, OverflowError, ValueError):
-        raise InvalidTokenError(_describe_bad_token(token_ids, what)) from None
-    return tokens
-
-
-def _describe_bad_token(token_ids: Iterable[int], what: str) -> str:
-    try:
-        items = list(token_ids)
-    except TypeError:
-        return f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}"
-    for i, t in enumerate(items):
-        if not hasattr(t, "__index__") or isinstance(t, bool):
-            return f"{what}[{i}] = {t!r} is not an integer token ID"
-        if not 0 <= int(t) < _TOKEN_LIMIT:
-            return f"{what}[{i}] = {int(t)} is out of range: token IDs must be in [0, 2**32)"
-    return f"{what} holds an invalid token ID"
 
 
 class Request:
@@ -107,7 +82,7 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestStateError(f"request_id must be a non-empty string, got {request_id!r}")
-        tokens = _to_token_array(prompt_token_ids, "prompt_token_ids")
+        tokens = to_token_array(prompt_token_ids, "prompt_token_ids")
         if len(tokens) == 0:
             raise RequestStateError(f"request {request_id!r}: prompt_token_ids is empty; a prompt needs at least one token")
         for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
@@ -168,11 +143,11 @@ class Request:
         """Append sampled tokens; hashes of blocks that became full follow at once."""
         tokens = self._token_ids
         if type(token_ids) is int:
-            if not 0 <= token_ids < _TOKEN_LIMIT:
+            if not 0 <= token_ids < TOKEN_LIMIT:
                 raise InvalidTokenError(f"output token ID {token_ids} is out of range: token IDs must be in [0, 2**32)")
             tokens.append(token_ids)
         else:
-            tokens.extend(_to_token_array(token_ids, "output token_ids"))
+            tokens.extend(to_token_array(token_ids, "output token_ids"))
         if len(tokens) >= self._next_full:
             self._hasher.extend(self)  # type: ignore[union-attr]
 

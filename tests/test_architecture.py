@@ -1,0 +1,99 @@
+"""The layering written in ARCHITECTURE.md, checked on every module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kvpool"
+
+# First path component under kvpool/ (module or package) -> layer.
+LAYERS = {
+    "errors": 0,
+    "hashing": 1,
+    "specs": 1,
+    "stats": 1,
+    "block": 2,
+    "events": 2,
+    "model_config": 2,
+    "request": 3,
+    "planner": 3,
+    "free_queue": 4,
+    "prefix_index": 4,
+    "eviction": 4,
+    "block_pool": 5,
+    "groups": 6,
+    "coordinator": 7,
+    "invariants": 8,
+    "manager": 9,
+    "scheduler": 10,
+    "engine": 11,
+    "sim": 11,
+    "cli": 12,
+    "__init__": 13,  # the package facade re-exports the core
+}
+TORCH_FREE_BELOW = 11
+
+
+def component(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines inside ``if TYPE_CHECKING:`` blocks: imports there never run."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def kvpool_imports(path: Path) -> list[tuple[str, int]]:
+    """Every import that runs (at module level or inside functions)."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_lines(tree)
+    found = []
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found.extend((name, node.lineno) for name in names)
+    return found
+
+
+MODULES = sorted(p for p in SRC.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    assert {component(p) for p in MODULES} <= set(LAYERS), {component(p) for p in MODULES} - set(LAYERS)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_never_go_upwards(path):
+    mine = component(path)
+    for name, line in kvpool_imports(path):
+        if not name.startswith("kvpool."):
+            continue
+        theirs = name.split(".")[1]
+        if theirs == mine:
+            continue
+        assert LAYERS[theirs] <= LAYERS[mine], f"{path.name}:{line} imports {name} from a higher layer"
+        if LAYERS[theirs] == LAYERS[mine]:
+            pytest.fail(f"{path.name}:{line} imports {name}, a sibling of the same layer")
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if LAYERS[component(p)] < TORCH_FREE_BELOW], ids=lambda p: str(p.relative_to(SRC))
+)
+def test_nothing_below_the_engine_imports_torch(path):
+    for name, line in kvpool_imports(path):
+        assert name.split(".")[0] not in {"torch", "transformers", "numpy"}, f"{path.name}:{line} imports {name}"
