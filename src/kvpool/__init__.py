@@ -1,9 +1,9 @@
 """kvpool: a paged KV cache manager for LLM inference.
 
-All KV memory is one pool of fixed-size blocks allocated once; serving is
-bookkeeping on block IDs: a free queue whose order is the eviction policy,
-reference counts for shared prefixes, and chained block hashes that make
-prefix caching a dictionary lookup.
+KV memory is reserved once, as a pool of fixed-size blocks. At run time
+kvpool only moves block IDs around: a linked free list ordered for eviction,
+per-block owner counts so prompts can share a cached prefix, and a hash
+chain over full blocks so that finding a cached prefix is a dict lookup.
 
 The core (this package's top level) needs only the standard library.
 """

@@ -4,7 +4,7 @@ The pool is shared by all layer groups of a model. It knows nothing about
 requests beyond what caching a block needs; block tables live in the group
 managers. Its operations:
 
-* ``get_new_blocks(n)``: take ``n`` blocks from the front of the free queue.
+* ``get_new_blocks(n)``: hand out the ``n`` blocks the eviction order puts first.
   A block that still carries a hash is evicted from the index at this moment
   and only now (lazy eviction).
 * ``touch(blocks)``: prefix hits gain an owner; a free one leaves the queue.

@@ -11,10 +11,10 @@ moment (lazy eviction).
              ^ reused first                                     ^ reused last
 
 * A released block with no hash (a partial block, or caching off) goes to the
-  front: nothing is lost by reusing it at once.
+  front: its contents can never be looked up, so reusing it costs nothing.
 * A released block with a hash goes to the back. A request's blocks are
-  released tail first, so its last blocks sit ahead of its first ones and the
-  shared prefix is evicted last.
+  released from its end backwards, so its deepest blocks are queued ahead of
+  its first ones and the shared prefix is evicted last.
 * A prefix hit on a free block pulls it out of the middle.
 
 The list is threaded through the block records (``prev_free``/``next_free``)

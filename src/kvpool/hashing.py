@@ -7,9 +7,9 @@ that change what its KV means::
     h[1] = H(h[0]      | tokens[B:2B]  | extras(1))
     h[k] = H(h[k-1]    | tokens[kB:(k+1)B] | extras(k))
 
-Because every hash includes its parent, equal hashes mean equal prefixes from
-the first token, and a lookup can stop at the first miss. Only full blocks are
-hashed. Extra keys are the LoRA adapter name (every block), each multimodal
+Each hash folds in the one before it, so two equal hashes vouch for two equal
+prefixes from token 0 on, and a lookup ends at the first block it does not
+find. Only full blocks get a hash. Extra keys are the LoRA adapter name (every block), each multimodal
 item whose placeholder range overlaps the block (its identifier and its offset
 from the block start), and the request's cache salt (block 0 only; the chain
 carries it to every later block).
@@ -21,8 +21,8 @@ injectable seed, so hashes are reproducible across processes and machines.
 
 Two algorithms:
 
-* ``sha256`` (default): cryptographic. Required wherever tenants do not trust
-  each other: with a weak hash, crafted prompts can collide with another
+* ``sha256`` (default): cryptographic. Use it whenever mutually untrusted
+  tenants share a replica: with a weak hash, crafted prompts can collide with another
   tenant's blocks and read their KV (CVE-2025-25183).
 * ``xxh3_128`` (the ``fast`` extra): much faster, not collision resistant.
   kvpool then verifies every hit against the block's stored content and

@@ -8,11 +8,12 @@
     ...                                                      # None: no room, preempt or wait
     mgr.free(req)                                            # tail first
 
-A step asks for room for a request's new tokens. The manager counts the blocks
-the request's computed + new (+ lookahead) tokens need in every layer group,
-refuses (``None``) if the free queue cannot supply them, and otherwise takes
-the prefix-hit blocks, takes new blocks from the front of the free queue,
-appends them to the block tables, and caches every block that became full.
+Each scheduling step calls ``allocate_slots`` once per request. It counts the
+blocks that the request's computed, new and lookahead tokens occupy in every
+layer group; if the free blocks fall short it answers ``None`` and touches
+nothing. Otherwise it claims the prefix-hit blocks, pops new ones in eviction
+order, extends the block tables, and registers every block that just filled up
+in the prefix-cache index.
 
 Hybrid models are several layer groups sharing the pool; with one
 full-attention group (the default) this is exactly vLLM V1's single-group
