@@ -8,6 +8,7 @@ import pytest
 
 from kvpool import CapacityError, ConfigError, KVCacheManager, Request, RequestStateError
 from kvpool.scheduler import (
+    ChunkDetail,
     FinishReason,
     RequestStatus,
     Scheduler,
@@ -215,3 +216,21 @@ def test_random_workloads_finish_with_exact_outputs_under_pressure(seed):
         assert list(sched.request(rid).output_token_ids) == script
     assert mgr.num_free_blocks == num_blocks - 1
     mgr.check_invariants()
+
+
+def test_counts_only_chunks_make_the_same_decisions():
+    def run(detail):
+        mgr = KVCacheManager(20, 4)
+        sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=9, chunk_detail=detail))
+        for i in range(6):
+            sched.add_request(Request(f"r{i}", list(range(i, i + 14))), StopConditions(max_tokens=6))
+        plan = []
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            plan.append([(c.request_id, c.start_position, c.num_tokens, c.sample) for c in out.chunks] + list(out.preempted))
+            sched.update(out, {c.request_id: 3 for c in out.chunks if c.sample})
+            if detail is ChunkDetail.COUNTS:
+                assert all(c.token_ids == () and c.block_tables == () for c in out.chunks)
+        return plan
+
+    assert run(ChunkDetail.FULL) == run(ChunkDetail.COUNTS)

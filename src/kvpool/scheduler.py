@@ -35,6 +35,7 @@ from kvpool.manager import KVCacheManager
 from kvpool.request import Request
 
 __all__ = [
+    "ChunkDetail",
     "FinishReason",
     "RequestMetrics",
     "RequestStatus",
@@ -60,6 +61,15 @@ class FinishReason(Enum):
     ABORTED = "aborted"
 
 
+class ChunkDetail(Enum):
+    """What a scheduled chunk carries besides its counts."""
+
+    #: Token IDs, block tables and slot mappings: what a model runner needs.
+    FULL = "full"
+    #: Only positions and counts: what a simulator needs (much cheaper).
+    COUNTS = "counts"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     """Limits of one step."""
@@ -67,6 +77,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
+    chunk_detail: ChunkDetail = ChunkDetail.FULL
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -100,24 +111,22 @@ class ScheduledChunk:
     ``block_tables`` and ``slot_mapping`` hold one entry per layer group;
     ``slot_mapping[g][i] = block * block_size + offset`` is where token ``i``'s
     K and V go in group ``g``. ``sample`` says whether the chunk reaches the end
-    of the known tokens, so the logits of its last token are needed.
+    of the known tokens, so the logits of its last token are needed. With
+    :attr:`ChunkDetail.COUNTS` the three sequences are empty.
     """
 
     request_id: str
-    token_ids: tuple[int, ...]
     start_position: int
-    block_tables: tuple[tuple[int, ...], ...]
-    slot_mapping: tuple[tuple[int, ...], ...]
+    num_tokens: int
     sample: bool
     num_cached_tokens: int = 0  # tokens this admission took from the prefix cache
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    token_ids: tuple[int, ...] = ()
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    slot_mapping: tuple[tuple[int, ...], ...] = ()
 
     @property
     def positions(self) -> range:
-        return range(self.start_position, self.start_position + len(self.token_ids))
+        return range(self.start_position, self.start_position + self.num_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -222,6 +231,7 @@ class Scheduler:
         self.running: list[_Entry] = []
         self._entries: dict[str, _Entry] = {}
         self._step = 0
+        self._counts_only = self.config.chunk_detail is ChunkDetail.COUNTS
         self.num_preemptions = 0
         max_len = self.config.max_model_len
         if max_len is not None and manager.max_model_len not in (None, max_len):
@@ -353,6 +363,14 @@ class Scheduler:
         request = entry.request
         start = request.num_computed_tokens
         stop = start + num_tokens
+        if self._counts_only:
+            return ScheduledChunk(
+                request_id=request.request_id,
+                start_position=start,
+                num_tokens=num_tokens,
+                sample=stop == request.num_tokens,
+                num_cached_tokens=num_cached,
+            )
         tables = []
         slots = []
         for group, table in zip(self.manager.groups, self.manager.get_block_ids(request.request_id)):
@@ -361,12 +379,13 @@ class Scheduler:
             slots.append(tuple(table[p // bs] * bs + p % bs for p in range(start, stop)))
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:stop]),
             start_position=start,
-            block_tables=tuple(tables),
-            slot_mapping=tuple(slots),
+            num_tokens=num_tokens,
             sample=stop == request.num_tokens,
             num_cached_tokens=num_cached,
+            token_ids=tuple(request.all_token_ids[start:stop]),
+            block_tables=tuple(tables),
+            slot_mapping=tuple(slots),
         )
 
     def _preempt(self, entry: _Entry) -> None:
