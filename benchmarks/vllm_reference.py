@@ -52,6 +52,18 @@ class VLLMManager:
             block_hasher=self._hasher,
         )
 
+    def make_request_timed(self, request_id: str, token_ids: Sequence[int]):
+        """Build the request without hashing, then time hashing its prompt alone."""
+        import time
+
+        from vllm.v1.request import Request
+
+        request = Request(request_id, list(token_ids), self._sampling, None, block_hasher=None)
+        request._block_hasher = self._hasher
+        start = time.perf_counter_ns()
+        request.update_block_hashes()
+        return request, time.perf_counter_ns() - start
+
     def get_computed_blocks(self, request):
         blocks, num_hit, _boundary = self._mgr.get_computed_blocks(request)
         return blocks, num_hit

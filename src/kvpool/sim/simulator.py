@@ -107,16 +107,10 @@ class SimulationResult:
 
 
 def policy_factory(name: str):
-    """The free-block structure for an eviction policy name (None for the default)."""
-    if name in ("lru", "vllm", "default"):
-        return None
-    from kvpool import eviction
+    """The free-block structure of an eviction policy, by name (see ``kvpool.eviction``)."""
+    from kvpool.eviction import resolve_policy
 
-    registry = eviction.POLICIES
-    try:
-        return registry[name]
-    except KeyError:
-        raise ConfigError(f"unknown eviction policy {name!r}; choose one of: {', '.join(sorted(registry))}") from None
+    return resolve_policy(name)[1]
 
 
 def _quantile(values: Sequence[float], q: float) -> float:

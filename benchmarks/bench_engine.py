@@ -1,0 +1,289 @@
+"""kvpool's engine against transformers on one CPU: throughput on a shared system prompt, and cached TTFT.
+
+Workload (SmolLM2-135M-Instruct, float32, greedy, the same machine and thread
+count for every contender):
+
+* Throughput: ``--requests`` requests (32) that share a ``--system-tokens``
+  (500) token system prompt, each with its own short question, each
+  generating exactly ``--output-tokens`` (64) tokens. Output tokens per second
+  of wall time for
+
+  - kvpool's engine (``LLM.generate``; the prefix cache is emptied before
+    each repetition, so only the shared prompt within a batch is reused),
+  - transformers' ``generate`` on one left-padded batch,
+  - transformers' continuous batching ``generate_batch`` (when the installed
+    version has it), with its defaults for block sharing.
+
+* Time to first token of one request alone in the engine, prompt of
+  ``--ttft-tokens`` (480) tokens: uncached, versus 90% of it (432 tokens, 27
+  full blocks) found in the prefix cache.
+
+Medians of ``--repeats`` repetitions. Run::
+
+    python benchmarks/bench_engine.py --write BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+SYSTEM_TEXT = (
+    "You are the support assistant of a company that rents out bicycles, cargo bikes and electric scooters in "
+    "twelve cities. Answer politely and briefly. Opening hours are eight in the morning to eight in the evening "
+    "on weekdays and nine to six at weekends. A day pass costs fifteen euros, a week pass sixty euros, and a "
+    "month pass one hundred and fifty euros. Helmets are free with every rental. Lost keys cost twenty euros. "
+    "Damage must be reported within twenty-four hours through the app or at any station. "
+)
+QUESTIONS = [
+    "Can I rent a cargo bike for a week?", "How much is a day pass?", "Do you open on Sundays?",
+    "What happens if I lose the key?", "Is a helmet included?", "Can I pay by card at the station?",
+    "How do I report a flat tyre?", "Are scooters allowed in parks?", "Can two people share a pass?",
+    "What is the deposit for an electric scooter?", "Do you have child seats?", "Can I return a bike in another city?",
+    "How long does a battery last?", "Is there a student discount?", "Can I reserve a bike in advance?",
+    "What if it rains all day?", "Do you rent tandems?", "How old must riders be?",
+    "Can I extend my rental online?", "Where is the nearest station?", "Is insurance included?",
+    "How do I unlock a bike with the app?", "Can I bring my dog in a cargo bike?", "What is your refund policy?",
+    "Do you offer guided tours?", "Can companies get an invoice?", "How heavy is a cargo bike?",
+    "Are there locks on every bike?", "Can I ride at night?", "What if the app does not work?",
+    "Do you sell used bikes?", "How do I cancel a month pass?",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    seconds: list[float]
+    output_tokens: int
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.median
+
+
+def make_prompts(tokenizer, num_requests: int, system_tokens: int) -> list[list[int]]:
+    system = tokenizer.encode(SYSTEM_TEXT * (system_tokens // 40 + 2))[:system_tokens]
+    if len(system) != system_tokens:
+        raise SystemExit(f"could not make a {system_tokens}-token system prompt")
+    questions = [QUESTIONS[i % len(QUESTIONS)] + (f" (case {i})" if i >= len(QUESTIONS) else "") for i in range(num_requests)]
+    return [system + tokenizer.encode(" " + q) for q in questions]
+
+
+def bench_kvpool(llm, prompts: list[list[int]], output_tokens: int, repeats: int) -> tuple[Row, list[tuple[int, ...]], int]:
+    from kvpool.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    engine = llm.engine
+    seconds, outputs, computed = [], [], 0
+    for _ in range(repeats):
+        if not engine.manager.reset_prefix_cache():
+            raise SystemExit("the prefix cache could not be reset")
+        before = engine.runner.num_computed_tokens
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds.append(time.perf_counter() - started)
+        computed = engine.runner.num_computed_tokens - before
+        outputs = [o.output_token_ids for o in outs]
+        assert all(o.num_output_tokens == output_tokens for o in outs)
+    note = f"{computed:,} tokens fed to the model per run"
+    return Row("kvpool engine (LLM.generate)", seconds, len(prompts) * output_tokens, note), outputs, computed
+
+
+def bench_hf_padded(model, prompts: list[list[int]], output_tokens: int, repeats: int, pad_id: int):
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):  # left padding
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    config = GenerationConfig(
+        max_new_tokens=output_tokens, min_new_tokens=output_tokens, do_sample=False, pad_token_id=pad_id,
+        eos_token_id=pad_id,
+    )  # fmt: skip
+    seconds, outputs = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        seconds.append(time.perf_counter() - started)
+        assert out.shape[1] == width + output_tokens
+        outputs = [tuple(row[width:].tolist()) for row in out]
+    note = f"{len(prompts)} x {width} prompt tokens fed per run"
+    return Row("transformers generate (padded batch)", seconds, len(prompts) * output_tokens, note), outputs
+
+
+def bench_hf_continuous(model, prompts: list[list[int]], output_tokens: int, repeats: int, pad_id: int):
+    if not hasattr(model, "generate_batch"):
+        return None, []
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    seconds, outputs = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        with torch.inference_mode():
+            result = model.generate_batch(prompts, generation_config=config, warmup=False)
+        seconds.append(time.perf_counter() - started)
+        ordered = [result[k] for k in sorted(result, key=lambda k: int(k.rsplit("_", 1)[-1]))]
+        outputs = [tuple(r.generated_tokens) for r in ordered]
+        assert all(len(o) == output_tokens for o in outputs), [len(o) for o in outputs]
+    return Row("transformers generate_batch (continuous)", seconds, len(prompts) * output_tokens), outputs
+
+
+def bench_ttft(llm, tokenizer, prompt_tokens: int, repeats: int) -> tuple[list[float], list[float], int]:
+    """TTFT of one request alone: a fresh prompt, versus one whose first 90% (block-aligned) is cached."""
+    from kvpool.engine.sampling import SamplingParams
+
+    engine = llm.engine
+    block = engine.setup.options.block_size
+    cached_len = int(prompt_tokens * 0.9) // block * block
+    one = SamplingParams(max_tokens=1)
+    base = tokenizer.encode(SYSTEM_TEXT * (prompt_tokens // 40 + 4))
+    uncached, cached = [], []
+    for i in range(repeats + 1):  # the first round warms up and is dropped
+        shift = 997 * (i + 1)
+        fresh = [(t + shift) % 40000 + 100 for t in base[:prompt_tokens]]
+        [out] = llm.generate(fresh, one)
+        assert out.num_cached_tokens == 0
+        prefix = [(t + shift + 1) % 40000 + 100 for t in base[:cached_len]]
+        warm_tail = [(t + 7) % 40000 + 100 for t in base[cached_len:prompt_tokens]]
+        llm.generate(prefix + warm_tail, one)
+        tail = [(t + 13) % 40000 + 100 for t in base[cached_len:prompt_tokens]]
+        [hit] = llm.generate(prefix + tail, one)
+        assert hit.num_cached_tokens == cached_len and hit.num_computed_tokens == prompt_tokens - cached_len
+        if i:
+            uncached.append(out.time_to_first_token)
+            cached.append(hit.time_to_first_token)
+    return uncached, cached, cached_len
+
+
+def render(rows, ttft, args, agreement, machine) -> str:
+    uncached, cached, cached_len = ttft
+    ours = rows[0]
+    lines = [
+        "## Engine",
+        "",
+        f"Command: `{args.command}`",
+        "",
+        f"Machine: {machine}. SmolLM2-135M-Instruct, float32, greedy, {args.threads} torch thread(s) for every "
+        f"contender; medians of {args.repeats} repetitions (wall time of the whole batch, prefill included).",
+        "",
+        f"Throughput: {args.requests} requests sharing a {args.system_tokens}-token system prompt, each with its "
+        f"own question, {args.output_tokens} output tokens each.",
+        "",
+        "| engine | median s | output tokens/s | kvpool speed-up | note |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row.name} | {row.median:.2f} | {row.tokens_per_second:.1f} | "
+            f"{row.median / ours.median:.2f}x | {row.note} |"
+        )
+    for name, value in agreement:
+        lines.append(f"| | | | | greedy outputs identical to kvpool's, {name}: {value} |")
+    mu, mc = statistics.median(uncached), statistics.median(cached)
+    lines += [
+        "",
+        f"Time to first token, one request alone, {args.ttft_tokens}-token prompt "
+        f"(max_num_batched_tokens {args.max_num_batched_tokens}):",
+        "",
+        "| prompt | median TTFT ms | tokens computed |",
+        "|---|---:|---:|",
+        f"| uncached | {mu * 1000:.0f} | {args.ttft_tokens} |",
+        f"| {cached_len / args.ttft_tokens:.0%} cached ({cached_len} tokens) | {mc * 1000:.0f} | "
+        f"{args.ttft_tokens - cached_len} |",
+        "",
+        f"Cached / uncached TTFT: {mc / mu:.3f} (the uncached fraction is {1 - cached_len / args.ttft_tokens:.3f}).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace the file's "## Engine" section, or append one; other sections stay as they are."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == "## Engine"), None)
+    if start is None:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        rest = "".join(lines[end:])
+        text = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--system-tokens", type=int, default=500)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--ttft-tokens", type=int, default=480)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for every contender")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--skip-hf", action="store_true", help="only the kvpool figures")
+    parser.add_argument("--write", type=Path, default=None, help="write the '## Engine' section of this file")
+    args = parser.parse_args()
+    args.command = "python benchmarks/bench_engine.py " + " ".join(sys.argv[1:])
+    torch.set_num_threads(args.threads)
+
+    import transformers
+
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.model_store import load_model, resolve_model
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    llm = LLM(
+        kv_cache_memory="512MiB", max_model_len=2048, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=64, log=lambda line: print("  " + line, flush=True),
+    )  # fmt: skip
+    tokenizer = llm.tokenizer
+    prompts = make_prompts(tokenizer, args.requests, args.system_tokens)
+    print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
+
+    row, ours, _ = bench_kvpool(llm, prompts, args.output_tokens, args.repeats)
+    rows = [row]
+    print(f"kvpool: {row.seconds}", flush=True)
+    ttft = bench_ttft(llm, tokenizer, args.ttft_tokens, max(args.repeats, 5))
+    print(f"ttft uncached {ttft[0]} cached {ttft[1]}", flush=True)
+    agreement = []
+    if not args.skip_hf:
+        model, _ = load_model(resolve_model())
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        padded, theirs = bench_hf_padded(model, prompts, args.output_tokens, args.repeats, pad)
+        rows.append(padded)
+        agreement.append(("padded generate", f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"))
+        print(f"hf padded: {padded.seconds}", flush=True)
+        continuous, theirs = bench_hf_continuous(model, prompts, args.output_tokens, args.repeats, pad)
+        if continuous is not None:
+            rows.append(continuous)
+            agreement.append(("generate_batch", f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"))
+            print(f"hf continuous: {continuous.seconds}", flush=True)
+    machine = f"{platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, transformers {transformers.__version__}"
+    section = render(rows, ttft, args, agreement, machine)
+    print()
+    print(section)
+    if args.write is not None:
+        write_section(args.write, section)
+        print(f"wrote the Engine section of {args.write}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""``kvpool simulate``: replay a trace through the real manager and scheduler."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from kvpool.errors import KVPoolError
+
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+def _load(trace: str, requests: int | None, seed: int):
+    if trace.startswith(SYNTHETIC_PREFIX):
+        from kvpool.sim.workloads import generate_workload
+
+        return generate_workload(trace[len(SYNTHETIC_PREFIX) :], num_requests=requests or 500, seed=seed)
+    from kvpool.sim.traces import load_trace
+
+    loaded = load_trace(trace)
+    return loaded[:requests] if requests else loaded
+
+
+def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None, block_size: int) -> int:
+    if kv_blocks is not None:
+        if kv_blocks < 1:
+            raise KVPoolError(f"--kv-blocks must be positive, got {kv_blocks}")
+        return kv_blocks + 1  # plus the null block
+    if kv_memory is None or model is None:
+        raise KVPoolError("give --kv-blocks N, or --kv-memory SIZE with --model CONFIG")
+    from kvpool.model_config import layer_specs_from_config, load_model_config
+    from kvpool.planner import parse_size
+    from kvpool.specs import group_layers, pool_block_bytes
+
+    budget = parse_size(kv_memory, field="--kv-memory")
+    groups = group_layers(layer_specs_from_config(load_model_config(model), block_size=block_size))
+    block_bytes = pool_block_bytes(groups)
+    blocks = budget // block_bytes
+    if blocks < 2:
+        raise KVPoolError(f"--kv-memory {kv_memory} holds {blocks} blocks of {block_bytes:,} B for {model}")
+    return blocks
+
+
+def _percent(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def _print_table(result, label: str) -> None:
+    rows = [
+        ("requests", f"{result.requests:,} ({result.rejected:,} larger than the pool)"),
+        ("pool", f"{result.num_blocks - 1:,} blocks x {result.block_size} tokens, policy {result.policy}"),
+        ("token hit rate", _percent(result.token_hit_rate)),
+        ("block hit rate", _percent(result.block_hit_rate)),
+        ("prefill tokens saved", f"{result.prefill_tokens_saved:,} of {result.prompt_tokens:,} prompt tokens"),
+        ("prefill tokens computed", f"{result.prefill_tokens_computed:,} (recompute included)"),
+        ("evictions", f"{result.evictions:,}"),
+        ("preemptions", f"{result.preemptions:,}"),
+        ("peak KV usage", _percent(result.peak_usage)),
+        ("time to first token", f"p50 {result.ttft_p50_s:.3f} s, p90 {result.ttft_p90_s:.3f} s, p99 {result.ttft_p99_s:.3f} s"),
+        ("queue time", f"p50 {result.queue_p50_s:.3f} s, p90 {result.queue_p90_s:.3f} s"),
+        ("throughput", f"{result.output_tokens_per_s:,.0f} output tok/s, {result.prompt_tokens_per_s:,.0f} prompt tok/s"),
+        ("simulated time", f"{result.simulated_seconds:,.1f} s (replayed in {result.wall_seconds:.1f} s)"),
+    ]
+    click.echo(label)
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"  {key:<{width}}  {value}")
+
+
+@click.command()
+@click.argument("trace")
+@click.option("--kv-blocks", type=int, help="Usable KV blocks (the pool gets one more, the null block).")
+@click.option("--kv-memory", help="KV memory, e.g. 40GiB or 40GB; needs --model.")
+@click.option("--model", help="Shipped config name or config.json path, to size blocks from --kv-memory.")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--policy", default="lru", show_default=True, help="Eviction policy (lru is vLLM's order).")
+@click.option("--sequential", is_flag=True, help="One request at a time in file order, freed before the next.")
+@click.option("--requests", "max_requests", type=int, help="Replay only the first N requests (synthetic: how many).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of synthetic workloads.")
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--step-overhead-ms", type=float, default=10.0, show_default=True, help="Cost model: fixed time per step.")
+@click.option("--prefill-us-per-token", type=float, default=50.0, show_default=True, help="Cost model: prefill time per token.")
+@click.option("--decode-us-per-seq", type=float, default=100.0, show_default=True, help="Cost model: decode time per sequence per step.")
+@click.option("--hash", "hash_algo", type=click.Choice(["sha256", "xxh3_128"]), default="xxh3_128", show_default=True,
+              help="Block hash; xxh3_128 verifies every hit, so hit rates are the same, only faster.")
+@click.option("--curve", help="Comma-separated cache sizes in blocks: also compute the hit-rate curve (sequential model).")
+@click.option("--curve-policies", default="lru", show_default=True, help="Comma-separated policies for --curve.")
+@click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def simulate(
+    trace, kv_blocks, kv_memory, model, block_size, policy, sequential, max_requests, seed,
+    max_num_batched_tokens, max_num_seqs, step_overhead_ms, prefill_us_per_token, decode_us_per_seq,
+    hash_algo, curve, curve_policies, plot_dir, as_json,
+):
+    """Replay TRACE (a trace file, or synthetic:KIND) through kvpool's manager and scheduler.
+
+    TRACE is a Mooncake JSONL trace, kvpool's token-level JSONL format, or
+    synthetic:shared_prefix | multi_turn | agent | multi_tenant | mixed. Times
+    are simulated with the cost model (defaults: 10 ms per step, 50 us per
+    prefill token, 100 us per decoding sequence).
+    """
+    try:
+        _run(**locals())
+    except KVPoolError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except FileNotFoundError as exc:
+        click.echo(f"error: no such trace file: {exc.filename}", err=True)
+        sys.exit(2)
+
+
+def _run(
+    trace, kv_blocks, kv_memory, model, block_size, policy, sequential, max_requests, seed,
+    max_num_batched_tokens, max_num_seqs, step_overhead_ms, prefill_us_per_token, decode_us_per_seq,
+    hash_algo, curve, curve_policies, plot_dir, as_json,
+):
+    from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory, simulate as run_simulation
+
+    requests = _load(trace, max_requests, seed)
+    if not requests:
+        raise KVPoolError(f"trace {trace} holds no requests")
+    num_blocks = _num_blocks(kv_blocks, kv_memory, model, block_size)
+    policy_factory(policy)  # an unknown name fails before any work
+    label = f"{trace}: {len(requests):,} requests"
+    show = not as_json
+    output: dict = {"trace": trace, "requests": len(requests)}
+
+    if sequential:
+        from kvpool.sim.sequential import replay_sequential
+
+        with click.progressbar(length=len(requests), label="replaying", file=sys.stderr, hidden=not show) as bar:
+            result = replay_sequential(
+                requests, num_blocks - 1, block_size=block_size, policy=policy, hash_algo=hash_algo, progress=bar.update
+            )
+        output["sequential"] = result.to_dict() if hasattr(result, "to_dict") else vars(result)
+        if show:
+            click.echo(f"{label} (sequential)")
+            for key, value in output["sequential"].items():
+                click.echo(f"  {key:<22} {value}")
+    else:
+        config = SimulationConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            policy=policy,
+            hash_algo=hash_algo,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            cost=CostModel(
+                step_overhead_s=step_overhead_ms / 1e3,
+                prefill_s_per_token=prefill_us_per_token / 1e6,
+                decode_s_per_seq=decode_us_per_seq / 1e6,
+            ),
+        )
+        with click.progressbar(length=len(requests), label="replaying", file=sys.stderr, hidden=not show) as bar:
+            result = run_simulation(requests, config, progress=bar.update)
+        output["simulation"] = result.to_dict()
+        if show:
+            _print_table(result, label)
+        if plot_dir is not None:
+            from kvpool.sim.plots import plot_usage
+
+            plot_dir.mkdir(parents=True, exist_ok=True)
+            path = plot_usage(result.usage_timeline, plot_dir / "usage.png", title=f"KV usage, {label}")
+            output["usage_plot"] = str(path)
+            if show:
+                click.echo(f"  usage plot             {path}")
+
+    if curve:
+        output["curve"] = _curve(requests, curve, curve_policies, block_size, hash_algo, plot_dir, label, show)
+
+    if as_json:
+        click.echo(json.dumps(output, indent=2))
+
+
+def _curve(requests, curve, curve_policies, block_size, hash_algo, plot_dir, label, show) -> dict:
+    from kvpool.sim.optimum import optimal_hit_rate
+    from kvpool.sim.sequential import replay_sequential
+
+    try:
+        sizes = [int(x) for x in curve.split(",") if x.strip()]
+    except ValueError:
+        raise KVPoolError(f"--curve must be comma-separated integers, got {curve!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise KVPoolError(f"--curve sizes must be positive, got {curve!r}")
+    policies = [p.strip() for p in curve_policies.split(",") if p.strip()]
+    rates: dict[str, list[float]] = {p: [] for p in policies}
+    rates["optimum"] = []
+    total = len(sizes) * (len(policies) + 1)
+    with click.progressbar(length=total, label="hit-rate curve", file=sys.stderr, hidden=not show) as bar:
+        for size in sizes:
+            for p in policies:
+                rates[p].append(
+                    replay_sequential(requests, size, block_size=block_size, policy=p, hash_algo=hash_algo).token_hit_rate
+                )
+                bar.update(1)
+            rates["optimum"].append(optimal_hit_rate(requests, size, block_size).token_hit_rate)
+            bar.update(1)
+    if show:
+        click.echo("hit-rate curve (sequential model, token hit rate)")
+        click.echo("  " + f"{'blocks':>10}" + "".join(f"{name:>12}" for name in rates))
+        for i, size in enumerate(sizes):
+            click.echo("  " + f"{size:>10,}" + "".join(f"{_percent(r[i]):>12}" for r in rates.values()))
+    result = {"sizes": sizes, "token_hit_rate": rates}
+    if plot_dir is not None:
+        from kvpool.sim.plots import plot_hit_rate_curve
+
+        plot_dir.mkdir(parents=True, exist_ok=True)
+        path = plot_hit_rate_curve(sizes, rates, plot_dir / "hit_rate_curve.png", title=f"Hit rate vs cache size, {label}")
+        result["plot"] = str(path)
+        if show:
+            click.echo(f"  curve plot             {path}")
+    return result
