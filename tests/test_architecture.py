@@ -22,7 +22,7 @@ LAYERS = {
     "planner": 3,
     "free_queue": 4,
     "prefix_index": 4,
-    "eviction": 4,
+    "eviction": 5,
     "block_pool": 5,
     "groups": 6,
     "coordinator": 7,

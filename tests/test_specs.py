@@ -121,7 +121,11 @@ def test_cross_attention_is_never_prefix_cached() -> None:
     assert spec.kind is LayerKind.CROSS_ATTENTION
     assert spec.page_bytes == 2 * 16 * 8 * 64 * 2
     assert not spec.prefix_cacheable
-    assert not MambaSpec(state_bytes=1, block_size=16).prefix_cacheable
+
+
+def test_mamba_states_are_cacheable_at_block_boundaries() -> None:
+    # The Mamba group manager caches whole states where a step starts on a block boundary.
+    assert MambaSpec(state_bytes=1, block_size=16).prefix_cacheable
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "16"])

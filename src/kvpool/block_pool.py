@@ -8,6 +8,8 @@ managers. Its operations:
   A block that still carries a hash is evicted from the index at this moment
   and only now (lazy eviction).
 * ``touch(blocks)``: prefix hits gain an owner; a free one leaves the queue.
+  When the policy has ``on_hit`` it is then told of every hit (chosen once,
+  at construction, so other policies pay nothing).
 * ``free_blocks(blocks)``: owners let go, in eviction order (first = evicted
   first). A block whose count reaches 0 goes to the free queue: to the front
   when it has no hash, to the back when it is cached.
@@ -54,6 +56,7 @@ class BlockPool:
         "enable_caching",
         "events",
         "num_evictions",
+        "touch",
     )
 
     def __init__(
@@ -76,6 +79,10 @@ class BlockPool:
         self.events: list[KVCacheEvent] | None = [] if enable_events else None
         #: Blocks evicted from the index so far (a logical clock for stale-hit checks).
         self.num_evictions = 0
+        # ``touch`` is chosen once: a policy with ``on_hit`` sees every prefix hit;
+        # any other policy gets the plain loop and pays nothing for the option.
+        on_hit = getattr(self.free_queue, "on_hit", None)
+        self.touch = self._touch if on_hit is None else self._touch_reporting_hits
 
     # -- sizes -------------------------------------------------------------------
 
@@ -113,8 +120,8 @@ class BlockPool:
         block.block_hash = None
         self.num_evictions += 1
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Give each hit block one more owner; free ones leave the free queue."""
+    def _touch(self, blocks: Iterable[KVBlock]) -> None:
+        """``touch(blocks)``: give each hit block one more owner; free ones leave the free queue."""
         remove = self.free_queue.remove
         for block in blocks:
             if block.ref_cnt == 0:
@@ -122,6 +129,12 @@ class BlockPool:
                     continue
                 remove(block)
             block.ref_cnt += 1
+
+    def _touch_reporting_hits(self, blocks: Iterable[KVBlock]) -> None:
+        """``touch`` for policies with ``on_hit``: the same, then the policy sees the hits."""
+        hits = blocks if isinstance(blocks, list) else list(blocks)
+        self._touch(hits)
+        self.free_queue.on_hit(hits)
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
         """Drop one owner from each block, given in eviction order (first = evicted first).

@@ -8,7 +8,11 @@ Property tests call it after every operation; users can call it through
   or in use (reference count = the number of block tables holding it);
 * the free count equals the free queue's length, and no block is queued twice;
 * the prefix-cache index and the blocks' hashes agree, group by group;
-* the null block is never free, never cached and never counted.
+* the null block is never free, never cached and never counted;
+* every group holds tables for exactly the running requests, and null blocks
+  sit only where the group's layer type allows them (a skipped prefix in a
+  sliding-window or chunked-local table; a state-space table holds at most
+  two real blocks and ends with one).
 """
 
 from __future__ import annotations
@@ -17,14 +21,15 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from kvpool.block import KVBlock
+from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.block_pool import BlockPool
 from kvpool.errors import InvariantViolation
 
 if TYPE_CHECKING:
+    from kvpool.groups.base import GroupManager
     from kvpool.manager import KVCacheManager
 
-__all__ = ["check_manager", "check_pool"]
+__all__ = ["check_manager", "check_pool", "check_table"]
 
 
 def check_pool(pool: BlockPool, tables: Iterable[Mapping[str, list[KVBlock]]]) -> None:
@@ -82,18 +87,73 @@ def check_pool(pool: BlockPool, tables: Iterable[Mapping[str, list[KVBlock]]]) -
 
 
 def check_manager(manager: KVCacheManager) -> None:
-    """Check the pool and each group's per-request state."""
+    """Check the pool and each group's per-request state.
+
+    Besides the pool: every group holds a table for exactly the running
+    requests; a table's cached blocks carry the request's hash at their
+    position (at the group's block size); null blocks appear only where the
+    group's rule allows them (see :func:`check_table`).
+    """
     check_pool(manager.pool, (group.tables for group in manager.groups))
-    owners = set(manager._owners)
+    owners = manager._owners
     for group in manager.groups:
-        if set(group.tables) != owners:
-            raise InvariantViolation(f"group {group.group_id} holds tables for {sorted(set(group.tables) ^ owners)}")
-        for request_id, table in group.tables.items():
-            request = manager._owners[request_id]
+        tables = group.tables
+        if len(tables) != len(owners) or any(rid not in owners for rid in tables):
+            raise InvariantViolation(
+                f"group {group.group_id} holds tables for {sorted(set(tables) ^ set(owners))}, "
+                "which are not exactly the running requests"
+            )
+        for request_id, table in tables.items():
+            request = owners[request_id]
             done = group.num_cached.get(request_id, 0)
             if done > len(table):
                 raise InvariantViolation(f"request {request_id!r} counts {done} cached blocks of {len(table)}")
+            hashes = group.hashes_of(request)
             for k in range(done):
                 block = table[k]
-                if block.block_hash is not None and block.block_hash != request.block_hashes[k]:
-                    raise InvariantViolation(f"request {request_id!r} block {k} is cached under another hash")
+                if block.block_hash is not None and block.block_hash != hashes[k]:
+                    raise InvariantViolation(
+                        f"request {request_id!r} group {group.group_id} block {k} is cached under another hash"
+                    )
+            check_table(group, request_id, table, max(request.num_computed_tokens, done * group.block_size))
+
+
+def check_table(group: GroupManager, request_id: str, table: list[KVBlock], num_tokens: int) -> None:
+    """Check where one table may hold the null block, in O(len(table)).
+
+    ``num_tokens`` bounds the tokens the request has computed or taken from
+    the cache. Full attention, MLA and cross attention hold no null block.
+    Sliding-window and chunked-local tables hold nulls only as a prefix, no
+    longer than the blocks wholly skipped at ``num_tokens``. A state-space
+    table ends with a real block and holds at most ``max_live_blocks`` real
+    blocks.
+    """
+    live_limit = getattr(group, "max_live_blocks", None)
+    if live_limit is not None:
+        real = [k for k, block in enumerate(table) if block.block_id != NULL_BLOCK_ID]
+        if len(real) > live_limit:
+            raise InvariantViolation(
+                f"request {request_id!r} group {group.group_id} holds {len(real)} state blocks (at most {live_limit})"
+            )
+        if table and table[-1].block_id == NULL_BLOCK_ID:
+            raise InvariantViolation(
+                f"request {request_id!r} group {group.group_id}: the table ends with the null block"
+            )
+        return
+    nulls = 0
+    for block in table:
+        if block.block_id != NULL_BLOCK_ID:
+            break
+        nulls += 1
+    allowed = group.num_skipped_tokens(num_tokens) // group.block_size
+    if nulls > allowed:
+        raise InvariantViolation(
+            f"request {request_id!r} group {group.group_id} has {nulls} leading null blocks; "
+            f"its rule skips only {allowed} at {num_tokens} tokens"
+        )
+    for k in range(nulls, len(table)):
+        if table[k].block_id == NULL_BLOCK_ID:
+            raise InvariantViolation(
+                f"request {request_id!r} group {group.group_id} has a null block at position {k}, "
+                "after a real one"
+            )

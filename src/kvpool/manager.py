@@ -15,14 +15,21 @@ nothing. Otherwise it claims the prefix-hit blocks, pops new ones in eviction
 order, extends the block tables, and registers every block that just filled up
 in the prefix-cache index.
 
-Hybrid models are several layer groups sharing the pool; with one
-full-attention group (the default) this is exactly vLLM V1's single-group
-manager, decision for decision.
+Hybrid models are several layer groups sharing the pool, each with its own
+rules and block size (see docs/hybrid.md)::
+
+    groups = group_layers(layer_specs_from_config(config))    # kvpool.specs, kvpool.model_config
+    mgr = KVCacheManager.from_groups(groups, num_blocks=4096)  # hashes at the gcd of the block sizes
+    mgr.get_block_ids("A")                                     # one table per group
+
+With one full-attention group (the default) this is exactly vLLM V1's
+single-group manager, decision for decision.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import gcd
 
 from kvpool.block import KVBlock
 from kvpool.block_pool import BlockPool
@@ -77,7 +84,10 @@ class KVCacheManager:
         enable_events: record KV events for :meth:`take_events`.
         max_model_len: cap on the tokens one request may hold slots for.
         groups: the model's layer groups (``KVCacheGroup`` objects from
-            :mod:`kvpool.specs`); None means one full-attention group.
+            :mod:`kvpool.specs`); None means one full-attention group. Each
+            group keeps its spec's block size, which must be a multiple of
+            ``block_size`` (the size request hashes are computed at);
+            :meth:`from_groups` picks ``block_size`` for you.
         eviction_policy: factory of the free-block structure; None means
             vLLM's order (:class:`kvpool.free_queue.FreeBlockQueue`).
     """
@@ -128,6 +138,26 @@ class KVCacheManager:
         self._owners: dict[str, Request] = {}
         self._stats = StatsCounter()
         self._empty_hit = HitBlocks(tuple([] for _ in self.groups), 0, "", 0)
+
+    @classmethod
+    def from_groups(cls, groups: Sequence, num_blocks: int, **kwargs) -> KVCacheManager:
+        """A manager for a model's layer groups, hashing at the greatest common divisor of their block sizes.
+
+        ``groups`` are ``KVCacheGroup`` objects, e.g. from
+        ``kvpool.specs.group_layers``; ``kwargs`` are the other constructor
+        arguments (``block_size`` excluded).
+        """
+        groups = tuple(groups)
+        if not groups:
+            raise ConfigError("from_groups needs at least one KVCacheGroup, got none")
+        if "block_size" in kwargs:
+            raise ConfigError(
+                f"from_groups derives block_size from the groups; do not pass block_size={kwargs['block_size']!r}"
+            )
+        sizes = [getattr(g, "block_size", None) for g in groups]
+        if not all(type(size) is int and size > 0 for size in sizes):
+            raise ConfigError(f"from_groups needs KVCacheGroup objects with positive block sizes, got {groups!r}")
+        return cls(num_blocks, gcd(*sizes), groups=groups, **kwargs)
 
     # -- sizes -------------------------------------------------------------------
 
@@ -181,6 +211,8 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: HitBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        *,
+        num_encoder_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
         """Make room for ``num_new_tokens`` new tokens of ``request``.
 
@@ -192,10 +224,16 @@ class KVCacheManager:
                 (first allocation of a request only).
             new_computed_blocks: the :class:`HitBlocks` of that lookup.
             num_lookahead_tokens: extra slots (speculative tokens), not cached.
+            num_encoder_tokens: the encoder input's length, for cross-attention
+                groups only (encoder-decoder models); pass it on the step that
+                should allocate those blocks, 0 otherwise.
 
         Returns:
             The newly allocated block IDs, one list per group, or None when the
-            free blocks cannot cover the step; then nothing has changed.
+            free blocks cannot cover the step; then no block was taken and
+            nothing changed, except that a running request's blocks no later
+            step reads (outside a sliding window or finished chunk, an older
+            state) were given back, as at the start of every step.
 
         Raises:
             RequestStateError: the arguments contradict the request's state.
@@ -212,6 +250,7 @@ class KVCacheManager:
             and num_new_computed_tokens == 0
             and num_lookahead_tokens == 0
             and new_computed_blocks is None
+            and num_encoder_tokens == 0
         ):
             # The common step of a running request (a decode or a prefill chunk)
             # in a single-group model: the same decisions as the general path
@@ -221,7 +260,7 @@ class KVCacheManager:
                 need = total if self.max_model_len is None or total < self.max_model_len else self.max_model_len
                 new = single.grow(rid, request.num_computed_tokens, need)
                 if new is None:
-                    return self._refuse(request, need)
+                    return self._refuse(request, need, request.num_computed_tokens)
                 if single.enable_caching:
                     single.cache_blocks(request, total)
                 return (new,)
@@ -233,10 +272,17 @@ class KVCacheManager:
             or num_new_tokens < 0
             or num_new_computed_tokens < 0
             or num_lookahead_tokens < 0
+            or type(num_encoder_tokens) is not int
+            or num_encoder_tokens < 0
         ):
             raise RequestStateError(
                 f"request {rid!r}: token counts must be non-negative integers, got num_new_tokens={num_new_tokens!r}, "
-                f"num_new_computed_tokens={num_new_computed_tokens!r}, num_lookahead_tokens={num_lookahead_tokens!r}"
+                f"num_new_computed_tokens={num_new_computed_tokens!r}, num_lookahead_tokens={num_lookahead_tokens!r}, "
+                f"num_encoder_tokens={num_encoder_tokens!r}"
+            )
+        if num_encoder_tokens and not any(g.uses_encoder_tokens for g in self.groups):
+            raise RequestStateError(
+                f"request {rid!r}: num_encoder_tokens={num_encoder_tokens} but the model has no cross-attention group"
             )
         if owner is not request:
             self._check_admission(request, owner, num_new_computed_tokens, new_computed_blocks)
@@ -262,17 +308,19 @@ class KVCacheManager:
 
         coordinator = self.coordinator
         if owner is request:
+            # Blocks that left the window go back first, even if the step is
+            # then refused: no later step reads them (vLLM does the same).
             coordinator.remove_skipped_blocks(rid, computed)
-            num_needed = coordinator.num_blocks_to_allocate(rid, need, None, total_computed)
+            num_needed = coordinator.num_blocks_to_allocate(rid, need, None, total_computed, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:
-                return self._refuse(request, need)
-            new_blocks = coordinator.allocate_new_blocks(rid, need)
+                return self._refuse(request, need, total_computed, num_encoder_tokens)
+            new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
         else:
-            num_needed = coordinator.num_blocks_to_allocate(rid, need, hits, total_computed)
+            num_needed = coordinator.num_blocks_to_allocate(rid, need, hits, total_computed, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:
-                return self._refuse(request, need)
+                return self._refuse(request, need, total_computed, num_encoder_tokens)
             coordinator.add_hit_blocks(rid, hits, total_computed)
-            new_blocks = coordinator.allocate_new_blocks(rid, need)
+            new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
             self._owners[rid] = request
         if self.enable_caching:
             cached = total_computed + num_new_tokens
@@ -318,12 +366,13 @@ class KVCacheManager:
                 f"request {rid!r}: a hit block was evicted after the lookup; look the request up again"
             )
 
-    def _refuse(self, request: Request, need: int) -> None:
-        """No room now. Raise instead if the request could never fit, even alone."""
-        most = self.coordinator.max_blocks_for(need)
+    def _refuse(self, request: Request, need: int, num_computed: int, num_encoder_tokens: int = 0) -> None:
+        """No room now. Raise instead if the step could never fit, even alone."""
+        most = self.coordinator.blocks_held_after(num_computed, need, num_encoder_tokens)
         if most > self.num_blocks - 1:
+            encoder = f" and {num_encoder_tokens} encoder tokens" if num_encoder_tokens else ""
             raise CapacityError(
-                f"request {request.request_id!r} needs {most} blocks for {need} tokens, "
+                f"request {request.request_id!r} needs {most} blocks for {need} tokens{encoder}, "
                 f"but the pool has only {self.num_blocks - 1} usable blocks"
             )
         return None
@@ -368,3 +417,23 @@ class KVCacheManager:
         from kvpool.invariants import check_manager
 
         check_manager(self)
+
+    def note_waiting(self, requests: Sequence[Request]) -> bool:
+        """Tell the eviction policy which requests wait for admission (all of them, each call).
+
+        Each call replaces the previous waiting set. A policy that supports
+        hints (``note_waiting`` on the free queue, e.g. the ``"waiting"``
+        policy) keeps the cached blocks of these requests' prefixes for last;
+        other policies ignore it. Requests are hashed here if they were not
+        yet (once, as on lookup). Returns whether the policy took the hint.
+        O(len(requests)) plus the policy's cost for requests new to the set.
+        """
+        hint = getattr(self.pool.free_queue, "note_waiting", None)
+        if hint is None or not self.enable_caching:
+            return False
+        waiting = {}
+        for request in requests:
+            request._bind(self.hasher)
+            waiting[request.request_id] = request.block_hashes
+        hint(waiting)
+        return True

@@ -232,6 +232,9 @@ class Scheduler:
         self._entries: dict[str, _Entry] = {}
         self._step = 0
         self._counts_only = self.config.chunk_detail is ChunkDetail.COUNTS
+        # A queue-aware eviction policy is told which requests wait, whenever that set changes.
+        self._hints_wanted = hasattr(manager.pool.free_queue, "note_waiting")
+        self._waiting_changed = False
         self.num_preemptions = 0
         max_len = self.config.max_model_len
         if max_len is not None and manager.max_model_len not in (None, max_len):
@@ -266,6 +269,7 @@ class Scheduler:
         entry = _Entry(request, stop, self.clock() if arrival_time is None else arrival_time)
         self._entries[rid] = entry
         self.waiting.append(entry)
+        self._waiting_changed = True
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its blocks go back to the pool. Unknown IDs are ignored."""
@@ -274,6 +278,7 @@ class Scheduler:
             return
         if entry in self.waiting:
             self.waiting.remove(entry)
+            self._waiting_changed = True
         if entry in self.running:
             self.running.remove(entry)
         self._finish(entry, FinishReason.ABORTED)
@@ -308,6 +313,9 @@ class Scheduler:
         self._step += 1
         budget = self.config.max_num_batched_tokens
         mgr = self.manager
+        if self._hints_wanted and self._waiting_changed:
+            mgr.note_waiting([e.request for e in self.waiting])
+            self._waiting_changed = False
         now = self.clock()
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -343,6 +351,7 @@ class Scheduler:
             if mgr.allocate_slots(request, todo, num_hit, hit) is None:
                 break
             self.waiting.popleft()
+            self._waiting_changed = True
             request.num_computed_tokens = num_hit
             entry.status = RequestStatus.RUNNING
             entry.num_cached_total += num_hit
@@ -396,6 +405,7 @@ class Scheduler:
         self.num_preemptions += 1
         entry.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(entry)
+        self._waiting_changed = True
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[RequestMetrics]:
         """Apply a step's results: advance progress, append sampled tokens, stop.

@@ -370,7 +370,8 @@ class MambaSpec:
     """
 
     kind: ClassVar[LayerKind] = LayerKind.MAMBA
-    prefix_cacheable: ClassVar[bool] = False
+    #: Whole states at block boundaries are cacheable (see docs/hybrid.md).
+    prefix_cacheable: ClassVar[bool] = True
 
     state_bytes: int
     block_size: int

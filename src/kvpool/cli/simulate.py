@@ -136,7 +136,13 @@ def _run(
             result = replay_sequential(
                 requests, num_blocks - 1, block_size=block_size, policy=policy, hash_algo=hash_algo, progress=bar.update
             )
-        output["sequential"] = result.to_dict() if hasattr(result, "to_dict") else vars(result)
+        from dataclasses import asdict
+
+        output["sequential"] = {
+            **asdict(result),
+            "token_hit_rate": result.token_hit_rate,
+            "block_hit_rate": result.block_hit_rate,
+        }
         if show:
             click.echo(f"{label} (sequential)")
             for key, value in output["sequential"].items():

@@ -8,13 +8,26 @@ step needs. All groups draw blocks from one shared :class:`BlockPool`.
 The default behaviour here is full attention's: keep every block, hit by
 walking the hashes from the first block. Other layer types override the hooks
 they change.
+
+Block sizes and hashes
+----------------------
+Request hashes are computed once, at the manager's hash block size (the
+smallest block size of the model). A group whose blocks are ``m`` times
+larger reads every ``m``-th hash: its block ``k`` is identified by
+``block_hashes[(k + 1) * m - 1]``, the chained hash at the block's last token,
+which covers the whole prefix up to there::
+
+    hash blocks   | h0 | h1 | h2 | h3 | h4 | h5 |      (hash block size 4)
+    group blocks  |  block 0  |  block 1  |  block 2  |    (block size 8, m = 2)
+    its hashes          h1          h3          h5
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
-from kvpool.block import KVBlock
+from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.block_pool import BlockPool
 from kvpool.request import Request
 
@@ -26,19 +39,93 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class _StridedHashes(Sequence):
+    """Every ``stride``-th hash of a request: item ``k`` is ``hashes[(k + 1) * stride - 1]``."""
+
+    __slots__ = ("_hashes", "_stride")
+
+    def __init__(self, hashes: Sequence, stride: int) -> None:
+        self._hashes = hashes
+        self._stride = stride
+
+    def __len__(self) -> int:
+        return len(self._hashes) // self._stride
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        n = len(self)
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError(k)
+        return self._hashes[(k + 1) * self._stride - 1]
+
+
+class _JoinedContents(_StridedHashes):
+    """Block contents at a coarser block size: item ``k`` joins ``stride`` fine contents."""
+
+    __slots__ = ()
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        n = len(self)
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError(k)
+        s = self._stride
+        return b"".join(self._hashes[k * s : (k + 1) * s])
+
+
+class _CoarseRequest:
+    """A request seen at a group's larger block size, for :meth:`BlockPool.cache_full_blocks`.
+
+    It offers exactly the fields that call reads: the strided hashes, the
+    joined contents (verified index only) and what KV events report.
+    """
+
+    __slots__ = ("_request", "block_hashes", "_block_contents")
+
+    def __init__(self, request: Request, stride: int) -> None:
+        self._request = request
+        self.block_hashes = _StridedHashes(request.block_hashes, stride)
+        contents = request._block_contents
+        self._block_contents = None if contents is None else _JoinedContents(contents, stride)
+
+    @property
+    def all_token_ids(self):
+        return self._request.all_token_ids
+
+    @property
+    def lora_name(self) -> str | None:
+        return self._request.lora_name
+
+    def extra_keys(self, start: int, end: int) -> tuple | None:
+        return self._request.extra_keys(start, end)
+
+
 class GroupManager:
     """Block tables and rules of one layer group.
 
     Args:
         pool: the shared block pool.
         group_id: this group's position among the model's groups.
-        block_size: tokens per block.
+        block_size: tokens per block of this group.
         enable_caching: whether this group caches full blocks.
+        spec: the group's layer spec (``kvpool.specs``), for the rules' parameters.
+        hash_block_size: tokens per request hash; ``block_size`` must be a
+            multiple of it. None means ``block_size``.
 
     ``tables[request_id]`` is the request's block table: block ``k`` holds
-    token positions ``k*block_size .. (k+1)*block_size - 1``.
+    token positions ``k*block_size .. (k+1)*block_size - 1``; the null block
+    (block 0) stands where a layer type needs no memory.
     ``num_cached[request_id]`` counts the leading table entries already
     offered to the prefix-cache index.
+    ``alignment`` is the granularity of a prefix hit in tokens: the block
+    size, or in a hybrid model the least common multiple of the groups' block
+    sizes (set by the coordinator).
     """
 
     #: Whether a prefix hit can be served by this group's layer type at all.
@@ -47,29 +134,64 @@ class GroupManager:
     downward_closed: ClassVar[bool] = True
     #: Whether hits walk the hashes from block 0 (needed by the verified index).
     supports_verified_index: ClassVar[bool] = True
+    #: Whether the group's blocks hold the encoder input instead of the tokens.
+    uses_encoder_tokens: ClassVar[bool] = False
 
     def __init__(
-        self, pool: BlockPool, group_id: int, block_size: int, enable_caching: bool, *, spec: object = None
+        self,
+        pool: BlockPool,
+        group_id: int,
+        block_size: int,
+        enable_caching: bool,
+        *,
+        spec: object = None,
+        hash_block_size: int | None = None,
     ) -> None:
         self.spec = spec
         self.pool = pool
         self.group_id = group_id
         self.block_size = block_size
+        self.hash_stride = 1 if hash_block_size is None else block_size // hash_block_size
+        self.alignment = block_size
         self.enable_caching = enable_caching and self.prefix_cacheable
         self.index = pool.indexes[group_id]
         self.null_block = pool.null_block
         self.tables: dict[str, list[KVBlock]] = {}
         self.num_cached: dict[str, int] = {}
 
+    # -- hashes at this group's block size ------------------------------------------
+
+    def hashes_of(self, request: Request) -> Sequence:
+        """The request's block hashes at this group's block size (``hashes[k]`` names block ``k``)."""
+        if self.hash_stride == 1:
+            return request.block_hashes
+        return _StridedHashes(request.block_hashes, self.hash_stride)
+
+    def contents_of(self, request: Request) -> Sequence[bytes] | None:
+        """The request's block contents at this group's block size (verified index only)."""
+        contents = request._block_contents
+        if contents is None or self.hash_stride == 1:
+            return contents
+        return _JoinedContents(contents, self.hash_stride)
+
     # -- prefix hits -----------------------------------------------------------
 
     def find_longest_cache_hit(self, request: Request, max_length: int) -> list[KVBlock]:
         """Blocks serving the longest cached prefix of at most ``max_length`` tokens.
 
-        The result covers ``len(result) * block_size`` tokens; entries a layer
-        type does not need are the null block. Changes nothing.
+        The result covers ``len(result) * block_size`` tokens, a multiple of
+        ``alignment``; entries a layer type does not need are the null block.
+        Changes nothing.
         """
-        return self.index.longest_prefix(request.block_hashes, request._block_contents, max_length // self.block_size)
+        bs = self.block_size
+        if self.hash_stride == 1:
+            hits = self.index.longest_prefix(request.block_hashes, request._block_contents, max_length // bs)
+        else:
+            hits = self.index.longest_prefix(self.hashes_of(request), self.contents_of(request), max_length // bs)
+        align = self.alignment
+        if align != bs:
+            del hits[len(hits) * bs // align * align // bs :]
+        return hits
 
     # -- blocks a request no longer needs ----------------------------------------
 
@@ -78,7 +200,29 @@ class GroupManager:
         return 0
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Give back blocks wholly outside what later steps read; null them in the table."""
+        """Give back the blocks wholly before the skipped tokens; null them in the table.
+
+        The blocks are released from the last one backwards (the deepest is
+        evicted first), stopping at the first entry that is already null:
+        earlier calls released everything before it.
+        """
+        skipped = self.num_skipped_tokens(num_computed_tokens)
+        if skipped <= 0:
+            return
+        table = self.tables[request_id]
+        num_skipped = skipped // self.block_size
+        if num_skipped > len(table):
+            num_skipped = len(table)
+        null = self.null_block
+        freed: list[KVBlock] = []
+        for i in range(num_skipped - 1, -1, -1):
+            block = table[i]
+            if block.block_id == NULL_BLOCK_ID:
+                break
+            freed.append(block)
+            table[i] = null
+        if freed:
+            self.pool.free_blocks(freed)
 
     # -- allocation ----------------------------------------------------------------
 
@@ -147,11 +291,24 @@ class GroupManager:
         """Offer the blocks that the first ``num_tokens`` tokens fill to the index."""
         rid = request.request_id
         done = self.num_cached[rid]
-        hashed = len(request.block_hashes) * self.block_size
-        full = (num_tokens if num_tokens < hashed else hashed) // self.block_size
+        stride = self.hash_stride
+        if stride == 1:
+            hashed = len(request.block_hashes) * self.block_size
+            full = (num_tokens if num_tokens < hashed else hashed) // self.block_size
+            if full > done:
+                self.pool.cache_full_blocks(request, self.tables[rid], done, full, self.group_id, self.block_size)
+                self.num_cached[rid] = full
+            return
+        full = min(num_tokens // self.block_size, len(request.block_hashes) // stride)
         if full > done:
-            self.pool.cache_full_blocks(request, self.tables[rid], done, full, self.group_id, self.block_size)
+            self._cache_range(request, self.tables[rid], done, full)
             self.num_cached[rid] = full
+
+    def _cache_range(self, request: Request, table: list[KVBlock], start: int, stop: int) -> None:
+        """Enter ``table[start:stop]`` into this group's index under the hashes at this group's block size."""
+        source = request if self.hash_stride == 1 else _CoarseRequest(request, self.hash_stride)
+        pool = self.pool
+        pool.cache_full_blocks(source, table, start, stop, self.group_id, self.block_size)  # type: ignore[arg-type]
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first."""
@@ -163,5 +320,14 @@ class GroupManager:
     # -- sizes -------------------------------------------------------------------
 
     def max_blocks_for(self, num_tokens: int) -> int:
-        """The most blocks one request of ``num_tokens`` tokens holds at once in this group."""
+        """The most blocks one request of ``num_tokens`` tokens holds at once in this group.
+
+        Assumes the request grows in steps no longer than its window (decode,
+        or prefill chunks); one long step holds what :meth:`blocks_held_after`
+        says.
+        """
         return cdiv(num_tokens, self.block_size)
+
+    def blocks_held_after(self, num_computed_tokens: int, num_tokens: int) -> int:
+        """Blocks a request holds right after a step from ``num_computed_tokens`` to ``num_tokens`` tokens."""
+        return cdiv(num_tokens, self.block_size) - self.num_skipped_tokens(num_computed_tokens) // self.block_size

@@ -9,6 +9,9 @@ Submodules (imported on demand; this package imports nothing heavy):
   (:func:`~kvpool.sim.workloads.generate_workload`). Standard library only.
 * :mod:`kvpool.sim.optimum` -- LRU and offline-optimal (Belady/MIN) prefix-cache
   hit rates of a trace. Needs numpy (the ``sim`` extra).
+* :mod:`kvpool.sim.sequential` -- replays a trace one request at a time through
+  the real manager with a chosen eviction policy
+  (:func:`~kvpool.sim.sequential.replay_sequential`). Standard library only.
 """
 
 from __future__ import annotations
