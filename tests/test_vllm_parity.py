@@ -1,0 +1,75 @@
+"""Decision-for-decision parity with vLLM's own KV cache manager.
+
+Runs only where vLLM is importable beside kvpool (it is never a dependency):
+``pip install --no-deps vllm==0.33.0`` plus the modules ``vllm.v1.core``
+imports. Random admissions, decodes and frees go to both managers; hit counts,
+new block IDs, block tables and the free-queue order must agree at every step.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="vLLM is not installed beside kvpool")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from vllm_reference import VLLMManager  # noqa: E402
+
+from kvpool import CapacityError, KVCacheManager, Request  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_traffic_makes_identical_decisions(seed):
+    rng = random.Random(seed)
+    num_blocks, block_size = rng.randint(8, 60), rng.choice([1, 2, 4, 16])
+    ours, theirs = KVCacheManager(num_blocks, block_size), VLLMManager(num_blocks, block_size)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    running: dict[str, tuple] = {}
+    for step in range(300):
+        op = rng.random()
+        if op < 0.35 or not running:
+            rid = f"r{step}"
+            tokens = rng.choice(prefixes)[: rng.randint(0, 40)] + [rng.randrange(50) for _ in range(rng.randint(1, 20))]
+            a, b = Request(rid, tokens), theirs.make_request(rid, tokens)
+            (hit_a, n_a), (hit_b, n_b) = ours.get_computed_blocks(a), theirs.get_computed_blocks(b)
+            assert n_a == n_b
+            try:
+                new_a = ours.allocate_slots(a, a.num_tokens - n_a, n_a, hit_a)
+            except CapacityError:
+                continue
+            new_b = theirs.allocate_slots(b, b.num_tokens - n_b, n_b, hit_b)
+            assert new_a == (None if new_b is None else tuple(new_b))
+            if new_a is not None:
+                a.num_computed_tokens = b.num_computed_tokens = a.num_tokens
+                running[rid] = (a, b)
+        elif op < 0.8:
+            rid = rng.choice(list(running))
+            a, b = running[rid]
+            token = rng.randrange(50)
+            a.append_output_token_ids(token)
+            b.append_output_token_ids(token)
+            try:
+                new_a = ours.allocate_slots(a, 1)
+            except CapacityError:
+                new_a = None
+            new_b = theirs.allocate_slots(b, 1)
+            assert new_a == (None if new_b is None else tuple(new_b))
+            if new_a is None:
+                ours.free(a)
+                theirs.free(b)
+                del running[rid]
+            else:
+                a.num_computed_tokens += 1
+                b.num_computed_tokens += 1
+        else:
+            a, b = running.pop(rng.choice(list(running)))
+            ours.free(a)
+            theirs.free(b)
+        assert ours.free_queue_block_ids() == theirs.free_queue_block_ids()
+        for rid in running:
+            assert ours.get_block_ids(rid) == tuple(theirs.get_block_ids(rid))
+    ours.check_invariants()
