@@ -115,3 +115,16 @@ def test_bad_options_exit_2(args, message):
     result = CliRunner().invoke(cli, ["simulate", *args])
     assert result.exit_code == 2
     assert message in result.stderr
+
+
+def test_curve_alone_skips_the_single_run_and_passes_the_lookahead():
+    result = CliRunner().invoke(
+        cli,
+        ["simulate", "synthetic:agent", "--requests", "80", "--curve", "200,800",
+         "--curve-policies", "lru,waiting", "--lookahead", "8", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert "simulation" not in data and "sequential" not in data
+    assert data["curve"]["lookahead"] == 8
+    assert len(data["curve"]["token_hit_rate"]["waiting"]) == 2

@@ -44,6 +44,17 @@ def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None,
     return blocks
 
 
+def _deltas(update):
+    """Turn a running count into the increments a progress bar wants."""
+    done = [0]
+
+    def report(total: int) -> None:
+        update(total - done[0])
+        done[0] = total
+
+    return report
+
+
 def _percent(x: float) -> str:
     return f"{100 * x:.2f}%"
 
@@ -89,12 +100,14 @@ def _print_table(result, label: str) -> None:
               help="Block hash; xxh3_128 verifies every hit, so hit rates are the same, only faster.")
 @click.option("--curve", help="Comma-separated cache sizes in blocks: also compute the hit-rate curve (sequential model).")
 @click.option("--curve-policies", default="lru", show_default=True, help="Comma-separated policies for --curve.")
+@click.option("--lookahead", type=int, default=0, show_default=True,
+              help="Sequential runs: announce the next N requests as waiting (for the 'waiting' policy).")
 @click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def simulate(
     trace, kv_blocks, kv_memory, model, block_size, policy, sequential, max_requests, seed,
     max_num_batched_tokens, max_num_seqs, step_overhead_ms, prefill_us_per_token, decode_us_per_seq,
-    hash_algo, curve, curve_policies, plot_dir, as_json,
+    hash_algo, curve, curve_policies, lookahead, plot_dir, as_json,
 ):
     """Replay TRACE (a trace file, or synthetic:KIND) through kvpool's manager and scheduler.
 
@@ -116,25 +129,31 @@ def simulate(
 def _run(
     trace, kv_blocks, kv_memory, model, block_size, policy, sequential, max_requests, seed,
     max_num_batched_tokens, max_num_seqs, step_overhead_ms, prefill_us_per_token, decode_us_per_seq,
-    hash_algo, curve, curve_policies, plot_dir, as_json,
+    hash_algo, curve, curve_policies, lookahead, plot_dir, as_json,
 ):
     from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory, simulate as run_simulation
 
     requests = _load(trace, max_requests, seed)
     if not requests:
         raise KVPoolError(f"trace {trace} holds no requests")
-    num_blocks = _num_blocks(kv_blocks, kv_memory, model, block_size)
+    if lookahead < 0:
+        raise KVPoolError(f"--lookahead must be non-negative, got {lookahead}")
+    curve_only = curve is not None and kv_blocks is None and kv_memory is None
+    num_blocks = 0 if curve_only else _num_blocks(kv_blocks, kv_memory, model, block_size)
     policy_factory(policy)  # an unknown name fails before any work
     label = f"{trace}: {len(requests):,} requests"
     show = not as_json
     output: dict = {"trace": trace, "requests": len(requests)}
 
-    if sequential:
+    if curve_only:
+        pass
+    elif sequential:
         from kvpool.sim.sequential import replay_sequential
 
         with click.progressbar(length=len(requests), label="replaying", file=sys.stderr, hidden=not show) as bar:
             result = replay_sequential(
-                requests, num_blocks - 1, block_size=block_size, policy=policy, hash_algo=hash_algo, progress=bar.update
+                requests, num_blocks - 1, block_size=block_size, policy=policy, hash_algo=hash_algo,
+                lookahead=lookahead, progress=_deltas(bar.update),
             )
         from dataclasses import asdict
 
@@ -176,13 +195,13 @@ def _run(
                 click.echo(f"  usage plot             {path}")
 
     if curve:
-        output["curve"] = _curve(requests, curve, curve_policies, block_size, hash_algo, plot_dir, label, show)
+        output["curve"] = _curve(requests, curve, curve_policies, block_size, hash_algo, lookahead, plot_dir, label, show)
 
     if as_json:
         click.echo(json.dumps(output, indent=2))
 
 
-def _curve(requests, curve, curve_policies, block_size, hash_algo, plot_dir, label, show) -> dict:
+def _curve(requests, curve, curve_policies, block_size, hash_algo, lookahead, plot_dir, label, show) -> dict:
     from kvpool.sim.optimum import optimal_hit_rate
     from kvpool.sim.sequential import replay_sequential
 
@@ -200,7 +219,9 @@ def _curve(requests, curve, curve_policies, block_size, hash_algo, plot_dir, lab
         for size in sizes:
             for p in policies:
                 rates[p].append(
-                    replay_sequential(requests, size, block_size=block_size, policy=p, hash_algo=hash_algo).token_hit_rate
+                    replay_sequential(
+                        requests, size, block_size=block_size, policy=p, hash_algo=hash_algo, lookahead=lookahead
+                    ).token_hit_rate
                 )
                 bar.update(1)
             rates["optimum"].append(optimal_hit_rate(requests, size, block_size).token_hit_rate)
@@ -210,7 +231,7 @@ def _curve(requests, curve, curve_policies, block_size, hash_algo, plot_dir, lab
         click.echo("  " + f"{'blocks':>10}" + "".join(f"{name:>12}" for name in rates))
         for i, size in enumerate(sizes):
             click.echo("  " + f"{size:>10,}" + "".join(f"{_percent(r[i]):>12}" for r in rates.values()))
-    result = {"sizes": sizes, "token_hit_rate": rates}
+    result = {"sizes": sizes, "lookahead": lookahead, "token_hit_rate": rates}
     if plot_dir is not None:
         from kvpool.sim.plots import plot_hit_rate_curve
 

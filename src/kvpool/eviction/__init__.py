@@ -83,7 +83,7 @@ class FreeQueuePolicy(Protocol):
         ...
 
     def remove(self, block: KVBlock) -> None:
-        """Take one specific free block out (a prefix hit on a free cached block)."""
+        """Take one specific free block out (a lookup found it cached while it was free)."""
         ...
 
     def release(self, reuse_first: list[KVBlock], reuse_last: list[KVBlock]) -> None:

@@ -11,7 +11,7 @@ manager)::
 No output tokens are appended and no two requests overlap, so the only state
 carried from one request to the next is the prefix cache and the free-queue
 order: the eviction policy alone decides the hit rate. The pool has
-``capacity_blocks + 1`` blocks (block 0 is the reserved null block).
+``capacity_blocks + 1`` blocks (plus block 0, which is never handed out).
 
 How this differs from :func:`kvpool.sim.optimum.lru_hit_rate` (the key-level
 model) with the default policy, all of it the real manager's behaviour:
@@ -196,64 +196,3 @@ def replay_sequential(
         oversized=oversized,
         elapsed_s=elapsed,
     )
-
-
-def _load(trace: str | None, kind: str | None, num_requests: int, seed: int) -> list[TraceRequest]:
-    if (trace is None) == (kind is None):
-        raise ConfigError("give exactly one of --trace and --workload")
-    if trace is not None:
-        from kvpool.sim.traces import load_trace
-
-        return load_trace(trace)
-    from kvpool.sim.workloads import generate_workload
-
-    return generate_workload(kind, num_requests=num_requests, seed=seed)  # type: ignore[arg-type]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line: replay a trace or a synthetic workload; one JSON line per run.
-
-    Example (the conversation trace at 10,000 x 512 tokens)::
-
-        python -m kvpool.sim.sequential --trace ../shared/traces/conversation_trace.jsonl \\
-            --capacity 320000 --policy lru frequency --reference
-    """
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(prog="python -m kvpool.sim.sequential", description=main.__doc__)
-    parser.add_argument("--trace", help="a trace file (Mooncake or token-level JSONL)")
-    parser.add_argument("--workload", help="a synthetic workload kind instead of a trace")
-    parser.add_argument("--requests", type=int, default=2000, help="synthetic requests (default 2000)")
-    parser.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default 0)")
-    parser.add_argument("--capacity", type=int, nargs="+", required=True, help="usable blocks (one run per value)")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--policy", nargs="+", default=["lru"], help="policy names (one run per name)")
-    parser.add_argument("--lookahead", type=int, default=0, help="waiting requests announced before each request")
-    parser.add_argument("--hash-algo", default="sha256", choices=[a.value for a in HashAlgo])
-    parser.add_argument("--reference", action="store_true", help="also print the key-level LRU and optimum")
-    args = parser.parse_args(argv)
-    requests = _load(args.trace, args.workload, args.requests, args.seed)
-    for capacity in args.capacity:
-        if args.reference:
-            from kvpool.sim.optimum import build_block_trace, lru_hit_rate, optimal_hit_rate
-
-            keys = build_block_trace(requests, args.block_size)
-            for model in (lru_hit_rate(keys, capacity), optimal_hit_rate(keys, capacity)):
-                print(json.dumps({"model": model.policy.value, "capacity_blocks": capacity,
-                                  "token_hit_rate": round(model.token_hit_rate, 4),
-                                  "block_hit_rate": round(model.block_hit_rate, 4)}), flush=True)
-        for name in args.policy:
-            result = replay_sequential(
-                requests, capacity, block_size=args.block_size, policy=name,
-                hash_algo=args.hash_algo, lookahead=args.lookahead,
-            )
-            print(json.dumps({"policy": result.policy, "capacity_blocks": capacity, "lookahead": result.lookahead,
-                              "hash_algo": result.hash_algo, "token_hit_rate": round(result.token_hit_rate, 4),
-                              "block_hit_rate": round(result.block_hit_rate, 4), "evictions": result.evictions,
-                              "requests": result.requests, "elapsed_s": round(result.elapsed_s, 1)}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
