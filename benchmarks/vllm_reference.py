@@ -20,7 +20,11 @@ class VLLMManager:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
 
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
@@ -80,3 +84,80 @@ class VLLMManager:
 
     def free_queue_block_ids(self) -> list[int]:
         return [b.block_id for b in self._mgr.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def build_hybrid_pair(num_blocks: int, kinds: Sequence[tuple[str, int, int | None]]):
+    """kvpool's and vLLM's managers for the same layer groups.
+
+    ``kinds`` holds one ``(kind, block_size, parameter)`` per group: ``("full",
+    bs, None)``, ``("sw", bs, window)`` or ``("cl", bs, chunk)``. Returns
+    ``(kvpool_manager, vllm_manager, vllm_request_factory)``.
+    """
+    import math
+
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec as VChunked,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec as VFull,
+    )
+    from vllm.v1.kv_cache_interface import (
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.kv_cache_interface import (
+        SlidingWindowSpec as VSliding,
+    )
+    from vllm.v1.request import Request as VLLMRequest
+
+    from kvpool import KVCacheManager
+    from kvpool.specs import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheGroup,
+        KVDtype,
+        SlidingWindowSpec,
+    )
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    theirs, ours = [], []
+    common = {"num_kv_heads": 1, "dtype": torch.float32}
+    for i, (kind, block_size, parameter) in enumerate(kinds):
+        if kind == "full":
+            spec = VFull(block_size=block_size, head_size=1, **common)
+            mine = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32)
+        elif kind == "sw":
+            spec = VSliding(block_size=block_size, head_size=1, sliding_window=parameter, **common)
+            mine = SlidingWindowSpec(
+                block_size=block_size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32, sliding_window=parameter
+            )
+        else:
+            spec = VChunked(block_size=block_size, head_size=1, attention_chunk_size=parameter, **common)
+            mine = ChunkedLocalAttentionSpec(
+                block_size=block_size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32, attention_chunk_size=parameter
+            )
+        theirs.append(KVCacheGroupSpec([f"layer.{i}"], spec))
+        ours.append(KVCacheGroup(spec=mine, layer_ids=(i,)))
+    hash_block_size = math.gcd(*(k[1] for k in kinds))
+    scheduler_block_size = math.lcm(*(k[1] for k in kinds))
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=theirs)
+    vllm_manager = VLLMKVCacheManager(
+        config,
+        max_model_len=1 << 20,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        enable_caching=True,
+    )
+    hasher = get_request_block_hasher(hash_block_size, hash_fn)
+    sampling = SamplingParams(max_tokens=1 << 20)
+
+    def make_request(request_id: str, token_ids: Sequence[int]):
+        return VLLMRequest(request_id, list(token_ids), sampling, None, block_hasher=hasher)
+
+    return KVCacheManager.from_groups(ours, num_blocks), vllm_manager, make_request

@@ -73,3 +73,69 @@ def test_random_traffic_makes_identical_decisions(seed):
         for rid in running:
             assert ours.get_block_ids(rid) == tuple(theirs.get_block_ids(rid))
     ours.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_hybrid_groups_make_identical_decisions(seed):
+    """Full attention, sliding window and chunked local groups, equal or multiple block sizes."""
+    from vllm_reference import build_hybrid_pair
+
+    rng = random.Random(seed)
+    base = rng.choice([1, 2, 4])
+    mixed_sizes = rng.random() < 0.5
+    kinds = []
+    for _ in range(rng.choice([1, 2, 2, 3])):
+        kind = rng.choice(["full", "sw", "sw"] + ([] if mixed_sizes else ["cl"]))
+        parameter = rng.randint(1, 20) if kind == "sw" else (base * rng.randint(1, 5) if kind == "cl" else None)
+        kinds.append((kind, base * (rng.choice([1, 2, 3]) if mixed_sizes else 1), parameter))
+    ours, theirs, make_theirs = build_hybrid_pair(rng.randint(8, 60), kinds)
+
+    def ids(blocks):
+        return None if blocks is None else tuple(blocks.get_block_ids())
+
+    prefixes = [[rng.randrange(20) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    running: dict[str, tuple] = {}
+    for step in range(250):
+        op = rng.random()
+        if op < 0.35 or not running:
+            rid = f"r{step}"
+            tokens = rng.choice(prefixes)[: rng.randint(0, 40)] + [rng.randrange(20) for _ in range(rng.randint(1, 12))]
+            a, b = Request(rid, tokens), make_theirs(rid, tokens)
+            hit_a, n_a = ours.get_computed_blocks(a)
+            hit_b, n_b, _ = theirs.get_computed_blocks(b)
+            assert (n_a, hit_a.block_ids) == (n_b, tuple(hit_b.get_block_ids())), kinds
+            try:
+                new_a = ours.allocate_slots(a, a.num_tokens - n_a, n_a, hit_a)
+            except CapacityError:
+                continue
+            assert new_a == ids(theirs.allocate_slots(b, b.num_tokens - n_b, n_b, hit_b)), kinds
+            if new_a is not None:
+                a.num_computed_tokens = b.num_computed_tokens = a.num_tokens
+                running[rid] = (a, b)
+        elif op < 0.85:
+            rid = rng.choice(list(running))
+            a, b = running[rid]
+            token = rng.randrange(20)
+            a.append_output_token_ids(token)
+            b.append_output_token_ids(token)
+            try:
+                new_a = ours.allocate_slots(a, 1)
+            except CapacityError:
+                new_a = None
+            assert new_a == ids(theirs.allocate_slots(b, 1)), kinds
+            if new_a is None:
+                ours.free(a)
+                theirs.free(b)
+                del running[rid]
+            else:
+                a.num_computed_tokens += 1
+                b.num_computed_tokens += 1
+        else:
+            a, b = running.pop(rng.choice(list(running)))
+            ours.free(a)
+            theirs.free(b)
+        theirs_queue = [blk.block_id for blk in theirs.block_pool.free_block_queue.get_all_free_blocks()]
+        assert ours.free_queue_block_ids() == theirs_queue, kinds
+        for rid in running:
+            assert ours.get_block_ids(rid) == tuple(theirs.get_block_ids(rid)), kinds
+        ours.check_invariants()

@@ -27,6 +27,7 @@ from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.errors import InvariantViolation
 from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.free_queue import FreeBlockQueue
+from kvpool.hashing import BlockHash
 from kvpool.prefix_index import PrefixIndex, VerifiedPrefixIndex
 from kvpool.request import Request
 
@@ -161,17 +162,25 @@ class BlockPool:
     # -- caching -------------------------------------------------------------------
 
     def cache_full_blocks(
-        self, request: Request, table: Sequence[KVBlock], start: int, stop: int, group_id: int, block_size: int
+        self,
+        request: Request,
+        table: Sequence[KVBlock],
+        start: int,
+        stop: int,
+        group_id: int,
+        block_size: int,
+        hashes: Sequence[BlockHash],
+        contents: Sequence[bytes] | None,
     ) -> None:
         """Enter ``table[start:stop]`` (now full) into group ``group_id``'s index.
 
-        Block ``k`` of the table is cached under ``request.block_hashes[k]``.
-        Null blocks are skipped. With the verified index a block whose hash is
-        held by other content stays uncached (and so do its successors).
+        Block ``k`` of the table is cached under ``hashes[k]`` (the request's
+        hashes at this group's block size); ``contents[k]`` is its content for
+        the verified index. Null blocks are skipped. With the verified index a
+        block whose hash is held by other content stays uncached (and so do its
+        successors). ``request`` only feeds the KV events.
         """
         index = self.indexes[group_id]
-        hashes = request.block_hashes
-        contents = request._block_contents
         stored: list = []
         for k in range(start, stop):
             block = table[k]
@@ -187,15 +196,17 @@ class BlockPool:
             block.group_id = group_id
             stored.append(k)
         if self.events is not None and stored:
-            self._record_stored(request, stored, group_id, block_size)
+            self._record_stored(request, hashes, stored, group_id, block_size)
 
-    def _record_stored(self, request: Request, stored: list[int], group_id: int, block_size: int) -> None:
+    def _record_stored(
+        self, request: Request, hashes: Sequence[BlockHash], stored: list[int], group_id: int, block_size: int
+    ) -> None:
         tokens = request.all_token_ids
         first = stored[0]
         self.events.append(  # type: ignore[union-attr]
             BlockStored(
-                block_hashes=tuple(request.block_hashes[k] for k in stored),
-                parent_block_hash=request.block_hashes[first - 1] if first else None,
+                block_hashes=tuple(hashes[k] for k in stored),
+                parent_block_hash=hashes[first - 1] if first else None,
                 token_ids=tuple(t for k in stored for t in tokens[k * block_size : (k + 1) * block_size]),
                 block_size=block_size,
                 lora_name=request.lora_name,

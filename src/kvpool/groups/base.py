@@ -79,33 +79,6 @@ class _JoinedContents(_StridedHashes):
         return b"".join(self._hashes[k * s : (k + 1) * s])
 
 
-class _CoarseRequest:
-    """A request seen at a group's larger block size, for :meth:`BlockPool.cache_full_blocks`.
-
-    It offers exactly the fields that call reads: the strided hashes, the
-    joined contents (verified index only) and what KV events report.
-    """
-
-    __slots__ = ("_request", "block_hashes", "_block_contents")
-
-    def __init__(self, request: Request, stride: int) -> None:
-        self._request = request
-        self.block_hashes = _StridedHashes(request.block_hashes, stride)
-        contents = request._block_contents
-        self._block_contents = None if contents is None else _JoinedContents(contents, stride)
-
-    @property
-    def all_token_ids(self):
-        return self._request.all_token_ids
-
-    @property
-    def lora_name(self) -> str | None:
-        return self._request.lora_name
-
-    def extra_keys(self, start: int, end: int) -> tuple | None:
-        return self._request.extra_keys(start, end)
-
-
 class GroupManager:
     """Block tables and rules of one layer group.
 
@@ -296,7 +269,10 @@ class GroupManager:
             hashed = len(request.block_hashes) * self.block_size
             full = (num_tokens if num_tokens < hashed else hashed) // self.block_size
             if full > done:
-                self.pool.cache_full_blocks(request, self.tables[rid], done, full, self.group_id, self.block_size)
+                self.pool.cache_full_blocks(
+                    request, self.tables[rid], done, full, self.group_id, self.block_size,
+                    request.block_hashes, request._block_contents,
+                )
                 self.num_cached[rid] = full
             return
         full = min(num_tokens // self.block_size, len(request.block_hashes) // stride)
@@ -306,9 +282,10 @@ class GroupManager:
 
     def _cache_range(self, request: Request, table: list[KVBlock], start: int, stop: int) -> None:
         """Enter ``table[start:stop]`` into this group's index under the hashes at this group's block size."""
-        source = request if self.hash_stride == 1 else _CoarseRequest(request, self.hash_stride)
-        pool = self.pool
-        pool.cache_full_blocks(source, table, start, stop, self.group_id, self.block_size)  # type: ignore[arg-type]
+        self.pool.cache_full_blocks(
+            request, table, start, stop, self.group_id, self.block_size,
+            self.hashes_of(request), self.contents_of(request),
+        )
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first."""
