@@ -10,6 +10,11 @@ the torch-backed names below is first used.
 * :class:`ModelRunner` (:mod:`.model_runner`): one forward pass per batch of chunks.
 * :mod:`.model_store`: :func:`resolve_model`, :func:`load_model`.
 * :mod:`.sampling`: :class:`SamplingParams`, :func:`make_generator`, :func:`sample_tokens`.
+* :mod:`.memory`: the KV cache budget (measured on CUDA, estimated on the CPU).
+* :mod:`.startup`: loading, profiling and the one-time KV cache allocation.
+* :class:`LLMEngine` (:mod:`.llm_engine`): the step loop (scheduler, runner, sampler).
+* :class:`LLM` (:mod:`.llm`): the offline API, ``generate`` and ``chat``.
+* :class:`RequestOutput`, :class:`RequestDelta` (:mod:`.outputs`): what requests return.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ __all__ = [
     "DEFAULT_MODEL",
     "KVCacheSpec",
     "KVCaches",
+    "LLM",
+    "LLMEngine",
     "ModelRunner",
+    "RequestDelta",
+    "RequestOutput",
     "SamplingParams",
     "SequenceChunk",
     "allocate_kv_caches",
@@ -40,6 +49,10 @@ _LAZY = {
     "allocate_kv_caches": "kv_cache",
     "num_blocks_for_budget": "kv_cache",
     "ModelRunner": "model_runner",
+    "LLM": "llm",
+    "LLMEngine": "llm_engine",
+    "RequestOutput": "outputs",
+    "RequestDelta": "outputs",
     "DEFAULT_MODEL": "model_store",
     "resolve_model": "model_store",
     "load_model": "model_store",

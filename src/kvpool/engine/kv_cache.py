@@ -10,10 +10,18 @@ zero-filled so that even a stale block holds finite numbers.
 All layers' tensors are views into a single buffer, so the whole cache is one
 allocation whose size is known up front; nothing else in kvpool allocates KV
 memory.
+
+Hybrid models (layer groups that share one block pool, see
+:mod:`kvpool.specs`) can map several layers onto one tensor pair through
+``layer_slots``: layer ``j`` of every group uses slot ``j``, so one pool block
+is ``group size`` layer pages, which is what the planner counts. Two layers in
+the same slot never see each other's data because the pool hands each block ID
+to one group at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,15 +134,18 @@ class KVCaches:
     Attributes:
         spec: Geometry and dtype.
         num_blocks: Blocks per layer, the null block (ID 0) included.
-        key_caches: ``key_caches[i]`` has shape
+        key_caches: ``key_caches[i]`` (layer ``i``) has shape
             ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         value_caches: Same shape as ``key_caches``.
+        layer_slots: ``layer_slots[i]`` is the tensor pair layer ``i`` uses;
+            layers with equal slots share tensors. Empty means one pair per layer.
     """
 
     spec: KVCacheSpec
     num_blocks: int
     key_caches: tuple[torch.Tensor, ...]
     value_caches: tuple[torch.Tensor, ...]
+    layer_slots: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -149,9 +160,14 @@ class KVCaches:
         return self.key_caches[0].device
 
     @property
+    def num_tensor_pairs(self) -> int:
+        """Distinct (K, V) tensor pairs: the layers, or fewer when layers share slots."""
+        return len(set(self.layer_slots)) if self.layer_slots else self.spec.num_layers
+
+    @property
     def nbytes(self) -> int:
         """Total bytes held by the cache."""
-        return self.num_blocks * self.spec.block_bytes
+        return self.num_blocks * self.num_tensor_pairs * self.spec.layer_block_bytes
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(key_cache, value_cache)`` pair of layer ``index``."""
@@ -159,7 +175,11 @@ class KVCaches:
 
 
 def allocate_kv_caches(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"
+    spec: KVCacheSpec,
+    num_blocks: int,
+    device: torch.device | str = "cpu",
+    *,
+    layer_slots: Sequence[int] | None = None,
 ) -> KVCaches:
     """Allocate the whole KV cache in one buffer and return per-layer views.
 
@@ -168,21 +188,38 @@ def allocate_kv_caches(
         num_blocks: Blocks per layer including the null block; see
             :func:`num_blocks_for_budget`.
         device: Where the memory lives.
+        layer_slots: Per layer, the tensor pair it uses (slots ``0..S-1``, each
+            used at least once); None gives every layer its own pair.
 
     Returns:
         A :class:`KVCaches` whose tensors are zero-filled views of one buffer of
-        shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        shape ``[S, 2, num_blocks, block_size, num_kv_heads, head_dim]``
+        (``S`` = number of slots, the layer count by default).
     """
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < MIN_NUM_BLOCKS:
         raise ConfigError(f"num_blocks must be an int >= {MIN_NUM_BLOCKS}, got {num_blocks!r}")
+    if layer_slots is None:
+        slots: tuple[int, ...] = ()
+        num_slots = spec.num_layers
+    else:
+        slots = tuple(layer_slots)
+        valid = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in slots)
+        num_slots = max(slots) + 1 if slots and valid else 0
+        if len(slots) != spec.num_layers or not valid or set(slots) != set(range(num_slots)):
+            raise ConfigError(
+                f"layer_slots must give each of the {spec.num_layers} layers a slot in 0..S-1, "
+                f"using every slot; got {list(slots)}"
+            )
     buffer = torch.zeros(
-        (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+        (num_slots, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
         dtype=spec.dtype,
         device=device,
     )
+    index = slots or tuple(range(spec.num_layers))
     return KVCaches(
         spec=spec,
         num_blocks=num_blocks,
-        key_caches=tuple(buffer[i, 0] for i in range(spec.num_layers)),
-        value_caches=tuple(buffer[i, 1] for i in range(spec.num_layers)),
+        key_caches=tuple(buffer[i, 0] for i in index),
+        value_caches=tuple(buffer[i, 1] for i in index),
+        layer_slots=slots,
     )

@@ -34,6 +34,7 @@ __all__ = [
     "convert_bundled_model",
     "known_models",
     "load_model",
+    "pending_conversion",
     "resolve_model",
 ]
 
@@ -155,6 +156,23 @@ def convert_bundled_model(model: BundledModel, destination: Path) -> Path:
     return destination
 
 
+def pending_conversion(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> BundledModel | None:
+    """The bundled model that :func:`resolve_model` would convert first, or None.
+
+    Lets a caller announce the one-time conversion (15-20 s) before it starts.
+    """
+    key = os.fspath(DEFAULT_MODEL if name_or_path is None else name_or_path)
+    bundled = _BUNDLED.get(key.lower())
+    if bundled is None:
+        return None
+    folder = cache_root(cache_dir) / "models" / bundled.folder_name
+    return None if _is_complete(folder) else bundled
+
+
 def resolve_model(
     name_or_path: str | os.PathLike[str] | None = None,
     *,
@@ -195,10 +213,16 @@ def resolve_model(
     )
 
 
+# Any of these marks a folder that holds a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_model(
     path: str | os.PathLike[str],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    *,
+    require_tokenizer: bool = True,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from a local folder, offline.
 
@@ -206,6 +230,8 @@ def load_model(
         path: A folder from :func:`resolve_model`.
         dtype: Parameter dtype (float32 on CPU).
         device: Where the weights go.
+        require_tokenizer: When False, a folder without tokenizer files loads
+            with tokenizer None (token-ID prompts only).
 
     Returns:
         The causal LM in eval mode and its tokenizer.
@@ -220,7 +246,11 @@ def load_model(
         raise ConfigError(f"model folder {str(folder)!r} has no config.json")
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        has_tokenizer = any((folder / name).is_file() for name in _TOKENIZER_FILES)
+        if has_tokenizer or require_tokenizer:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        else:
+            tokenizer = None
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"cannot load a causal LM from {str(folder)!r}: {exc}") from exc
     model.to(device)

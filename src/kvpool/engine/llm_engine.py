@@ -1,0 +1,420 @@
+"""The serving loop: requests in, one scheduled forward pass per step, tokens out.
+
+Each :meth:`LLMEngine.step`:
+
+1. ``scheduler.schedule()`` picks this step's chunks under the token budget
+   (chunked prefill, prefix-cache hits, preemption when blocks run out);
+2. each :class:`~kvpool.scheduler.ScheduledChunk` becomes a
+   :class:`~kvpool.engine.batch.SequenceChunk` (same positions and block
+   tables) and ``runner.execute`` computes them in one forward pass, writing
+   K/V into the preallocated cache through the block tables;
+3. the last-token logits of chunks that reach the end of their known tokens
+   are sampled, each request with its own :class:`SamplingParams` and its own
+   seeded generator;
+4. ``scheduler.update`` appends the tokens, applies the stop conditions (stop
+   tokens, EOS, ``max_tokens``, ``max_model_len``) and frees finished requests'
+   blocks, which stay in the prefix cache until evicted.
+
+A prefix hit is never recomputed: the scheduler starts the request's first
+chunk at the number of cached tokens. Every request is checked before it is
+queued, so a bad one raises a :class:`~kvpool.errors.KVPoolError` and leaves
+the engine serving. Should a step fail anyway (or be interrupted), every
+request is dropped and the prefix cache emptied before the exception goes on,
+and the engine serves new requests as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpool.engine.batch import SequenceChunk
+from kvpool.engine.model_store import DEFAULT_MODEL
+from kvpool.engine.outputs import IncrementalDetokenizer, RequestDelta, RequestOutput
+from kvpool.engine.sampling import SamplingParams, make_generator, sample_tokens
+from kvpool.engine.startup import EngineOptions, EngineSetup, start_engine
+from kvpool.errors import ConfigError, InvalidTokenError, RequestStateError
+from kvpool.manager import KVCacheManager
+from kvpool.request import Request
+from kvpool.scheduler import RequestMetrics, Scheduler, SchedulerConfig, StopConditions
+
+__all__ = ["LLMEngine", "PreparedRequest", "Prompt"]
+
+#: A prompt: text (needs a tokenizer) or token IDs.
+Prompt = str | Sequence[int]
+
+_LOGGER = logging.getLogger("kvpool.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request that passed every check and only waits to be queued."""
+
+    request: Request
+    stop: StopConditions
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """The engine's side of a queued request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer | None
+    prompt: str | None
+
+
+class LLMEngine:
+    """A paged-KV inference engine over one model (see the module docstring).
+
+    Args:
+        model: a known model name (``"smollm2-135m"``) or a local model folder.
+        block_size: tokens per KV block.
+        max_num_batched_tokens: tokens one step computes at most (chunked prefill).
+        max_num_seqs: requests running at once at most.
+        max_model_len: prompt plus output tokens per request; None means the
+            model's ``max_position_embeddings``.
+        kv_cache_memory: KV cache bytes (int or ``"512MiB"``); None measures
+            the budget (see :mod:`kvpool.engine.memory`).
+        gpu_memory_utilization: fraction of the memory the budget may use.
+        enable_prefix_caching: share cached prompt blocks between requests.
+        dtype: weight and cache dtype; None picks float32 on the CPU.
+        device: ``"cpu"`` or ``"cuda"``; None picks CUDA when available.
+        log: receives the startup lines; None sends them to the
+            ``kvpool.engine`` logger at INFO.
+
+    Raises:
+        KVPoolError: a bad option, an unknown model, or a KV budget too small
+            for one ``max_model_len`` request.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] = DEFAULT_MODEL,
+        *,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        options = EngineOptions(
+            model=model,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            dtype=dtype,
+            device=device,
+        )
+        lines: list[str] = []
+        sink = log if log is not None else _LOGGER.info
+
+        def record(line: str) -> None:
+            lines.append(line)
+            sink(line)
+
+        self.setup: EngineSetup = start_engine(options, record)
+        self.startup_log: tuple[str, ...] = tuple(lines)
+        setup = self.setup
+        self.manager = KVCacheManager(
+            setup.plan.num_blocks,
+            options.block_size,
+            enable_caching=options.enable_prefix_caching,
+            max_model_len=setup.max_model_len,
+            groups=setup.groups,
+        )
+        self.scheduler = Scheduler(
+            self.manager,
+            SchedulerConfig(
+                max_num_batched_tokens=options.max_num_batched_tokens,
+                max_num_seqs=options.max_num_seqs,
+                max_model_len=setup.max_model_len,
+            ),
+        )
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+
+    # -- properties ----------------------------------------------------------------
+
+    @property
+    def runner(self):
+        return self.setup.runner
+
+    @property
+    def kv_caches(self):
+        return self.setup.kv_caches
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.setup.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.setup.max_model_len
+
+    @property
+    def capacity_line(self) -> str:
+        return self.setup.plan.capacity_line
+
+    @property
+    def num_blocks(self) -> int:
+        return self.setup.plan.num_blocks
+
+    # -- prompts ----------------------------------------------------------------------
+
+    def _require_tokenizer(self, what: str) -> Any:
+        if self.setup.tokenizer is None:
+            raise ConfigError(f"model {self.setup.model_name!r} has no tokenizer; {what}")
+        return self.setup.tokenizer
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token IDs of ``text``; ``add_special_tokens`` adds the tokenizer's own (e.g. BOS)."""
+        tokenizer = self._require_tokenizer("pass token IDs instead of text")
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        tokenizer = self._require_tokenizer("cannot decode text")
+        return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def render_chat(self, conversation: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's chat template writes it."""
+        tokenizer = self._require_tokenizer("chat needs one")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"the tokenizer of model {self.setup.model_name!r} has no chat template")
+        messages = list(conversation)
+        if not messages:
+            raise RequestStateError("a conversation needs at least one message")
+        for i, message in enumerate(messages):
+            if (
+                not isinstance(message, Mapping)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)
+            ):
+                raise RequestStateError(
+                    f"message {i} must be a mapping with string 'role' and 'content', got {message!r}"
+                )
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def prepare(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> PreparedRequest:
+        """Check a request fully without queuing it; :meth:`add_prepared` queues it.
+
+        Text prompts are encoded with ``add_special_tokens`` (False for text
+        that already holds them, such as a rendered chat template).
+        """
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self._live:
+                request_id = str(next(self._ids))
+        elif not isinstance(request_id, str) or not request_id:
+            raise RequestStateError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._live:
+            raise RequestStateError(f"request {request_id!r} is already running")
+        text: str | None = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestStateError(f"request {request_id!r}: the prompt is empty")
+            text = prompt
+            token_ids = self.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise RequestStateError(
+                f"request {request_id!r}: a prompt is text or a sequence of token IDs, got {type(prompt).__name__}"
+            )
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise RequestStateError(f"request {request_id!r}: the prompt has no tokens")
+        vocab = self.setup.runner.vocab_size
+        for i, token in enumerate(token_ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise InvalidTokenError(
+                    f"request {request_id!r}: prompt token {i} is {token!r}, not a token ID in [0, {vocab})"
+                )
+        limit = self.setup.max_model_len
+        if len(token_ids) >= limit:
+            raise RequestStateError(
+                f"request {request_id!r}: the prompt has {len(token_ids)} tokens, which leaves no room for "
+                f"output under max_model_len={limit}"
+            )
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestStateError(
+                f"request {request_id!r}: cache_salt must be a non-empty string, got {cache_salt!r}"
+            )
+        eos = self.setup.eos_token_ids
+        # A model may name several end tokens; the first is "the" EOS, the others stop like it.
+        extra_eos = frozenset() if params.ignore_eos else frozenset(eos[1:])
+        stop = StopConditions(
+            max_tokens=params.max_tokens,
+            stop_token_ids=frozenset(params.stop_token_ids) | extra_eos,
+            eos_token_id=eos[0] if eos else None,
+            ignore_eos=params.ignore_eos,
+        )
+        request = Request(request_id, token_ids, cache_salt=cache_salt)
+        return PreparedRequest(request=request, stop=stop, params=params, prompt=text)
+
+    def add_prepared(self, prepared: PreparedRequest) -> str:
+        """Queue a request from :meth:`prepare`; returns its ID."""
+        rid = prepared.request.request_id
+        if rid in self._live:
+            raise RequestStateError(f"request {rid!r} is already running")
+        self.scheduler.add_request(prepared.request, prepared.stop)  # raises before queuing
+        tokenizer = self.setup.tokenizer
+        self._live[rid] = _Live(
+            params=prepared.params,
+            generator=make_generator(prepared.params, "cpu"),
+            detokenizer=IncrementalDetokenizer(tokenizer) if tokenizer is not None else None,
+            prompt=prepared.prompt,
+        )
+        return rid
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> str:
+        """Check and queue one request; returns its ID. Raises :class:`KVPoolError` before queuing."""
+        prepared = self.prepare(
+            prompt, sampling_params, request_id=request_id, cache_salt=cache_salt, add_special_tokens=add_special_tokens
+        )
+        return self.add_prepared(prepared)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks go back to the pool. Unknown IDs are ignored."""
+        if self._live.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+            self.scheduler.forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduled forward pass; one delta per request that got a token."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RequestStateError("the scheduler could not schedule any waiting request")
+            return []
+        chunks = [
+            SequenceChunk(
+                request_id=c.request_id,
+                token_ids=c.token_ids,
+                start_position=c.start_position,
+                block_tables=c.block_tables,
+                sample=c.sample,
+            )
+            for c in plan.chunks
+        ]
+        sampled_ids = [c.request_id for c in plan.chunks if c.sample]
+        sampled: dict[str, int] = {}
+        try:
+            logits = self.setup.runner.execute(chunks)
+            if sampled_ids:
+                live = [self._live[rid] for rid in sampled_ids]
+                tokens = sample_tokens(logits, [s.params for s in live], [s.generator for s in live])
+                sampled = dict(zip(sampled_ids, tokens))
+        except BaseException:
+            self._recover()
+            raise
+        finished = {m.request_id: m for m in self.scheduler.update(plan, sampled)}
+        deltas = []
+        for rid, token in sampled.items():
+            state = self._live[rid]
+            piece = state.detokenizer.push(token) if state.detokenizer is not None else ""
+            metrics = finished.get(rid)
+            if metrics is None:
+                deltas.append(RequestDelta(request_id=rid, token_ids=(token,), text=piece, finished=False))
+                continue
+            if state.detokenizer is not None:
+                piece += state.detokenizer.flush()
+            output = self._finish(rid, metrics)
+            deltas.append(RequestDelta(request_id=rid, token_ids=(token,), text=piece, finished=True, output=output))
+        return deltas
+
+    def _recover(self) -> None:
+        """After a step failed: drop every request and forget the prefix cache.
+
+        The failed step's blocks were entered in the prefix cache when they
+        were allocated but never filled, so no cached block can be trusted.
+        The KV memory itself stays as it is; new requests are served as usual.
+        """
+        for rid in list(self._live):
+            self.abort(rid)
+        self.manager.reset_prefix_cache()
+
+    def _finish(self, request_id: str, metrics: RequestMetrics) -> RequestOutput:
+        request = self.scheduler.request(request_id)
+        self.scheduler.forget(request_id)
+        state = self._live.pop(request_id)
+        output_ids = tuple(request.output_token_ids)
+        tokenizer = self.setup.tokenizer
+        text = tokenizer.decode(list(output_ids), skip_special_tokens=True) if tokenizer is not None else ""
+        finished_at = metrics.finish_time
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            output_token_ids=output_ids,
+            text=text,
+            finish_reason=metrics.finish_reason,
+            num_cached_tokens=metrics.num_cached_tokens,
+            num_computed_tokens=metrics.num_computed_tokens,
+            time_to_first_token=metrics.time_to_first_token,
+            queue_time=metrics.queue_time,
+            latency=None if finished_at is None else finished_at - metrics.arrival_time,
+            num_preemptions=metrics.num_preemptions,
+        )
+
+    def run_until_done(self, request_ids: Sequence[str] | None = None) -> dict[str, RequestOutput]:
+        """Step until the given requests (default: all) have finished; their outputs by ID.
+
+        Other requests advance too; their outputs are not returned here.
+        """
+        wanted = set(self._live) if request_ids is None else set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        while wanted - done.keys():
+            if not self.scheduler.has_unfinished_requests():
+                missing = sorted(wanted - done.keys())
+                raise RequestStateError(f"requests {missing} are not running in this engine")
+            for delta in self.step():
+                if delta.output is not None and delta.request_id in wanted:
+                    done[delta.request_id] = delta.output
+        return done

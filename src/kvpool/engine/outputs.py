@@ -1,0 +1,126 @@
+"""What the engine hands back: finished requests, streamed deltas, and their log lines.
+
+Nothing here imports torch; a tokenizer is any object with a Hugging Face
+style ``decode(ids, skip_special_tokens=...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.scheduler import FinishReason
+
+__all__ = ["IncrementalDetokenizer", "RequestDelta", "RequestOutput", "request_log_line"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestOutput:
+    """A finished request.
+
+    Times are seconds from the request's arrival (``add_request``):
+    ``queue_time`` until first scheduled, ``time_to_first_token`` until its
+    first output token was sampled, ``latency`` until it finished.
+    ``num_cached_tokens`` counts prompt tokens served by the prefix cache (all
+    admissions, so a preempted request that hits its own blocks counts them
+    again); ``num_computed_tokens`` counts tokens fed to the model for it,
+    recomputation included.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    num_cached_tokens: int
+    num_computed_tokens: int
+    time_to_first_token: float | None
+    queue_time: float | None
+    latency: float | None
+    num_preemptions: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Output tokens over the request's whole latency (None if it took no measurable time)."""
+        if not self.latency:
+            return None
+        return self.num_output_tokens / self.latency
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestDelta:
+    """What one engine step produced for one request.
+
+    ``text`` is the newly decodable text (possibly empty while a multi-byte
+    character is incomplete); ``output`` is set on the step that finished it.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    output: RequestOutput | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token IDs into text pieces as they become final.
+
+    Each new token is decoded together with the tokens since the last piece
+    handed out (so a tokenizer that merges or spaces tokens sees their
+    context) and the text beyond what those tokens alone decode to is the new
+    piece. While that text ends in U+FFFD, a character whose bytes are still
+    arriving, nothing is handed out. Each push decodes a few tokens, not the
+    whole output.
+    """
+
+    __slots__ = ("_tokenizer", "_ids", "_prefix_offset", "_read_offset")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the tokens decoded for context
+        self._read_offset = 0  # end of the tokens whose text was handed out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (maybe empty)."""
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The rest of the text, even if it ends in an incomplete character."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        ids = self._ids
+        before = self._decode(ids[self._prefix_offset : self._read_offset])
+        after = self._decode(ids[self._prefix_offset :])
+        if len(after) <= len(before) or not after.startswith(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        return after[len(before) :]
+
+
+def request_log_line(output: RequestOutput) -> str:
+    """One line of figures per finished request, for a serving log."""
+    ttft = "-" if output.time_to_first_token is None else f"{output.time_to_first_token * 1000:.0f} ms"
+    rate = output.tokens_per_second
+    return (
+        f"request {output.request_id}: {output.num_prompt_tokens} prompt tokens "
+        f"({output.num_cached_tokens} cached), {output.num_computed_tokens} computed, "
+        f"{output.num_output_tokens} output tokens; time to first token {ttft}; "
+        f"{'-' if rate is None else f'{rate:.1f}'} tokens/s; finished: {output.finish_reason.value}"
+        + (f"; preempted {output.num_preemptions}x" if output.num_preemptions else "")
+    )

@@ -1,0 +1,412 @@
+"""Engine startup: load the weights, group the KV layers, measure memory, allocate the KV cache once.
+
+The steps a serving engine takes before it accepts a request:
+
+1. Load the weights and the tokenizer (:mod:`kvpool.engine.model_store`).
+2. Build the KV cache groups from the model's ``config.json`` with
+   :func:`kvpool.model_config.layer_specs_from_config` and
+   :func:`kvpool.specs.group_layers`: one full-attention group for Llama,
+   Qwen2 and SmolLM2, one sliding-window group for Mistral, a sliding-window
+   and a full-attention group for Gemma-2-style alternation.
+3. Profile: one forward pass over the largest step the scheduler will send
+   (``max_num_batched_tokens`` tokens as dummy prefill chunks) through a
+   scratch KV cache just large enough for it, after a short warm-up pass
+   (which pages in weights mapped from disk), and measure the peak as
+   :mod:`kvpool.engine.memory` describes: with ``torch.cuda`` memory
+   statistics on CUDA, as the growth of the peak resident set on the CPU (an
+   estimate, and reported as one).
+4. Budget: ``total x gpu_memory_utilization - weights - peak activations -
+   other`` (:func:`kvpool.engine.memory.kv_budget`; capped on the CPU), or an
+   explicit ``kv_cache_memory`` (the profile still runs: it warms the model
+   up and its figure is logged).
+5. ``num_blocks = budget // pool block bytes``, where one pool block is
+   ``group size`` layer pages (:func:`kvpool.specs.pool_block_bytes`). The
+   figure and the capacity line come from :func:`kvpool.planner.plan_kv_cache`
+   given exactly that budget, so the engine and ``kvpool plan`` agree.
+6. Allocate one K and one V tensor ``[num_blocks, block_size, kv_heads,
+   head_dim]`` per layer slot, once, zero-filled. With several groups, layer
+   ``j`` of every group shares slot ``j`` (the pool hands a block ID to one
+   group at a time), so the cache is ``num_blocks x pool block bytes``, the
+   planner's figure. Nothing allocates or frees KV memory after this.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpool.engine.batch import SequenceChunk
+from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches
+from kvpool.engine.memory import (
+    MemoryBaseline,
+    MemoryProfile,
+    describe_budget,
+    format_bytes,
+    kv_budget,
+    measure_peak,
+    weights_bytes,
+)
+from kvpool.engine.model_runner import ModelRunner, layer_sliding_windows
+from kvpool.engine.model_store import load_model, pending_conversion, resolve_model
+from kvpool.errors import ConfigError
+from kvpool.model_config import max_position_embeddings
+from kvpool.planner import KVPlan, parse_size, plan_kv_cache
+from kvpool.specs import KVCacheGroup, KVDtype, LayerKind
+
+__all__ = ["EngineOptions", "EngineSetup", "start_engine"]
+
+_TORCH_DTYPES = {KVDtype.FP32: torch.float32, KVDtype.BF16: torch.bfloat16, KVDtype.FP16: torch.float16}
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineOptions:
+    """What the engine is asked to be; every field is checked before any loading.
+
+    ``kv_cache_memory`` is bytes (an int or a size such as ``"512MiB"``) or None
+    for a measured budget; ``dtype`` and ``device`` None pick float32 on the
+    CPU, and the model's serving dtype on CUDA.
+    """
+
+    model: str | os.PathLike[str]
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    dtype: torch.dtype | str | None = None
+    device: torch.device | str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
+            raise ConfigError(f"model must be a model name or a folder path, got {self.model!r}")
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len, minimum=2)
+        if self.kv_cache_memory is not None:
+            size = parse_size(self.kv_cache_memory, field="kv_cache_memory")
+            if size <= 0:
+                raise ConfigError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+            object.__setattr__(self, "kv_cache_memory", size)
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineSetup:
+    """Everything startup produced; the engine serves from this."""
+
+    options: EngineOptions
+    model_name: str
+    model_path: Path
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    groups: tuple[KVCacheGroup, ...]
+    plan: KVPlan
+    memory: MemoryProfile
+    kv_caches: KVCaches
+    runner: ModelRunner
+    eos_token_ids: tuple[int, ...]
+    startup_seconds: float
+
+
+# -- pieces ------------------------------------------------------------------------------
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but CUDA is not available")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported: use 'cpu' or 'cuda'")
+    return resolved
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, config: dict[str, Any]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_DTYPES.values():
+            raise ConfigError(f"dtype {dtype} is not supported: use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
+        if device.type == "cpu":
+            return torch.float32
+        declared = config.get("torch_dtype") or config.get("dtype") or "float32"
+        kv = KVDtype.parse(str(declared), field="config dtype")
+        return torch.bfloat16 if kv is KVDtype.FP32 else _TORCH_DTYPES.get(kv, torch.bfloat16)
+    kv = KVDtype.parse(dtype, field="dtype")
+    if kv not in _TORCH_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported for weights: use float32, bfloat16 or float16")
+    return _TORCH_DTYPES[kv]
+
+
+def _kv_dtype(dtype: torch.dtype) -> KVDtype:
+    return next(k for k, v in _TORCH_DTYPES.items() if v == dtype)
+
+
+def _check_groups_match_runner(groups: tuple[KVCacheGroup, ...], windows: tuple[int | None, ...]) -> None:
+    """The manager may free a block only if no layer of its group can still read it."""
+    for group in groups:
+        for layer in group.layer_ids:
+            managed = group.sliding_window
+            if managed is not None and windows[layer] != managed:
+                seen = "full attention" if windows[layer] is None else f"a window of {windows[layer]}"
+                raise ConfigError(f"layer {layer} is grouped as sliding window {managed} but the model computes {seen}")
+
+
+def _layer_maps(groups: tuple[KVCacheGroup, ...], num_layers: int) -> tuple[list[int], list[int]]:
+    """Per decoder layer: its group, and its tensor slot (its position within the group)."""
+    to_group = [-1] * num_layers
+    to_slot = [-1] * num_layers
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(group.layer_ids):
+            to_group[layer] = g
+            to_slot[layer] = j
+    if -1 in to_group:
+        raise ConfigError(f"layer {to_group.index(-1)} keeps a cache but is in no KV cache group")
+    return to_group, to_slot
+
+
+def _dummy_chunks(num_tokens: int, max_model_len: int, max_num_seqs: int, vocab: int, block_size: int):
+    """The profile step: ``num_tokens`` tokens as fresh prefill chunks, block tables from block 1 on."""
+    lengths: list[int] = []
+    left = num_tokens
+    while left > 0 and len(lengths) < max_num_seqs:
+        lengths.append(min(left, max_model_len))
+        left -= lengths[-1]
+    chunks, next_block = [], 1
+    for i, n in enumerate(lengths):
+        blocks = -(-n // block_size)
+        table = tuple(range(next_block, next_block + blocks))
+        next_block += blocks
+        tokens = tuple((i * 7919 + p * 31) % vocab for p in range(n))
+        chunks.append((f"profile-{i}", tokens, table))
+    return chunks, next_block
+
+
+def _profile(
+    model: Any,
+    spec: KVCacheSpec,
+    to_group: list[int],
+    to_slot: list[int],
+    options: EngineOptions,
+    max_model_len: int,
+    device: torch.device,
+) -> tuple[int | None, int, float]:
+    """Run the profile step; returns (peak activation bytes or None, tokens, seconds)."""
+    chunks, num_blocks = _dummy_chunks(
+        options.max_num_batched_tokens, max_model_len, options.max_num_seqs, model.config.vocab_size, spec.block_size
+    )
+    scratch = allocate_kv_caches(spec, max(num_blocks, 2), device=device, layer_slots=to_slot)
+    runner = ModelRunner(model, scratch, layer_to_group=to_group)
+    num_groups = max(to_group) + 1
+    batch = [
+        SequenceChunk(request_id=rid, token_ids=tokens, start_position=0, block_tables=(table,) * num_groups)
+        for rid, tokens, table in chunks
+    ]
+    tokens = sum(len(c.token_ids) for c in batch)
+    # A short pass first: weights mapped from disk are paged in and kernels set up,
+    # so that the measured pass sees activations only.
+    first = batch[0]
+    runner.execute([SequenceChunk(first.request_id, first.token_ids[: spec.block_size], 0, first.block_tables)])
+    started = time.perf_counter()
+    peak = measure_peak(device, functools.partial(runner.execute, batch))
+    seconds = time.perf_counter() - started
+    del runner, scratch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peak, tokens, seconds
+
+
+def _longest_fitting(groups: tuple[KVCacheGroup, ...], usable_blocks: int, upper: int) -> int:
+    """The longest request (0 if none) whose blocks, summed over the groups, fit in ``usable_blocks``."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(g.spec.blocks_per_request(mid) for g in groups) <= usable_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        if source is None:
+            continue
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids = [eos] if isinstance(eos, int) else list(eos)
+        return tuple(int(i) for i in ids)
+    return ()
+
+
+# -- startup -----------------------------------------------------------------------------
+
+
+def _load(options: EngineOptions, device: torch.device, log: Callable[[str], None]) -> tuple[Path, dict, Any, Any]:
+    """Resolve and load the model; returns (folder, config.json as a dict, model, tokenizer or None)."""
+    bundled = pending_conversion(options.model)
+    if bundled is not None:
+        log(f"first use of {bundled.name}: converting {bundled.gguf_file} to safetensors once (about 20 s)")
+    path = resolve_model(options.model)
+    config_path = path / "config.json"
+    try:
+        config: dict[str, Any] = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {str(config_path)!r}: {exc}") from None
+    dtype = _resolve_dtype(options.dtype, device, config)
+    model, tokenizer = load_model(path, dtype=dtype, device=device, require_tokenizer=False)
+    return path, config, model, tokenizer
+
+
+def _kv_groups(plan: KVPlan, hf_config: Any, block_size: int) -> tuple[KVCacheGroup, ...]:
+    """The planner's groups, checked against what the runner computes."""
+    groups = tuple(KVCacheGroup(spec=g.spec, layer_ids=g.layer_ids) for g in plan.groups)
+    unsupported = {g.kind for g in groups} - {LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW}
+    if unsupported:
+        raise ConfigError(
+            f"the engine runs attention layers only; this model has {sorted(k.value for k in unsupported)}"
+        )
+    if sum(g.num_layers for g in groups) != hf_config.num_hidden_layers:
+        raise ConfigError("every decoder layer must keep a KV cache for the engine to run it")
+    if {g.block_size for g in groups} != {block_size}:
+        raise ConfigError(
+            f"the KV groups need block sizes {sorted({g.block_size for g in groups})}; "
+            f"the engine runs one block size ({block_size})"
+        )
+    _check_groups_match_runner(groups, layer_sliding_windows(hf_config))
+    return groups
+
+
+def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSetup:
+    """Run the startup steps of the module docstring and report each through ``log``.
+
+    Raises:
+        ConfigError: an unknown model, an unsupported architecture, a budget
+            that holds no block or not one ``max_model_len`` request, and the
+            like; nothing is allocated for the KV cache before the checks pass.
+    """
+    started = time.perf_counter()
+    device = _resolve_device(options.device)
+    baseline = MemoryBaseline.capture(device)
+    name = os.fspath(options.model)
+    loading = time.perf_counter()
+    path, config, model, tokenizer = _load(options, device, log)
+    load_seconds = time.perf_counter() - loading
+    hf_config = model.config
+    dtype = next(model.parameters()).dtype
+    weights = weights_bytes(model, baseline)
+    arch = (getattr(hf_config, "architectures", None) or [type(model).__name__])[0]
+    num_threads = torch.get_num_threads()
+    threads = f" ({num_threads} thread{'s' if num_threads > 1 else ''})" if device.type == "cpu" else ""
+    log(f"model {name} ({arch}, {hf_config.num_hidden_layers} layers) from {path}")
+    log(
+        f"dtype {str(dtype).removeprefix('torch.')}, device {device}{threads}; "
+        f"weights {format_bytes(weights)} loaded in {load_seconds:.1f} s"
+        + ("" if tokenizer is not None else "; no tokenizer (token-ID prompts only)")
+    )
+
+    limit = max_position_embeddings(config)
+    max_model_len = options.max_model_len or limit
+    if max_model_len > limit:
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+
+    # The planner reads config.json as served (this dtype), so engine and planner agree.
+    served = {k: v for k, v in config.items() if k != "torch_dtype"}
+    served["dtype"] = _kv_dtype(dtype).value
+
+    def plan_for(budget: int) -> KVPlan:
+        return plan_kv_cache(
+            served, gpu_memory_bytes=budget, gpu_memory_utilization=1, weights_bytes=0, activation_bytes=0,
+            other_overhead_bytes=0, kv_dtype=_kv_dtype(dtype), block_size=options.block_size,
+            max_model_len=max_model_len, name=name,
+        )  # fmt: skip
+
+    groups = _kv_groups(plan_for(2**62), hf_config, options.block_size)
+    to_group, to_slot = _layer_maps(groups, hf_config.num_hidden_layers)
+    spec = KVCacheSpec.from_model_config(hf_config, block_size=options.block_size, dtype=dtype)
+
+    peak, profile_tokens, profile_seconds = _profile(model, spec, to_group, to_slot, options, max_model_len, device)
+    how = "torch.cuda peak" if device.type == "cuda" else "CPU estimate: peak resident-set growth"
+    log(
+        f"profile: one forward pass of {profile_tokens} tokens (max_num_batched_tokens) in {profile_seconds:.2f} s; "
+        f"peak activations {'not observable here' if peak is None else format_bytes(peak)} ({how})"
+    )
+    memory = kv_budget(
+        baseline=baseline,
+        utilization=float(options.gpu_memory_utilization),
+        weights=weights,
+        peak=peak,
+        given=options.kv_cache_memory,  # type: ignore[arg-type]  # bytes after EngineOptions' check
+        profile_tokens=profile_tokens,
+        profile_seconds=profile_seconds,
+    )
+    plan = plan_for(memory.kv_budget_bytes)
+    if plan.blocks_per_request > plan.num_blocks - 1:  # block 0 is the reserved null block
+        raise ConfigError(
+            f"a KV cache of {format_bytes(memory.kv_budget_bytes)} holds {plan.num_blocks} blocks, not enough for "
+            f"one request of max_model_len={max_model_len} tokens (the longest that fits is "
+            f"{_longest_fitting(groups, plan.num_blocks - 1, max_model_len)}); lower max_model_len or raise "
+            "kv_cache_memory"
+        )
+    kinds = ", ".join(f"{g.num_layers} {g.kind.value.replace('_', '-')}" for g in groups)
+    window = next((g.sliding_window for g in groups if g.sliding_window), None)
+    log(
+        f"KV cache: {len(groups)} group{'' if len(groups) == 1 else 's'} ({kinds} layers"
+        f"{f', window {window}' if window else ''}), block size {options.block_size}; "
+        f"{format_bytes(plan.pool_block_bytes)} per block; budget {format_bytes(memory.kv_budget_bytes)} "
+        f"({describe_budget(memory)}) -> {plan.num_blocks:,} blocks"
+    )
+    kv_caches = allocate_kv_caches(spec, plan.num_blocks, device=device, layer_slots=to_slot)
+    if kv_caches.nbytes != plan.num_blocks * plan.pool_block_bytes:
+        raise ConfigError(
+            f"allocated {kv_caches.nbytes} B of KV cache but planned {plan.num_blocks * plan.pool_block_bytes} B"
+        )
+    runner = ModelRunner(model, kv_caches, layer_to_group=to_group)
+    log(plan.capacity_line)
+    return EngineSetup(
+        options=options,
+        model_name=name,
+        model_path=path,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        groups=groups,
+        plan=plan,
+        memory=memory,
+        kv_caches=kv_caches,
+        runner=runner,
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+        startup_seconds=time.perf_counter() - started,
+    )
