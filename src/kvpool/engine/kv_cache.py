@@ -3,8 +3,8 @@
 Every attention layer owns one key tensor and one value tensor, both of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Block ``b`` of every layer
 together forms one logical KV block: a block ID handed out by the manager
-addresses the same row in each layer's tensors. Block ``0`` is the reserved
-null block, a placeholder that attention never reads. The buffer starts
+addresses the same row in each layer's tensors. Row ``0`` belongs to the null
+block: it stands in block tables where no KV is kept and attention never reads it. The buffer starts
 zero-filled so that even a stale block holds finite numbers.
 
 All layers' tensors are views into a single buffer, so the whole cache is one

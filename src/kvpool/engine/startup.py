@@ -8,7 +8,7 @@ The steps a serving engine takes before it accepts a request:
    :func:`kvpool.specs.group_layers`: one full-attention group for Llama,
    Qwen2 and SmolLM2, one sliding-window group for Mistral, a sliding-window
    and a full-attention group for Gemma-2-style alternation.
-3. Profile: one forward pass over the largest step the scheduler will send
+3. Profile: one forward pass over the biggest step a scheduler can plan
    (``max_num_batched_tokens`` tokens as dummy prefill chunks) through a
    scratch KV cache just large enough for it, after a short warm-up pass
    (which pages in weights mapped from disk), and measure the peak as
@@ -371,7 +371,7 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
         profile_seconds=profile_seconds,
     )
     plan = plan_for(memory.kv_budget_bytes)
-    if plan.blocks_per_request > plan.num_blocks - 1:  # block 0 is the reserved null block
+    if plan.blocks_per_request > plan.num_blocks - 1:  # the null block never holds KV
         raise ConfigError(
             f"a KV cache of {format_bytes(memory.kv_budget_bytes)} holds {plan.num_blocks} blocks, not enough for "
             f"one request of max_model_len={max_model_len} tokens (the longest that fits is "
