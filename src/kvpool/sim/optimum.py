@@ -243,6 +243,16 @@ def _result(policy: Policy, trace: BlockTrace, capacity: int, hits_per_request: 
     )
 
 
+def _prefix_hits(keys: list[int], cache) -> int:
+    """How many of ``keys`` hit, from the first, before the first miss (the prefix rule)."""
+    hits = 0
+    for key in keys:
+        if key not in cache:
+            break
+        hits += 1
+    return hits
+
+
 def lru_hit_rate(
     requests: Sequence[TraceRequest] | BlockTrace,
     capacity_blocks: int,
@@ -267,12 +277,7 @@ def lru_hit_rate(
     hits_per_request: list[int] = []
     for r in range(trace.num_requests):
         keys = trace.keys[offsets[r] : offsets[r + 1]].tolist()
-        hits = 0
-        for key in keys:
-            if key not in cache:
-                break
-            hits += 1
-        hits_per_request.append(hits)
+        hits_per_request.append(_prefix_hits(keys, cache))
         if capacity == 0:
             continue
         for key in reversed(keys):
@@ -360,12 +365,7 @@ def optimal_hit_rate(
     for r in range(trace.num_requests):
         a, b = offsets[r], offsets[r + 1]
         keys = trace.keys[a:b].tolist()
-        hits = 0
-        for key in keys:
-            if key not in cache:
-                break
-            hits += 1
-        hits_per_request.append(hits)
+        hits_per_request.append(_prefix_hits(keys, cache))
         if capacity == 0:
             continue
         missed = []
