@@ -132,7 +132,7 @@ def test_hits_must_match_their_request_and_length(busy):
     assert num_hit == 4
     d = Request("d", list(range(6)) + [2, 2, 2])
     before = snapshot(mgr)
-    with pytest.raises(RequestStateError, match="looked up for request 'c'"):
+    with pytest.raises(RequestStateError, match=r"looked up for another Request object \('c'\)"):
         mgr.allocate_slots(d, 5, 4, hit)
     with pytest.raises(RequestStateError, match="num_new_computed_tokens=8 but the hit covers 4"):
         mgr.allocate_slots(c, 1, 8, hit)

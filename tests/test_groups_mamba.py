@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from tests.group_helpers import cached_ids, decode, full, mamba, step
-from tests.helpers import admit
+from tests.helpers import admit, snapshot
 
-from kvpool import InvariantViolation, KVCacheManager, Request
+from kvpool import CapacityError, InvariantViolation, KVCacheManager, Request
 from kvpool.groups import MambaManager
 from kvpool.model_config import layer_specs_from_config, load_model_config
 from kvpool.specs import LayerKind, group_layers
@@ -99,16 +99,20 @@ def test_a_state_is_not_visible_before_the_step_that_writes_it_has_run():
     assert mgr.get_computed_blocks(b)[1] == 8
 
 
-def test_a_state_the_step_writes_in_place_is_not_cached():
+def test_a_step_past_max_model_len_is_refused_before_any_state_moves():
     mgr = KVCacheManager(16, 4, groups=[mamba()], max_model_len=8)
     a = Request("a", list(range(8)))
     admit(mgr, a)
-    # 8 computed, a boundary; the slots are capped at 8 tokens, so the step
-    # stays in block 1 and overwrites the state after 8: it must not be cached
+    # 8 computed, a boundary: a ninth token would pass max_model_len, so the
+    # step is refused whole; the state after 8 is neither moved nor cached
     a.append_output_token_ids(8)
-    assert mgr.allocate_slots(a, 1) == ([],)
+    before = snapshot(mgr)
+    with pytest.raises(CapacityError, match="max_model_len=8"):
+        mgr.allocate_slots(a, 1)
+    assert snapshot(mgr) == before
     assert mgr.get_block_ids("a") == ([0, 1],)
     assert cached_ids(mgr, 0) == []
+    mgr.check_invariants()
 
 
 def test_the_final_state_of_a_freed_request_is_not_cached():

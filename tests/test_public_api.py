@@ -25,6 +25,7 @@ EXPECTED = {
     "KVPoolError",
     "MultiModalInput",
     "PrefixCacheStats",
+    "ReadOnlyFieldError",
     "Request",
     "RequestStateError",
 }

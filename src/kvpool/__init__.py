@@ -14,6 +14,7 @@ from kvpool.errors import (
     InvalidTokenError,
     InvariantViolation,
     KVPoolError,
+    ReadOnlyFieldError,
     RequestStateError,
 )
 from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -42,6 +43,7 @@ __all__ = [
     "KVPoolError",
     "MultiModalInput",
     "PrefixCacheStats",
+    "ReadOnlyFieldError",
     "Request",
     "RequestStateError",
 ]

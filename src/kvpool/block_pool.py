@@ -57,6 +57,7 @@ class BlockPool:
         "enable_caching",
         "events",
         "num_evictions",
+        "num_resets",
         "touch",
     )
 
@@ -80,6 +81,8 @@ class BlockPool:
         self.events: list[KVCacheEvent] | None = [] if enable_events else None
         #: Blocks evicted from the index so far (a logical clock for stale-hit checks).
         self.num_evictions = 0
+        #: Accepted ``reset_prefix_cache`` calls (every hit issued before one is stale).
+        self.num_resets = 0
         # ``touch`` is chosen once: a policy with ``on_hit`` sees every prefix hit;
         # any other policy gets the plain loop and pays nothing for the option.
         on_hit = getattr(self.free_queue, "on_hit", None)
@@ -223,6 +226,7 @@ class BlockPool:
             index.clear()
         for block in self.blocks:
             block.block_hash = None
+        self.num_resets += 1
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         return True

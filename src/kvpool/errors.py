@@ -18,7 +18,8 @@ kvpool reports trouble in three tiers:
           ├── ConfigError            bad construction argument (block_size, algo, ...)
           ├── InvalidTokenError      a token ID that is not an integer in [0, 2**32)
           ├── RequestStateError      a call that contradicts the request's state
-          └── CapacityError          a request that can never fit, even alone
+          │    └── ReadOnlyFieldError   assigning a field fixed at construction (also an AttributeError)
+          └── CapacityError          a request that can never fit: pool or max_model_len
     AssertionError
      └── InvariantViolation          kvpool's own bookkeeping is inconsistent (a bug)
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 __all__ = [
     "CapacityError",
+    "ReadOnlyFieldError",
     "ConfigError",
     "InvalidTokenError",
     "InvariantViolation",
@@ -51,8 +53,15 @@ class RequestStateError(KVPoolError):
     """A call contradicts what the manager knows about the request."""
 
 
+class ReadOnlyFieldError(RequestStateError, AttributeError):
+    """An attempt to assign a field that is fixed at construction (a cache key, the prompt, an ID).
+
+    It is also an ``AttributeError``, what Python raises for any read-only attribute.
+    """
+
+
 class CapacityError(KVPoolError):
-    """A request needs more blocks than the whole pool holds."""
+    """A request can never fit: more blocks than the whole pool holds, or more tokens than ``max_model_len``."""
 
 
 class InvariantViolation(AssertionError):

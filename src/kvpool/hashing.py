@@ -105,12 +105,28 @@ class MultiModalInput:
     length: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.identifier, str) or not self.identifier:
-            raise ConfigError(f"multimodal identifier must be a non-empty string, got {self.identifier!r}")
+        problem = key_text_problem(self.identifier)
+        if problem is not None:
+            raise ConfigError(f"multimodal identifier must be {problem}")
         if type(self.offset) is not int or self.offset < 0:
             raise ConfigError(f"multimodal offset must be a non-negative integer, got {self.offset!r}")
         if type(self.length) is not int or self.length < 1:
             raise ConfigError(f"multimodal length must be a positive integer, got {self.length!r}")
+
+
+def key_text_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a text cache key (salt, LoRA name, media ID), or None if it can.
+
+    A key must be a non-empty ``str`` that encodes to UTF-8, so that it
+    serialises to exactly one byte string (a lone surrogate does not).
+    """
+    if not isinstance(value, str) or not value:
+        return f"a non-empty string, got {value!r}"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"valid Unicode text, got {value!r} (it holds a lone surrogate)"
+    return None
 
 
 def _text_key(tag: bytes, text: str) -> bytes:
@@ -171,7 +187,7 @@ class BlockHasher:
         Cost: one digest of ``len(parent) + 4 * block_size`` bytes (plus extra
         keys) per new block; O(1) when no block became full.
         """
-        hashes = request.block_hashes
+        hashes = request._block_hashes
         bs = self.block_size
         start = len(hashes)
         tokens = request._token_ids
@@ -221,23 +237,29 @@ class BlockHasher:
         For routers and tools that need the hashes without a manager.
         """
         tokens = to_token_array(token_ids, "token_ids")
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+            problem = None if value is None else key_text_problem(value)
+            if problem is not None:
+                raise ConfigError(f"{name} must be {problem}")
+        if isinstance(mm_inputs, str | bytes) or not all(isinstance(m, MultiModalInput) for m in mm_inputs):
+            raise ConfigError(f"mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
         items = tuple(sorted(mm_inputs, key=lambda m: m.offset))
         lora, salt = lora_key(lora_name), salt_key(cache_salt)
         sequence = _TokenSequence(tokens, lambda start, end: extra_key_bytes(lora, salt, items, start, end))
         sequence._has_extra_keys = bool(lora or salt or items)
         sequence._block_contents = [] if self.stores_contents else None
         self.extend(sequence)  # type: ignore[arg-type]
-        return sequence.block_hashes
+        return sequence._block_hashes
 
 
 class _TokenSequence:
     """The fields :meth:`BlockHasher.extend` reads, for hashing bare token IDs."""
 
-    __slots__ = ("_token_ids", "block_hashes", "_block_contents", "_has_extra_keys", "_extra_key_bytes", "_next_full")
+    __slots__ = ("_token_ids", "_block_hashes", "_block_contents", "_has_extra_keys", "_extra_key_bytes", "_next_full")
 
     def __init__(self, tokens: array, extras) -> None:
         self._token_ids = tokens
-        self.block_hashes: list[BlockHash] = []
+        self._block_hashes: list[BlockHash] = []
         self._block_contents: list[bytes] | None = None
         self._has_extra_keys = False
         self._extra_key_bytes = extras
@@ -297,13 +319,21 @@ def to_token_array(token_ids: Iterable[int], what: str) -> array:
     """Token IDs as an ``array('I')``; anything else raises InvalidTokenError naming it."""
     if isinstance(token_ids, array) and token_ids.typecode == _TOKEN_TYPECODE:
         return array(_TOKEN_TYPECODE, token_ids)
-    if isinstance(token_ids, str | bytes):
+    if isinstance(token_ids, range):
+        if len(token_ids) and not (0 <= min(token_ids) and max(token_ids) < TOKEN_LIMIT):
+            raise InvalidTokenError(_describe_bad_token(token_ids, what))
+        return array(_TOKEN_TYPECODE, token_ids)
+    if isinstance(token_ids, str | bytes | bytearray | memoryview) or not isinstance(token_ids, Iterable):
         raise InvalidTokenError(f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}")
     try:
         values = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
         tokens = array(_TOKEN_TYPECODE, values)
     except (TypeError, OverflowError, ValueError):
         raise InvalidTokenError(_describe_bad_token(token_ids, what)) from None
+    # ``array`` takes True as 1; a bool is a flag, never a token ID. One C-level
+    # pass over the element types finds it.
+    if bool in set(map(type, values)):
+        raise InvalidTokenError(_describe_bad_token(values, what))
     return tokens
 
 
@@ -315,6 +345,8 @@ def _describe_bad_token(token_ids: Iterable[int], what: str) -> str:
     for i, t in enumerate(items):
         if not hasattr(t, "__index__") or isinstance(t, bool):
             return f"{what}[{i}] = {t!r} is not an integer token ID"
+        if not isinstance(t, int):
+            t = t.__index__()
         if not 0 <= int(t) < TOKEN_LIMIT:
             return f"{what}[{i}] = {int(t)} is out of range: token IDs must be in [0, 2**32)"
     return f"{what} holds an invalid token ID"

@@ -18,7 +18,7 @@ Property tests call it after every operation; users can call it through
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
@@ -27,7 +27,7 @@ from kvpool.errors import InvariantViolation
 
 if TYPE_CHECKING:
     from kvpool.groups.base import GroupManager
-    from kvpool.manager import KVCacheManager
+    from kvpool.request import Request
 
 __all__ = ["check_manager", "check_pool", "check_table"]
 
@@ -86,25 +86,35 @@ def check_pool(pool: BlockPool, tables: Iterable[Mapping[str, list[KVBlock]]]) -
         raise InvariantViolation(f"{num_hashed} blocks carry a hash but the indexes hold {num_indexed}")
 
 
-def check_manager(manager: KVCacheManager) -> None:
+def check_manager(
+    pool: BlockPool,
+    groups: Sequence[GroupManager],
+    running: Mapping[str, tuple[Request, int, int]],
+) -> None:
     """Check the pool and each group's per-request state.
 
-    Besides the pool: every group holds a table for exactly the running
-    requests; a table's cached blocks carry the request's hash at their
-    position (at the group's block size); null blocks appear only where the
-    group's rule allows them (see :func:`check_table`).
+    ``running`` maps each request holding blocks to its request object, the
+    progress the manager last accepted and the token slots allocated to it.
+    Besides the pool: progress never passes the slots; every group holds a
+    table for exactly the running requests; a table's cached blocks carry the
+    request's hash at their position (at the group's block size); null blocks
+    appear only where the group's rule allows them (see :func:`check_table`).
     """
-    check_pool(manager.pool, (group.tables for group in manager.groups))
-    owners = manager._owners
-    for group in manager.groups:
+    check_pool(pool, (group.tables for group in groups))
+    for request_id, (request, computed, slots) in running.items():
+        if request.request_id != request_id:
+            raise InvariantViolation(f"request {request.request_id!r} is held under the ID {request_id!r}")
+        if not 0 <= computed <= slots:
+            raise InvariantViolation(f"request {request_id!r} has progress {computed} beyond its {slots} slots")
+    for group in groups:
         tables = group.tables
-        if len(tables) != len(owners) or any(rid not in owners for rid in tables):
+        if len(tables) != len(running) or any(rid not in running for rid in tables):
             raise InvariantViolation(
-                f"group {group.group_id} holds tables for {sorted(set(tables) ^ set(owners))}, "
+                f"group {group.group_id} holds tables for {sorted(set(tables) ^ set(running))}, "
                 "which are not exactly the running requests"
             )
         for request_id, table in tables.items():
-            request = owners[request_id]
+            request, computed, _ = running[request_id]
             done = group.num_cached.get(request_id, 0)
             if done > len(table):
                 raise InvariantViolation(f"request {request_id!r} counts {done} cached blocks of {len(table)}")
@@ -115,7 +125,7 @@ def check_manager(manager: KVCacheManager) -> None:
                     raise InvariantViolation(
                         f"request {request_id!r} group {group.group_id} block {k} is cached under another hash"
                     )
-            check_table(group, request_id, table, max(request.num_computed_tokens, done * group.block_size))
+            check_table(group, request_id, table, max(computed, done * group.block_size))
 
 
 def check_table(group: GroupManager, request_id: str, table: list[KVBlock], num_tokens: int) -> None:

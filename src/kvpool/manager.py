@@ -37,37 +37,90 @@ from kvpool.coordinator import Coordinator, make_group_managers
 from kvpool.errors import CapacityError, ConfigError, RequestStateError
 from kvpool.events import KVCacheEvent
 from kvpool.hashing import DEFAULT_HASH_SEED, BlockHasher, HashAlgo
+from kvpool.invariants import check_manager
 from kvpool.request import Request
 from kvpool.stats import PrefixCacheStats, StatsCounter
 
 __all__ = ["HitBlocks", "KVCacheManager"]
 
+_NO_LIMIT = 2**62
+
+
+def _check_request(request: object) -> None:
+    if not isinstance(request, Request):
+        raise RequestStateError(f"expected a kvpool.Request, got {type(request).__name__} {request!r}")
+
 
 class HitBlocks:
-    """The cached blocks a lookup found, one list per layer group.
+    """The cached blocks a lookup found, one list per layer group: a capability, not a list of IDs.
 
-    Pass it back to ``allocate_slots`` unchanged. It remembers the pool's
-    eviction clock, so a hit that went stale (a block evicted between the
-    lookup and the allocation) is detected instead of served.
+    Only :meth:`KVCacheManager.allocate_slots` of the manager that issued it
+    accepts it, for the very :class:`Request` object it was looked up for,
+    and only while every block in it is still cached as it was at the lookup
+    (no eviction, reset or reuse in between; with a fast hash, no eviction or
+    reset anywhere in the pool). Anything else is refused with a
+    :class:`RequestStateError`, so a stale or foreign result can never put
+    another prompt's KV into a block table. Read-only.
     """
 
-    __slots__ = ("blocks", "num_tokens", "request_id", "_evictions")
+    __slots__ = ("_blocks", "_num_tokens", "_request", "_issuer", "_evictions", "_resets")
 
-    def __init__(self, blocks: tuple[list[KVBlock], ...], num_tokens: int, request_id: str, evictions: int) -> None:
-        self.blocks = blocks
-        self.num_tokens = num_tokens
-        self.request_id = request_id
+    def __init__(
+        self,
+        blocks: tuple[list[KVBlock], ...],
+        num_tokens: int,
+        request: Request | None,
+        issuer: KVCacheManager | None,
+        evictions: int,
+        resets: int,
+    ) -> None:
+        self._blocks = blocks
+        self._num_tokens = num_tokens
+        self._request = request
+        self._issuer = issuer
         self._evictions = evictions
+        self._resets = resets
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the hit covers (pass it as ``num_new_computed_tokens``)."""
+        return self._num_tokens
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id if self._request is not None else ""
+
+    @property
+    def blocks(self) -> tuple[list[KVBlock], ...]:
+        """The hit block records per group (copies of the lists)."""
+        return tuple(list(group) for group in self._blocks)
 
     @property
     def block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([b.block_id for b in group] for group in self._blocks)
 
     def __len__(self) -> int:
-        return len(self.blocks[0]) if self.blocks else 0
+        return len(self._blocks[0]) if self._blocks else 0
 
     def __repr__(self) -> str:
-        return f"HitBlocks({self.request_id!r}, tokens={self.num_tokens}, blocks={self.block_ids})"
+        return f"HitBlocks({self.request_id!r}, tokens={self._num_tokens}, blocks={self.block_ids})"
+
+
+class _Held:
+    """What the manager allocated to one running request, to check its progress against.
+
+    ``request`` is the object admitted (not merely its ID); ``computed`` is the
+    last ``num_computed_tokens`` the manager accepted (progress never moves
+    back past it); ``slots`` is the token positions its blocks cover (progress
+    never moves past them: a token is computed only in a slot the request holds).
+    """
+
+    __slots__ = ("request", "computed", "slots")
+
+    def __init__(self, request: Request, computed: int, slots: int) -> None:
+        self.request = request
+        self.computed = computed
+        self.slots = slots
 
 
 class KVCacheManager:
@@ -111,10 +164,19 @@ class KVCacheManager:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
             raise ConfigError(f"max_model_len must be a positive integer or None, got {max_model_len!r}")
+        for name, flag in (("enable_caching", enable_caching), ("enable_events", enable_events)):
+            if type(flag) is not bool:
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        if groups is not None and (isinstance(groups, str | bytes) or not isinstance(groups, Sequence)):
+            raise ConfigError(f"groups must be a sequence of KVCacheGroup or None, got {groups!r}")
+        if eviction_policy is not None and not callable(eviction_policy):
+            raise ConfigError(f"eviction_policy must be a free-queue factory or None, got {eviction_policy!r}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.enable_caching = bool(enable_caching)
+        self.enable_caching = enable_caching
         self.max_model_len = max_model_len
+        # The token limit as a number, so hot paths compare without a None test.
+        self._max_len = max_model_len if max_model_len is not None else _NO_LIMIT
         self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
         group_specs = tuple(groups) if groups else ()
         num_groups = max(1, len(group_specs))
@@ -135,9 +197,8 @@ class KVCacheManager:
             )
         self.coordinator = Coordinator(self.groups)
         self._single_group = self.groups[0] if len(self.groups) == 1 else None
-        self._owners: dict[str, Request] = {}
+        self._owners: dict[str, _Held] = {}
         self._stats = StatsCounter()
-        self._empty_hit = HitBlocks(tuple([] for _ in self.groups), 0, "", 0)
 
     @classmethod
     def from_groups(cls, groups: Sequence, num_blocks: int, **kwargs) -> KVCacheManager:
@@ -182,6 +243,7 @@ class KVCacheManager:
         Otherwise they are computed when the manager first sees the request.
         Either way each block is hashed once.
         """
+        _check_request(request)
         if self.enable_caching:
             request._bind(self.hasher)
 
@@ -193,14 +255,26 @@ class KVCacheManager:
         The hit covers at most ``num_tokens - 1`` tokens: the model must compute
         at least the last token to produce logits, so a fully cached,
         block-aligned prompt recomputes its whole last block. Changes no
-        reference count.
+        reference count. The :class:`HitBlocks` is valid only for this
+        request object, on this manager, until the next eviction or reset.
+
+        Raises:
+            CapacityError: the request is longer than ``max_model_len``.
         """
+        _check_request(request)
+        if request.num_tokens > self._max_len:
+            raise CapacityError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        pool = self.pool
         if not self.enable_caching:
-            return self._empty_hit, 0
+            empty = tuple([] for _ in self.groups)
+            return HitBlocks(empty, 0, request, self, pool.num_evictions, pool.num_resets), 0
         request._bind(self.hasher)
         blocks, num_hit = self.coordinator.find_longest_cache_hit(request, request.num_tokens - 1)
         self._stats.record(request.num_tokens, num_hit, request.num_preemptions > 0)
-        return HitBlocks(blocks, num_hit, request.request_id, self.pool.num_evictions), num_hit
+        return HitBlocks(blocks, num_hit, request, self, pool.num_evictions, pool.num_resets), num_hit
 
     # -- allocation ----------------------------------------------------------------
 
@@ -218,81 +292,105 @@ class KVCacheManager:
 
         Args:
             request: the request; ``request.num_computed_tokens`` tokens are
-                already in its blocks.
+                already in its blocks. It must be an ``int`` between the value
+                the previous call accepted and the slots allocated so far.
             num_new_tokens: tokens to compute in this step.
             num_new_computed_tokens: tokens just found in the prefix cache
                 (first allocation of a request only).
-            new_computed_blocks: the :class:`HitBlocks` of that lookup.
-            num_lookahead_tokens: extra slots (speculative tokens), not cached.
+            new_computed_blocks: the :class:`HitBlocks` of that lookup, from
+                this manager, for this request object, with no eviction or
+                reset since.
+            num_lookahead_tokens: extra slots (speculative tokens), not cached;
+                trimmed at ``max_model_len``.
             num_encoder_tokens: the encoder input's length, for cross-attention
                 groups only (encoder-decoder models); pass it on the step that
                 should allocate those blocks, 0 otherwise.
 
         Returns:
             The newly allocated block IDs, one list per group, or None when the
-            free blocks cannot cover the step; then no block was taken and
-            nothing changed, except that a running request's blocks no later
-            step reads (outside a sliding window or finished chunk, an older
-            state) were given back, as at the start of every step.
+            free blocks cannot cover the step. A refusal takes no block and
+            caches nothing; the one thing it may do is what every step of a
+            running request starts with: give back the blocks that no later
+            step reads (outside a sliding window or a finished chunk, an
+            older state), and record the request's progress.
 
         Raises:
-            RequestStateError: the arguments contradict the request's state.
-            CapacityError: the request needs more blocks than the pool holds.
+            RequestStateError: the arguments contradict the request's state
+                (nothing has changed).
+            CapacityError: the step would pass ``max_model_len``, or the
+                request needs more blocks than the pool holds.
         """
-        rid = request.request_id
-        owner = self._owners.get(rid)
+        try:
+            held = self._owners.get(request.request_id)
+        except AttributeError:
+            held = None  # not a Request: the general path says so
         single = self._single_group
         if (
-            owner is request
+            held is not None
             and single is not None
+            and held.request is request
+            and new_computed_blocks is None
             and type(num_new_tokens) is int
             and num_new_tokens > 0
+            and type(num_new_computed_tokens) is int
             and num_new_computed_tokens == 0
+            and type(num_lookahead_tokens) is int
             and num_lookahead_tokens == 0
-            and new_computed_blocks is None
+            and type(num_encoder_tokens) is int
             and num_encoder_tokens == 0
         ):
             # The common step of a running request (a decode or a prefill chunk)
-            # in a single-group model: the same decisions as the general path
-            # below, without its per-group fan-out.
-            total = request.num_computed_tokens + num_new_tokens
-            if total <= len(request._token_ids):
-                need = total if self.max_model_len is None or total < self.max_model_len else self.max_model_len
-                new = single.grow(rid, request.num_computed_tokens, need)
+            # in a single-group model: the same checks and decisions as the
+            # general path below, without its per-group fan-out.
+            computed = request.num_computed_tokens
+            total = computed + num_new_tokens
+            if (
+                type(computed) is int
+                and held.computed <= computed <= held.slots
+                and total <= len(request._token_ids)
+                and total <= self._max_len
+            ):
+                held.computed = computed
+                new = single.grow(request.request_id, computed, total)
                 if new is None:
-                    return self._refuse(request, need, request.num_computed_tokens)
+                    return self._refuse(request, total, computed)
+                if total > held.slots:
+                    held.slots = total
                 if single.enable_caching:
                     single.cache_blocks(request, total)
                 return (new,)
-        computed = request.num_computed_tokens
-        if (
-            type(num_new_tokens) is not int
-            or type(num_new_computed_tokens) is not int
-            or type(num_lookahead_tokens) is not int
-            or num_new_tokens < 0
-            or num_new_computed_tokens < 0
-            or num_lookahead_tokens < 0
-            or type(num_encoder_tokens) is not int
-            or num_encoder_tokens < 0
+        # Validate everything first: past this block, nothing can fail.
+        _check_request(request)
+        rid = request.request_id
+        for name, count in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_encoder_tokens", num_encoder_tokens),
         ):
-            raise RequestStateError(
-                f"request {rid!r}: token counts must be non-negative integers, got num_new_tokens={num_new_tokens!r}, "
-                f"num_new_computed_tokens={num_new_computed_tokens!r}, num_lookahead_tokens={num_lookahead_tokens!r}, "
-                f"num_encoder_tokens={num_encoder_tokens!r}"
-            )
+            if type(count) is not int or count < 0:
+                raise RequestStateError(f"request {rid!r}: {name}={count!r}, expected a non-negative int")
         if num_encoder_tokens and not any(g.uses_encoder_tokens for g in self.groups):
             raise RequestStateError(
                 f"request {rid!r}: num_encoder_tokens={num_encoder_tokens} but the model has no cross-attention group"
             )
-        if owner is not request:
-            self._check_admission(request, owner, num_new_computed_tokens, new_computed_blocks)
-            hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty_hit.blocks
-        else:
-            if num_new_computed_tokens or (new_computed_blocks is not None and new_computed_blocks.num_tokens):
+        computed = request.num_computed_tokens
+        if type(computed) is not int:
+            raise RequestStateError(f"request {rid!r}: num_computed_tokens must be an int, got {computed!r}")
+        running = held is not None and held.request is request
+        if running:
+            if num_new_computed_tokens or (
+                new_computed_blocks is not None
+                and (not isinstance(new_computed_blocks, HitBlocks) or new_computed_blocks._num_tokens)
+            ):
                 raise RequestStateError(
                     f"request {rid!r} already holds blocks; prefix hits are only taken on its first allocation"
                 )
-            hits = None
+            if new_computed_blocks is not None and new_computed_blocks._issuer is not self:
+                raise RequestStateError(f"request {rid!r}: the HitBlocks was issued by another KVCacheManager")
+            self._check_progress(rid, held, computed)  # type: ignore[arg-type]
+        else:
+            self._check_admission(request, held, computed, num_new_computed_tokens, new_computed_blocks)
         total_computed = computed + num_new_computed_tokens
         num_tokens = request.num_tokens
         if total_computed + num_new_tokens > num_tokens:
@@ -302,68 +400,108 @@ class KVCacheManager:
             )
         if total_computed + num_new_tokens == 0:
             raise RequestStateError(f"request {rid!r}: num_new_tokens must be positive when nothing is computed")
+        if total_computed + num_new_tokens > self._max_len:
+            raise CapacityError(
+                f"request {rid!r}: {total_computed} computed + {num_new_tokens} new tokens exceed "
+                f"max_model_len={self.max_model_len}"
+            )
         need = total_computed + num_new_tokens + num_lookahead_tokens
-        if self.max_model_len is not None and need > self.max_model_len:
-            need = self.max_model_len
+        if need > self._max_len:
+            need = self._max_len
 
         coordinator = self.coordinator
-        if owner is request:
+        if running:
             # Blocks that left the window go back first, even if the step is
             # then refused: no later step reads them (vLLM does the same).
+            held.computed = computed  # type: ignore[union-attr]
             coordinator.remove_skipped_blocks(rid, computed)
             num_needed = coordinator.num_blocks_to_allocate(rid, need, None, total_computed, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:
                 return self._refuse(request, need, total_computed, num_encoder_tokens)
             new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
+            if need > held.slots:  # type: ignore[union-attr]
+                held.slots = need  # type: ignore[union-attr]
         else:
+            hits = new_computed_blocks._blocks if new_computed_blocks is not None else None
             num_needed = coordinator.num_blocks_to_allocate(rid, need, hits, total_computed, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:
                 return self._refuse(request, need, total_computed, num_encoder_tokens)
-            coordinator.add_hit_blocks(rid, hits, total_computed)
+            coordinator.add_hit_blocks(rid, hits or tuple([] for _ in self.groups), total_computed)
             new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
-            self._owners[rid] = request
+            self._owners[rid] = _Held(request, total_computed, need)
         if self.enable_caching:
             cached = total_computed + num_new_tokens
             coordinator.cache_blocks(request, cached if cached < num_tokens else num_tokens)
         return tuple([b.block_id for b in blocks] for blocks in new_blocks)
 
+    @staticmethod
+    def _check_progress(rid: str, held: _Held, computed: int) -> None:
+        """A running request's progress moves forward, and only through slots it holds."""
+        if computed < held.computed:
+            raise RequestStateError(
+                f"request {rid!r}: num_computed_tokens={computed} moved backwards from {held.computed}; "
+                "progress only moves forward (free the request to start over)"
+            )
+        if computed > held.slots:
+            raise RequestStateError(
+                f"request {rid!r}: num_computed_tokens={computed} is past the {held.slots} token slots it holds; "
+                "a token can only be computed in a slot allocated to it"
+            )
+
     def _check_admission(
-        self, request: Request, owner: Request | None, num_new_computed_tokens: int, hit: HitBlocks | None
+        self,
+        request: Request,
+        held: _Held | None,
+        computed: int,
+        num_new_computed_tokens: int,
+        hit: HitBlocks | None,
     ) -> None:
-        """Validate a request's first allocation (or re-admission after a free)."""
+        """Validate a request's first allocation (or re-admission after a free); changes no block."""
         rid = request.request_id
-        if owner is not None:
+        if held is not None:
             raise RequestStateError(
                 f"request ID {rid!r} already holds blocks for a different Request object; free it first"
             )
-        if request.num_computed_tokens != 0:
+        if computed != 0:
             raise RequestStateError(
-                f"request {rid!r} claims num_computed_tokens={request.num_computed_tokens} but holds no blocks; "
+                f"request {rid!r} claims num_computed_tokens={computed} but holds no blocks; "
                 "reset it to 0 before admitting it (again)"
             )
         if self.enable_caching:
-            request._bind(self.hasher)
+            request._bind(self.hasher)  # hashing is derived data: the pool is untouched
         if hit is None:
             if num_new_computed_tokens:
                 raise RequestStateError(
-                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} without the lookup's blocks"
+                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} without the lookup's blocks (its HitBlocks)"
                 )
             return
         if not isinstance(hit, HitBlocks):
             raise RequestStateError(
-                f"request {rid!r}: new_computed_blocks must be the HitBlocks from get_computed_blocks, got {type(hit).__name__}"
+                f"request {rid!r}: new_computed_blocks must be the HitBlocks from get_computed_blocks, "
+                f"got {type(hit).__name__}"
             )
-        if hit.num_tokens == 0 and not num_new_computed_tokens:
-            return
-        if hit.request_id != rid:
-            raise RequestStateError(f"request {rid!r}: the hit blocks were looked up for request {hit.request_id!r}")
-        if hit.num_tokens != num_new_computed_tokens:
+        if hit._issuer is not self:
+            raise RequestStateError(f"request {rid!r}: the HitBlocks was issued by another KVCacheManager")
+        if hit._request is not request:
             raise RequestStateError(
-                f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} but the hit covers {hit.num_tokens} tokens"
+                f"request {rid!r}: the HitBlocks was looked up for another Request object "
+                f"({hit.request_id!r}); look this request up itself"
             )
-        if hit._evictions != self.pool.num_evictions and not self.coordinator.hit_still_valid(request, hit.blocks):
+        if hit._num_tokens != num_new_computed_tokens:
             raise RequestStateError(
-                f"request {rid!r}: a hit block was evicted after the lookup; look the request up again"
+                f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} but the hit covers "
+                f"{hit._num_tokens} tokens"
+            )
+        pool = self.pool
+        if hit._resets != pool.num_resets or (
+            hit._evictions != pool.num_evictions
+            # A cryptographic hash vouches for the content of a block still cached
+            # under it; a fast hash does not, so any eviction voids its hits.
+            and (self.hasher.stores_contents or not self.coordinator.hit_still_valid(request, hit._blocks))
+        ):
+            raise RequestStateError(
+                f"request {rid!r}: the HitBlocks went stale (a block was evicted or the cache reset since "
+                "the lookup); look the request up again"
             )
 
     def _refuse(self, request: Request, need: int, num_computed: int, num_encoder_tokens: int = 0) -> None:
@@ -381,11 +519,12 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first. A no-op if it holds none."""
+        _check_request(request)
         rid = request.request_id
-        owner = self._owners.get(rid)
-        if owner is None:
+        held = self._owners.get(rid)
+        if held is None:
             return
-        if owner is not request:
+        if held.request is not request:
             raise RequestStateError(f"request ID {rid!r} holds blocks for a different Request object")
         del self._owners[rid]
         self.coordinator.free(rid)
@@ -414,9 +553,11 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Verify the pool's bookkeeping in O(blocks); raises InvariantViolation."""
-        from kvpool.invariants import check_manager
-
-        check_manager(self)
+        check_manager(
+            self.pool,
+            self.groups,
+            {rid: (held.request, held.computed, held.slots) for rid, held in self._owners.items()},
+        )
 
     def note_waiting(self, requests: Sequence[Request]) -> bool:
         """Tell the eviction policy which requests wait for admission (all of them, each call).
@@ -428,12 +569,16 @@ class KVCacheManager:
         yet (once, as on lookup). Returns whether the policy took the hint.
         O(len(requests)) plus the policy's cost for requests new to the set.
         """
+        if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
+            raise RequestStateError(f"note_waiting takes a sequence of Request, got {requests!r}")
+        for request in requests:
+            _check_request(request)
         hint = getattr(self.pool.free_queue, "note_waiting", None)
         if hint is None or not self.enable_caching:
             return False
         waiting = {}
         for request in requests:
             request._bind(self.hasher)
-            waiting[request.request_id] = request.block_hashes
+            waiting[request.request_id] = request._block_hashes
         hint(waiting)
         return True

@@ -9,15 +9,23 @@ first time the manager sees it (or earlier, through
 ``KVCacheManager.hash_request``, which an engine can call on its input
 thread); from then on each block that becomes full as output tokens are
 appended is hashed right away.
+
+Everything a block hash covers is fixed at construction: the request ID, the
+prompt, the cache salt, the LoRA name and the multimodal inputs are read-only
+(assigning one raises :class:`ReadOnlyFieldError`), and the token and hash
+views hand out copies. A request therefore cannot change tenant, or have its
+tokens rewritten, after its blocks were hashed. Output tokens only grow
+through :meth:`Request.append_output_token_ids`.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from kvpool.errors import InvalidTokenError, RequestStateError
+from kvpool.errors import InvalidTokenError, ReadOnlyFieldError, RequestStateError
 from kvpool.hashing import (
     TOKEN_LIMIT,
     TOKEN_TYPECODE,
@@ -25,6 +33,7 @@ from kvpool.hashing import (
     MultiModalInput,
     extra_key_bytes,
     extra_keys_readable,
+    key_text_problem,
     lora_key,
     salt_key,
     to_token_array,
@@ -36,6 +45,25 @@ if TYPE_CHECKING:
 __all__ = ["Request"]
 
 _NEVER = 2**62
+
+
+def _fixed(name: str, doc: str) -> property:
+    """A read-only view of the private slot ``_<name>``; assigning raises :class:`ReadOnlyFieldError`."""
+
+    def refuse(self: Request, value: object) -> None:
+        raise ReadOnlyFieldError(
+            f"request {self._request_id!r}: {name} is fixed at construction (it is part of the block hashes "
+            f"or the manager's bookkeeping); cannot set it to {value!r}: build a new Request instead"
+        )
+
+    return property(attrgetter("_" + name), refuse, doc=doc)
+
+
+def _text_field(request_id: str, name: str, value: object) -> None:
+    """Refuse a text key that is neither None nor text that hashes one way (see ``key_text_problem``)."""
+    problem = None if value is None else key_text_problem(value)
+    if problem is not None:
+        raise RequestStateError(f"request {request_id!r}: {name} must be {problem} or None")
 
 
 class Request:
@@ -50,18 +78,20 @@ class Request:
         mm_inputs: multimodal items (identifier and placeholder range).
 
     ``num_computed_tokens`` is advanced by the caller after each step has run,
-    as a scheduler does; the manager checks it against the blocks it holds.
+    as a scheduler does; the manager checks it against the slots it allocated
+    (an ``int`` that never moves backwards nor past those slots).
+    Every other field is read-only.
     """
 
     __slots__ = (
-        "request_id",
+        "_request_id",
         "_token_ids",
-        "num_prompt_tokens",
+        "_num_prompt_tokens",
         "num_computed_tokens",
-        "cache_salt",
-        "lora_name",
-        "mm_inputs",
-        "block_hashes",
+        "_cache_salt",
+        "_lora_name",
+        "_mm_inputs",
+        "_block_hashes",
         "num_preemptions",
         "_hasher",
         "_next_full",
@@ -80,14 +110,16 @@ class Request:
         lora_name: str | None = None,
         mm_inputs: Sequence[MultiModalInput] = (),
     ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise RequestStateError(f"request_id must be a non-empty string, got {request_id!r}")
+        problem = key_text_problem(request_id)
+        if problem is not None:
+            raise RequestStateError(f"request_id must be {problem}")
         tokens = to_token_array(prompt_token_ids, "prompt_token_ids")
         if len(tokens) == 0:
             raise RequestStateError(f"request {request_id!r}: prompt_token_ids is empty; a prompt needs at least one token")
-        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise RequestStateError(f"request {request_id!r}: {name} must be a non-empty string or None, got {value!r}")
+        _text_field(request_id, "cache_salt", cache_salt)
+        _text_field(request_id, "lora_name", lora_name)
+        if isinstance(mm_inputs, str | bytes) or not isinstance(mm_inputs, Iterable):
+            raise RequestStateError(f"request {request_id!r}: mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
         items = tuple(mm_inputs)
         for item in items:
             if not isinstance(item, MultiModalInput):
@@ -97,14 +129,14 @@ class Request:
                     f"request {request_id!r}: multimodal item {item.identifier!r} covers positions "
                     f"{item.offset}..{item.offset + item.length - 1}, beyond the prompt's {len(tokens)} tokens"
                 )
-        self.request_id = request_id
+        self._request_id = request_id
         self._token_ids = tokens
-        self.num_prompt_tokens = len(tokens)
+        self._num_prompt_tokens = len(tokens)
         self.num_computed_tokens = 0
-        self.cache_salt = cache_salt
-        self.lora_name = lora_name
-        self.mm_inputs = tuple(sorted(items, key=lambda m: m.offset))
-        self.block_hashes: list[BlockHash] = []
+        self._cache_salt = cache_salt
+        self._lora_name = lora_name
+        self._mm_inputs = tuple(sorted(items, key=lambda m: m.offset))
+        self._block_hashes: list[BlockHash] = []
         self.num_preemptions = 0
         self._hasher: BlockHasher | None = None
         # Token count at which the next block becomes full (hashing is due then).
@@ -113,6 +145,19 @@ class Request:
         self._has_extra_keys = bool(cache_salt is not None or lora_name is not None or items)
         self._lora_key = lora_key(lora_name)
         self._salt_key = salt_key(cache_salt)
+
+    # -- fixed at construction ------------------------------------------------------
+
+    request_id = _fixed("request_id", "Unique among the requests that hold blocks.")
+    num_prompt_tokens = _fixed("num_prompt_tokens", "Length of the prompt.")
+    cache_salt = _fixed("cache_salt", "Tenant isolation key: enters the first block's hash.")
+    lora_name = _fixed("lora_name", "LoRA adapter: enters every block's hash.")
+    mm_inputs = _fixed("mm_inputs", "Multimodal items, sorted by offset: enter the blocks they overlap.")
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """The hashes of the full blocks computed so far (a copy)."""
+        return list(self._block_hashes)
 
     # -- sizes -------------------------------------------------------------------
 
@@ -126,8 +171,8 @@ class Request:
 
     @property
     def all_token_ids(self) -> array:
-        """Prompt and output token IDs (an ``array('I')``; treat as read-only)."""
-        return self._token_ids
+        """Prompt and output token IDs (a copy, as an ``array('I')``)."""
+        return self._token_ids[:]
 
     @property
     def prompt_token_ids(self) -> array:
@@ -154,11 +199,11 @@ class Request:
     # -- cache keys ---------------------------------------------------------------
 
     def _extra_key_bytes(self, start: int, end: int) -> bytes:
-        return extra_key_bytes(self._lora_key, self._salt_key, self.mm_inputs, start, end)
+        return extra_key_bytes(self._lora_key, self._salt_key, self._mm_inputs, start, end)
 
     def extra_keys(self, start: int, end: int) -> tuple | None:
         """Readable extra keys of the block covering ``[start, end)`` (for KV events)."""
-        return extra_keys_readable(self.lora_name, self.cache_salt, self.mm_inputs, start, end)
+        return extra_keys_readable(self._lora_name, self._cache_salt, self._mm_inputs, start, end)
 
     def _bind(self, hasher: BlockHasher) -> None:
         """Attach the hasher that will hash this request's blocks from now on."""

@@ -137,8 +137,8 @@ class GroupManager:
     def hashes_of(self, request: Request) -> Sequence:
         """The request's block hashes at this group's block size (``hashes[k]`` names block ``k``)."""
         if self.hash_stride == 1:
-            return request.block_hashes
-        return _StridedHashes(request.block_hashes, self.hash_stride)
+            return request._block_hashes
+        return _StridedHashes(request._block_hashes, self.hash_stride)
 
     def contents_of(self, request: Request) -> Sequence[bytes] | None:
         """The request's block contents at this group's block size (verified index only)."""
@@ -158,7 +158,7 @@ class GroupManager:
         """
         bs = self.block_size
         if self.hash_stride == 1:
-            hits = self.index.longest_prefix(request.block_hashes, request._block_contents, max_length // bs)
+            hits = self.index.longest_prefix(request._block_hashes, request._block_contents, max_length // bs)
         else:
             hits = self.index.longest_prefix(self.hashes_of(request), self.contents_of(request), max_length // bs)
         align = self.alignment
@@ -266,16 +266,16 @@ class GroupManager:
         done = self.num_cached[rid]
         stride = self.hash_stride
         if stride == 1:
-            hashed = len(request.block_hashes) * self.block_size
+            hashed = len(request._block_hashes) * self.block_size
             full = (num_tokens if num_tokens < hashed else hashed) // self.block_size
             if full > done:
                 self.pool.cache_full_blocks(
                     request, self.tables[rid], done, full, self.group_id, self.block_size,
-                    request.block_hashes, request._block_contents,
+                    request._block_hashes, request._block_contents,
                 )
                 self.num_cached[rid] = full
             return
-        full = min(num_tokens // self.block_size, len(request.block_hashes) // stride)
+        full = min(num_tokens // self.block_size, len(request._block_hashes) // stride)
         if full > done:
             self._cache_range(request, self.tables[rid], done, full)
             self.num_cached[rid] = full

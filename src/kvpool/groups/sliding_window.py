@@ -111,7 +111,7 @@ class SlidingWindowManager(GroupManager):
             return
         rid = request.request_id
         done = self.num_cached[rid]
-        full = min(num_tokens // self.block_size, len(request.block_hashes) // self.hash_stride)
+        full = min(num_tokens // self.block_size, len(request._block_hashes) // self.hash_stride)
         if full <= done:
             return
         if need:
