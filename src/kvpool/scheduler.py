@@ -16,7 +16,12 @@ running requests (``max_num_seqs``):
 The output of a step is plain data for a model runner: which requests, which
 tokens at which positions, their block tables and slot mappings. After the
 runner has sampled, :meth:`Scheduler.update` appends the sampled tokens,
-applies the stop conditions and frees finished requests.
+applies the stop conditions and frees finished requests. Steps alternate:
+``schedule`` then ``update`` with that very output, once.
+
+Every public method checks all of its arguments before it changes anything:
+a :class:`~kvpool.errors.KVPoolError` naming the value means the scheduler,
+its requests and the manager are exactly as they were.
 
 Time is read from an injectable clock and only feeds the per-request figures
 (queue time, time to first token); no decision depends on it.
@@ -24,13 +29,15 @@ Time is read from an injectable clock and only feeds the per-request figures
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvpool.errors import CapacityError, ConfigError, RequestStateError
+from kvpool.errors import CapacityError, ConfigError, InvalidTokenError, RequestStateError
+from kvpool.hashing import TOKEN_LIMIT, to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
 
@@ -86,6 +93,8 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len < 2):
             raise ConfigError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+        if not isinstance(self.chunk_detail, ChunkDetail):
+            raise ConfigError(f"chunk_detail must be a ChunkDetail, got {self.chunk_detail!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,7 +109,19 @@ class StopConditions:
     def __post_init__(self) -> None:
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        stops = self.stop_token_ids
+        if isinstance(stops, Mapping):  # iterating a mapping would silently take its keys
+            raise InvalidTokenError(f"stop_token_ids must be a collection of token IDs, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", frozenset(to_token_array(stops, "stop_token_ids")))
+        if self.eos_token_id is not None:
+            _check_token(self.eos_token_id, "eos_token_id")
+        if type(self.ignore_eos) is not bool:
+            raise ConfigError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+
+def _check_token(token: object, what: str) -> None:
+    if type(token) is not int or not 0 <= token < TOKEN_LIMIT:
+        raise InvalidTokenError(f"{what} is {token!r}, not an integer token ID in [0, 2**32)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,6 +236,8 @@ class Scheduler:
         config: step limits.
         clock: returns the current time in seconds (``time.monotonic`` by
             default; a simulator passes its simulated clock).
+
+    ``max_model_len`` is the config's, or else the manager's.
     """
 
     def __init__(
@@ -224,34 +247,52 @@ class Scheduler:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.manager = manager
-        self.config = config or SchedulerConfig()
-        self.clock = clock
-        self.waiting: deque[_Entry] = deque()
-        self.running: list[_Entry] = []
-        self._entries: dict[str, _Entry] = {}
-        self._step = 0
-        self._counts_only = self.config.chunk_detail is ChunkDetail.COUNTS
-        # A queue-aware eviction policy is told which requests wait, whenever that set changes.
-        self._hints_wanted = hasattr(manager.pool.free_queue, "note_waiting")
-        self._waiting_changed = False
-        self.num_preemptions = 0
-        max_len = self.config.max_model_len
+        if not isinstance(manager, KVCacheManager):
+            raise ConfigError(f"manager must be a KVCacheManager, got {manager!r}")
+        if config is None:
+            config = SchedulerConfig()
+        elif not isinstance(config, SchedulerConfig):
+            raise ConfigError(f"config must be a SchedulerConfig or None, got {config!r}")
+        if not callable(clock):
+            raise ConfigError(f"clock must be callable, got {clock!r}")
+        max_len = config.max_model_len
         if max_len is not None and manager.max_model_len not in (None, max_len):
             raise ConfigError(
                 f"scheduler max_model_len={max_len} differs from the manager's {manager.max_model_len}"
             )
+        self.manager = manager
+        self.config = config
+        self.clock = clock
+        self.max_model_len: int | None = manager.max_model_len if max_len is None else max_len
+        self.waiting: deque[_Entry] = deque()
+        self.running: list[_Entry] = []
+        self._entries: dict[str, _Entry] = {}
+        self._step = 0
+        # The latest plan, and its chunks' entries until update() applies it.
+        self._issued: SchedulerOutput | None = None
+        self._in_flight: tuple[_Entry, ...] = ()
+        self._counts_only = config.chunk_detail is ChunkDetail.COUNTS
+        # A queue-aware eviction policy is told which requests wait, whenever that set changes.
+        self._hints_wanted = hasattr(manager.pool.free_queue, "note_waiting")
+        self._waiting_changed = False
+        self.num_preemptions = 0
 
     # -- requests --------------------------------------------------------------------
 
-    def add_request(self, request: Request, stop: StopConditions, *, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises if it could never be served, even alone."""
+    def check_request(self, request: Request, stop: StopConditions) -> None:
+        """Raise what :meth:`add_request` would raise, without queuing anything."""
+        if not isinstance(request, Request):
+            raise RequestStateError(f"request must be a Request, got {request!r}")
+        if not isinstance(stop, StopConditions):
+            raise ConfigError(f"stop must be a StopConditions, got {stop!r}")
         rid = request.request_id
         if rid in self._entries:
             raise RequestStateError(f"request {rid!r} is already in the scheduler")
+        if any(self.manager.get_block_ids(rid)):
+            raise RequestStateError(f"request {rid!r} already holds blocks in the manager")
         if request.num_computed_tokens != 0:
             raise RequestStateError(f"request {rid!r} has num_computed_tokens={request.num_computed_tokens}, expected 0")
-        max_len = self.config.max_model_len
+        max_len = self.max_model_len
         if max_len is not None and request.num_tokens >= max_len:
             raise RequestStateError(
                 f"request {rid!r}: prompt of {request.num_tokens} tokens leaves no room under max_model_len={max_len}"
@@ -265,43 +306,62 @@ class Scheduler:
                 f"request {rid!r} may reach {peak} tokens, which need {blocks} blocks; "
                 f"the pool has {self.manager.num_blocks - 1} usable blocks"
             )
+
+    def add_request(self, request: Request, stop: StopConditions, *, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises if it could never be served, even alone."""
+        self.check_request(request, stop)
+        if arrival_time is not None and (
+            type(arrival_time) not in (int, float) or not math.isfinite(arrival_time)
+        ):
+            raise ConfigError(f"arrival_time must be a finite number or None, got {arrival_time!r}")
+        # Refuses a request hashed under another block size or algorithm, and then binds nothing.
         self.manager.hash_request(request)
         entry = _Entry(request, stop, self.clock() if arrival_time is None else arrival_time)
-        self._entries[rid] = entry
+        self._entries[request.request_id] = entry
         self.waiting.append(entry)
         self._waiting_changed = True
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now; its blocks go back to the pool. Unknown IDs are ignored."""
-        entry = self._entries.get(request_id)
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its blocks go back to the pool.
+
+        Returns whether it stopped one: an unknown or already finished ID
+        (a request may finish just before its abort) changes nothing.
+        """
+        entry = self._lookup(request_id)
         if entry is None or entry.status is RequestStatus.FINISHED:
-            return
+            return False
         if entry in self.waiting:
             self.waiting.remove(entry)
             self._waiting_changed = True
         if entry in self.running:
             self.running.remove(entry)
         self._finish(entry, FinishReason.ABORTED)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def metrics(self, request_id: str) -> RequestMetrics:
-        entry = self._entries.get(request_id)
+    def _lookup(self, request_id: str) -> _Entry | None:
+        if not isinstance(request_id, str):
+            raise RequestStateError(f"a request ID is a string, got {request_id!r}")
+        return self._entries.get(request_id)
+
+    def _known(self, request_id: str) -> _Entry:
+        entry = self._lookup(request_id)
         if entry is None:
             raise RequestStateError(f"unknown request {request_id!r}")
-        return entry.metrics()
+        return entry
+
+    def metrics(self, request_id: str) -> RequestMetrics:
+        return self._known(request_id).metrics()
 
     def request(self, request_id: str) -> Request:
-        entry = self._entries.get(request_id)
-        if entry is None:
-            raise RequestStateError(f"unknown request {request_id!r}")
-        return entry.request
+        return self._known(request_id).request
 
     def forget(self, request_id: str) -> RequestMetrics:
         """Drop a finished request's record and return its figures."""
-        entry = self._entries.get(request_id)
-        if entry is None or entry.status is not RequestStatus.FINISHED:
+        entry = self._known(request_id)
+        if entry.status is not RequestStatus.FINISHED:
             raise RequestStateError(f"request {request_id!r} is not finished")
         del self._entries[request_id]
         return entry.metrics()
@@ -309,7 +369,15 @@ class Scheduler:
     # -- a step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step. Requests in the plan hold the blocks it needs."""
+        """Plan one step. Requests in the plan hold the blocks it needs.
+
+        Refused while the previous plan still has a running request and was
+        not applied with :meth:`update`.
+        """
+        if self._issued is not None and any(e.status is RequestStatus.RUNNING for e in self._in_flight):
+            raise RequestStateError(
+                f"step {self._issued.step} was planned but not applied; call update() with its output first"
+            )
         self._step += 1
         budget = self.config.max_num_batched_tokens
         mgr = self.manager
@@ -317,6 +385,7 @@ class Scheduler:
             mgr.note_waiting([e.request for e in self.waiting])
             self._waiting_changed = False
         now = self.clock()
+        scheduled: list[_Entry] = []
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
 
@@ -339,6 +408,7 @@ class Scheduler:
                     break
             if new is None:
                 break  # the request itself was preempted; later ones are gone too
+            scheduled.append(entry)
             chunks.append(self._chunk(entry, todo, 0))
             budget -= todo
             index += 1
@@ -358,15 +428,19 @@ class Scheduler:
             if entry.first_scheduled_time is None:
                 entry.first_scheduled_time = now
             self.running.append(entry)
+            scheduled.append(entry)
             chunks.append(self._chunk(entry, todo, num_hit))
             budget -= todo
 
-        return SchedulerOutput(
+        output = SchedulerOutput(
             step=self._step,
             chunks=tuple(chunks),
             preempted=tuple(preempted),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
+        self._issued = output
+        self._in_flight = tuple(scheduled)
+        return output
 
     def _chunk(self, entry: _Entry, num_tokens: int, num_cached: int) -> ScheduledChunk:
         request = entry.request
@@ -410,24 +484,26 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[RequestMetrics]:
         """Apply a step's results: advance progress, append sampled tokens, stop.
 
-        ``sampled`` maps the request ID of every chunk with ``sample=True`` to
-        its sampled token. Returns the figures of the requests that finished.
+        ``output`` is the latest :meth:`schedule` result, applied once.
+        ``sampled`` maps the request ID of every chunk with ``sample=True``
+        whose request is still running (not aborted since) to its sampled
+        token, an ``int`` in ``[0, 2**32)``, and holds nothing else. Anything
+        else is refused before any request changes. Returns the figures of the
+        requests that finished.
         """
+        tokens = self._check_update(output, sampled)
         now = self.clock()
+        in_flight, self._in_flight = self._in_flight, ()
         finished: list[RequestMetrics] = []
-        for chunk in output.chunks:
-            entry = self._entries.get(chunk.request_id)
-            if entry is None or entry.status is not RequestStatus.RUNNING:
+        for entry, chunk in zip(in_flight, output.chunks):
+            if entry.status is not RequestStatus.RUNNING:
                 continue  # aborted meanwhile
             request = entry.request
             request.num_computed_tokens += chunk.num_tokens
             entry.num_computed_total += chunk.num_tokens
             if not chunk.sample:
                 continue
-            try:
-                token = sampled[chunk.request_id]
-            except KeyError:
-                raise RequestStateError(f"no sampled token for request {chunk.request_id!r}") from None
+            token = tokens[chunk.request_id]
             request.append_output_token_ids(token)
             if entry.first_token_time is None:
                 entry.first_token_time = now
@@ -436,7 +512,42 @@ class Scheduler:
                 self.running.remove(entry)
                 self._finish(entry, reason, now)
                 finished.append(entry.metrics())
+        self._issued = None
         return finished
+
+    def _check_update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> dict[str, int]:
+        """The sampled tokens, checked against the plan in flight; raises before anything changes."""
+        if self._issued is None or output is not self._issued:
+            if not isinstance(output, SchedulerOutput):
+                raise RequestStateError(f"update() takes the SchedulerOutput of schedule(), got {output!r}")
+            if output.step == self._step and self._issued is None:
+                raise RequestStateError(f"the output of step {output.step} was already applied")
+            if output.step < self._step:
+                raise RequestStateError(f"the output of step {output.step} is stale: the latest step is {self._step}")
+            raise RequestStateError(f"the output of step {output.step} was not issued by this scheduler")
+        if not isinstance(sampled, Mapping):
+            raise RequestStateError(f"sampled must map request IDs to token IDs, got {sampled!r}")
+        needed = {
+            chunk.request_id
+            for entry, chunk in zip(self._in_flight, output.chunks)
+            if chunk.sample and entry.status is RequestStatus.RUNNING
+        }
+        for rid, token in sampled.items():
+            if rid not in needed:
+                raise RequestStateError(f"sampled has a token for request {rid!r}, {self._why_no_token(rid, output)}")
+            _check_token(token, f"the sampled token of request {rid!r}")
+        if len(sampled) != len(needed):
+            missing = sorted(needed.difference(sampled))
+            raise RequestStateError(f"no sampled token for request{'s' if len(missing) > 1 else ''} {missing}")
+        return dict(sampled)
+
+    def _why_no_token(self, rid: object, output: SchedulerOutput) -> str:
+        for entry, chunk in zip(self._in_flight, output.chunks):
+            if chunk.request_id == rid:
+                if entry.status is not RequestStatus.RUNNING:
+                    return f"which was {entry.status.value} after step {output.step} was planned"
+                return f"whose chunk in step {output.step} ends before its last token and samples nothing"
+        return f"which step {output.step} did not schedule"
 
     def _stop_reason(self, entry: _Entry, token: int) -> FinishReason | None:
         stop = entry.stop
@@ -447,7 +558,7 @@ class Scheduler:
             return FinishReason.EOS
         if request.num_output_tokens >= stop.max_tokens:
             return FinishReason.LENGTH
-        max_len = self.config.max_model_len
+        max_len = self.max_model_len
         if max_len is not None and request.num_tokens >= max_len:
             return FinishReason.LENGTH
         return None
@@ -482,6 +593,10 @@ def run_to_completion(
     scheduler: Scheduler, sample: Callable[[SchedulerOutput], Mapping[str, int]], max_steps: int = 1_000_000
 ) -> list[RequestMetrics]:
     """Drive a scheduler until every request finished; ``sample`` plays the model."""
+    if not callable(sample):
+        raise ConfigError(f"sample must be callable, got {sample!r}")
+    if type(max_steps) is not int or max_steps < 1:
+        raise ConfigError(f"max_steps must be an integer >= 1, got {max_steps!r}")
     finished: list[RequestMetrics] = []
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -494,7 +609,9 @@ def run_to_completion(
 
 
 def sample_from(tokens: Mapping[str, Sequence[int]]) -> Callable[[SchedulerOutput], dict[str, int]]:
-    """A scripted 'model' for tests and simulators: request i's n-th sample is tokens[i][n]."""
+    """A scripted 'model' for tests and simulators: request i's n-th sample is tokens[i][n] (cycling)."""
+    if not isinstance(tokens, Mapping) or not all(isinstance(s, Sequence) and s for s in tokens.values()):
+        raise ConfigError(f"tokens must map request IDs to non-empty token sequences, got {tokens!r}")
     cursor: dict[str, int] = {}
 
     def sample(output: SchedulerOutput) -> dict[str, int]:
