@@ -138,17 +138,17 @@ HAND = {
     # 61 MLA layers
     "deepseek-v3": (163840, 16, 16 * (512 + 64) * 2, 61, 1, 163840 // 16),
     # 4 attention (8 KV heads x 128) + 28 Mamba-1 layers; state (8192 x 3 + 8192 x 16) x 2 = 311,296 B;
-    # block 16 x cdiv(311296, 16 x 4096) = 80; 7 Mamba groups of 4 + 1 attention group
-    "jamba-mini-1.6": (262144, 80, 80 * ATTN_BF16 * 8 * 128, 4, 8, cdiv(262144, 80) + 7),
+    # block 16 x cdiv(311296, 16 x 4096) = 80; 7 Mamba groups of 4 (2 state blocks each) + 1 attention group
+    "jamba-mini-1.6": (262144, 80, 80 * ATTN_BF16 * 8 * 128, 4, 8, cdiv(262144, 80) + 7 * 2),
     # 4 attention + 24 Mamba-2; state (10240 x 3) x 2 + (128 x 64 x 128) x 4 (fp32 SSM) = 4,255,744 B;
-    # block 16 x cdiv(4255744, 65536) = 1040; 6 Mamba groups + 1 attention
-    "nemotron-h-8b": (8192, 1040, 1040 * ATTN_BF16 * 8 * 128, 4, 7, cdiv(8192, 1040) + 6),
+    # block 16 x cdiv(4255744, 65536) = 1040; 6 Mamba groups (2 state blocks each) + 1 attention
+    "nemotron-h-8b": (8192, 1040, 1040 * ATTN_BF16 * 8 * 128, 4, 7, cdiv(8192, 1040) + 6 * 2),
     # 4 attention (4 KV heads x 128) + 36 Mamba-2; state ((3072 + 256) x 3 + 48 x 64 x 128) x 2 = 806,400 B;
-    # block 16 x cdiv(806400, 32768) = 400; 9 Mamba groups + 1 attention
-    "granite-4.0-h-tiny": (131072, 400, 400 * ATTN_BF16 * 4 * 128, 4, 10, cdiv(131072, 400) + 9),
+    # block 16 x cdiv(806400, 32768) = 400; 9 Mamba groups (2 state blocks each) + 1 attention
+    "granite-4.0-h-tiny": (131072, 400, 400 * ATTN_BF16 * 4 * 128, 4, 10, cdiv(131072, 400) + 9 * 2),
     # 12 attention (2 KV heads x 256) + 36 gated-delta-net; state ((4096 + 4096) x 3 + 32 x 128 x 128) x 2
-    # = 1,097,728 B; block 16 x cdiv(1097728, 32768) = 544; 3 state groups + 1 attention
-    "qwen3-next-80b-a3b": (262144, 544, 544 * ATTN_BF16 * 2 * 256, 12, 4, cdiv(262144, 544) + 3),
+    # = 1,097,728 B; block 16 x cdiv(1097728, 32768) = 544; 3 state groups (2 blocks each) + 1 attention
+    "qwen3-next-80b-a3b": (262144, 544, 544 * ATTN_BF16 * 2 * 256, 12, 4, cdiv(262144, 544) + 3 * 2),
 }
 
 
@@ -198,7 +198,7 @@ def test_mamba_block_size_raise_is_noted() -> None:
     assert plan.requested_block_size == 16 and plan.block_size == 80
     assert any("raised from 16 to 80" in note for note in plan.notes)
     mamba = [g for g in plan.groups if g.kind is LayerKind.MAMBA]
-    assert all(g.blocks_per_request == 1 for g in mamba)
+    assert all(g.blocks_per_request == 2 for g in mamba)  # the state a step reads and the one it writes
     assert isinstance(mamba[0].spec, MambaSpec) and mamba[0].spec.state_bytes == 311_296
 
 

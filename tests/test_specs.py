@@ -175,8 +175,11 @@ def test_chunked_local_keeps_one_chunk() -> None:
     assert odd.blocks_per_request(10_000) == 8  # 7 blocks, plus one since chunks start mid-block
 
 
-def test_mamba_keeps_one_block() -> None:
-    assert MambaSpec(state_bytes=1000, block_size=16).blocks_per_request(1_000_000) == 1
+def test_mamba_keeps_the_state_a_step_reads_and_the_one_it_writes() -> None:
+    state = MambaSpec(state_bytes=1000, block_size=16)
+    assert state.blocks_per_request(1_000_000) == 2  # the state a step reads and the one it writes
+    assert state.blocks_per_request(16) == 1  # no step crosses a block
+    assert state.blocks_per_request(17) == 2
 
 
 # -- grouping ------------------------------------------------------------------------

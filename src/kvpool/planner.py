@@ -9,10 +9,11 @@ picture. All sizes are per GPU (per tensor-parallel rank) and in bytes:
 
 ``pool_block_bytes`` is one block of the shared pool (``layers_per_block``
 layer pages, see :mod:`kvpool.specs`). A request of ``L`` tokens holds, in
-every group, the blocks that group's layer kind keeps (all ``cdiv(L,
-block_size)`` for full attention, the window's blocks for sliding windows, one
-block for a Mamba state); summing over the groups gives ``blocks_per_request``
-and::
+every group, the blocks that group's layer kind keeps at its peak (all
+``cdiv(L, block_size)`` for full attention, the window's blocks for sliding
+windows, two blocks for a Mamba state: the one a step reads and the one it
+writes), as ``LayerSpec.blocks_per_request`` counts them for the scheduler's
+admission too; summing over the groups gives ``blocks_per_request`` and::
 
     max_concurrency = num_blocks / blocks_per_request
     kv_cache_tokens = floor(max_concurrency * L)

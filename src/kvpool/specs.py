@@ -16,9 +16,14 @@ full attention     2 * block_size * kv_heads * head_dim * item   every block of 
 sliding window     same                                         the blocks covering the window
 chunked local      same                                         the blocks covering its chunk
 MLA                block_size * (kv_lora_rank + rope_dim) * item every block of its tokens
-Mamba-style state  state_bytes (fixed, whatever the length)     one state block
+Mamba-style state  state_bytes (fixed, whatever the length)     two state blocks (one up to
+                                                                ``block_size`` tokens)
 cross attention    same as full attention                       every encoder-token block
 =================  ===========================================  ==========================
+
+``blocks_per_request`` is the one home of these counts: the planner sizes a
+pool with it and each group manager (:mod:`kvpool.groups`) admits requests
+with it.
 
 The factor 2 is K plus V. MLA caches one compressed latent per token and no
 separate V, and that latent is the same on every tensor-parallel rank.
@@ -358,7 +363,7 @@ class MLASpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MambaSpec:
-    """A fixed-size recurrent state (Mamba, Mamba-2, gated delta net): one block per request.
+    """A fixed-size recurrent state (Mamba, Mamba-2, gated delta net): at most two blocks per request.
 
     ``state_bytes`` is the layer's whole per-request state (convolution state
     plus SSM/recurrent state, in their storage dtypes), whatever the sequence
@@ -372,6 +377,9 @@ class MambaSpec:
     kind: ClassVar[LayerKind] = LayerKind.MAMBA
     #: Whole states at block boundaries are cacheable (see docs/hybrid.md).
     prefix_cacheable: ClassVar[bool] = True
+    #: Most state blocks a request holds at once: the state a step reads and
+    #: the one it writes when it crosses into a new block position.
+    max_state_blocks: ClassVar[int] = 2
 
     state_bytes: int
     block_size: int
@@ -402,8 +410,28 @@ class MambaSpec:
         return None
 
     def blocks_per_request(self, num_tokens: int) -> int:
-        """Always one: the state does not grow with the sequence."""
-        return 1
+        """Blocks one request of ``num_tokens`` tokens holds at its peak: ``min(cdiv(num_tokens, block_size), 2)``.
+
+        The state does not grow with the sequence, but a step that crosses
+        into a new block position reads the state from the old block and
+        writes the new state into a fresh one, so both are held until the
+        next step gives the old one back (:meth:`blocks_held_after`). A
+        request of at most ``block_size`` tokens never crosses a block.
+        """
+        return min(cdiv(num_tokens, self.block_size), self.max_state_blocks)
+
+    def blocks_held_after(self, num_computed_tokens: int, num_tokens: int) -> int:
+        """State blocks held right after a step from ``num_computed_tokens`` to ``num_tokens`` tokens.
+
+        One, or two when the step starts from a state (``num_computed_tokens``
+        > 0) and ends in a later block position than that state's.
+        """
+        if num_tokens == 0:
+            return 0
+        bs = self.block_size
+        if num_computed_tokens == 0 or cdiv(num_tokens, bs) == cdiv(num_computed_tokens, bs):
+            return 1
+        return self.max_state_blocks
 
     def with_block_size(self, block_size: int) -> Self:
         return dataclasses.replace(self, block_size=block_size)

@@ -16,7 +16,9 @@ The step reads the state from ``s`` (the last real block before the step) and
 writes the state after it into ``d`` (the last block of the table). A step that
 stays inside the last block updates that block in place. At the start of the
 next step every real block except the last is given back, so a request holds
-one block between steps and two while a step crosses into a new block.
+one block, and two from a step that crosses into a new block until the next
+step starts. That count is :class:`kvpool.specs.MambaSpec`'s rule, which the
+planner uses too; this manager's sizes ask it.
 
 Prefix caching: states at block boundaries
 ------------------------------------------
@@ -50,6 +52,7 @@ from typing import ClassVar
 from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.groups.base import GroupManager, cdiv
 from kvpool.request import Request
+from kvpool.specs import MambaSpec
 
 __all__ = ["MambaManager"]
 
@@ -60,7 +63,9 @@ class MambaManager(GroupManager):
     downward_closed: ClassVar[bool] = False
     supports_verified_index: ClassVar[bool] = False
     #: Real blocks a table may hold: the state a step reads and the one it writes.
-    max_live_blocks: ClassVar[int] = 2
+    max_live_blocks: ClassVar[int] = MambaSpec.max_state_blocks
+
+    spec: MambaSpec
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -169,13 +174,12 @@ class MambaManager(GroupManager):
     # -- sizes -------------------------------------------------------------------
 
     def max_blocks_for(self, num_tokens: int) -> int:
-        """Two blocks (one while no step crosses a block boundary)."""
-        return 1 if num_tokens <= self.block_size else 2
+        """The spec's count: two blocks (one up to ``block_size`` tokens, where no step crosses a block)."""
+        return self.spec.blocks_per_request(num_tokens)
 
     def blocks_held_after(self, num_computed_tokens: int, num_tokens: int) -> int:
-        if num_computed_tokens == 0 or cdiv(num_tokens, self.block_size) == cdiv(num_computed_tokens, self.block_size):
-            return 1
-        return 2
+        """The spec's count: two after a step from a state into a new block position, else one."""
+        return self.spec.blocks_held_after(num_computed_tokens, num_tokens)
 
     def live_positions(self, request_id: str) -> tuple[int, ...]:
         """Positions of the real blocks in the request's table (for checks and tests)."""
