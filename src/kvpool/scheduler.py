@@ -314,9 +314,10 @@ class Scheduler:
             type(arrival_time) not in (int, float) or not math.isfinite(arrival_time)
         ):
             raise ConfigError(f"arrival_time must be a finite number or None, got {arrival_time!r}")
+        arrival = self.clock() if arrival_time is None else arrival_time
         # Refuses a request hashed under another block size or algorithm, and then binds nothing.
         self.manager.hash_request(request)
-        entry = _Entry(request, stop, self.clock() if arrival_time is None else arrival_time)
+        entry = _Entry(request, stop, arrival)
         self._entries[request.request_id] = entry
         self.waiting.append(entry)
         self._waiting_changed = True
@@ -330,12 +331,14 @@ class Scheduler:
         entry = self._lookup(request_id)
         if entry is None or entry.status is RequestStatus.FINISHED:
             return False
-        if entry in self.waiting:
+        now = self.clock()
+        was_waiting = entry.status is not RequestStatus.RUNNING
+        self._finish(entry, FinishReason.ABORTED, now)  # the blocks go back first: the one step that could refuse
+        if was_waiting:
             self.waiting.remove(entry)
             self._waiting_changed = True
-        if entry in self.running:
+        else:
             self.running.remove(entry)
-        self._finish(entry, FinishReason.ABORTED)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -378,13 +381,13 @@ class Scheduler:
             raise RequestStateError(
                 f"step {self._issued.step} was planned but not applied; call update() with its output first"
             )
+        now = self.clock()
         self._step += 1
         budget = self.config.max_num_batched_tokens
         mgr = self.manager
         if self._hints_wanted and self._waiting_changed:
             mgr.note_waiting([e.request for e in self.waiting])
             self._waiting_changed = False
-        now = self.clock()
         scheduled: list[_Entry] = []
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -563,11 +566,11 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, entry: _Entry, reason: FinishReason, now: float | None = None) -> None:
+    def _finish(self, entry: _Entry, reason: FinishReason, now: float) -> None:
         self.manager.free(entry.request)
         entry.status = RequestStatus.FINISHED
         entry.finish_reason = reason
-        entry.finish_time = self.clock() if now is None else now
+        entry.finish_time = now
 
     # -- inspection ----------------------------------------------------------------------
 
