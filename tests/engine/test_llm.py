@@ -231,7 +231,7 @@ def test_bad_requests_raise_before_queuing_and_the_engine_keeps_serving(tiny):
     assert list(llm.generate(good, greedy(5))[0].output_token_ids) == expected
 
     cases = [
-        ([], RequestStateError, "no tokens"),
+        ([], RequestStateError, "is empty"),
         ("", RequestStateError, "empty"),
         ("some text", ConfigError, "no tokenizer"),
         (random_prompt(32, seed=81), RequestStateError, "32 tokens"),

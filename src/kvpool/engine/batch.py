@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.errors import InvalidTokenError, KVPoolError, RequestStateError
+from kvpool.hashing import TOKEN_LIMIT
 
 __all__ = ["SequenceChunk"]
-
-_MAX_TOKEN_ID = 2**32
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +53,7 @@ class SequenceChunk:
         if not self.token_ids:
             raise KVPoolError(f"chunk of request {self.request_id!r} has no tokens to compute")
         for token in self.token_ids:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < _MAX_TOKEN_ID:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < TOKEN_LIMIT:
                 raise InvalidTokenError(
                     f"request {self.request_id!r}: token ID {token!r} is not an integer in [0, 2**32)"
                 )

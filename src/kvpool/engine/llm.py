@@ -9,8 +9,9 @@
                      SamplingParams(max_tokens=32))
     print(out.text, out.num_cached_tokens, out.time_to_first_token)
 
-Every prompt of a call is checked before any is queued, so a bad one raises a
-:class:`~kvpool.errors.KVPoolError` and leaves the engine as it was.
+Every prompt and option of a call is checked before any prompt is queued, so a
+bad one raises a :class:`~kvpool.errors.KVPoolError` and leaves the engine as
+it was.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvpool.engine.llm_engine import LLMEngine, PreparedRequest, Prompt
+from kvpool.engine.llm_engine import LLMEngine, Prompt
 from kvpool.engine.model_store import DEFAULT_MODEL
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling import SamplingParams
@@ -31,17 +32,15 @@ __all__ = ["LLM"]
 Conversation = Sequence[Mapping[str, str]]
 
 
-def _is_token_ids(value: object) -> bool:
-    return (
-        isinstance(value, Sequence)
-        and not isinstance(value, (str, bytes))
-        and len(value) > 0
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
+def _is_single_prompt(value: object) -> bool:
+    """Text, or a sequence of token IDs (told from a list of prompts by its first item)."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, Sequence) and len(value) > 0 and not isinstance(value[0], (str, bytes, Sequence))
 
 
 def _as_list(value, count: int, what: str) -> list:
-    """One value for every prompt, or a list with one per prompt."""
+    """One value for every prompt, or a list or tuple with one per prompt."""
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ConfigError(f"{what} has {len(value)} entries for {count} prompts")
@@ -101,20 +100,13 @@ class LLM:
             cache_salt: one for all prompts or one per prompt; requests with
                 different salts never share cached blocks.
         """
-        if isinstance(prompts, str) or _is_token_ids(prompts):
+        if _is_single_prompt(prompts):
             batch = [prompts]
         elif isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
             batch = list(prompts)
         else:
-            raise RequestStateError(f"prompts must be text, token IDs or a list of those, got {type(prompts).__name__}")
-        if not batch:
-            return []
-        params = _as_list(
-            SamplingParams() if sampling_params is None else sampling_params, len(batch), "sampling_params"
-        )
-        salts = _as_list(cache_salt, len(batch), "cache_salt")
-        prepared = [self.engine.prepare(p, sp, cache_salt=salt) for p, sp, salt in zip(batch, params, salts)]
-        return self._queue_and_run(prepared)
+            raise RequestStateError(f"prompts must be text, token IDs or a list of those, got {prompts!r}")
+        return self._run(batch, sampling_params, cache_salt, add_special_tokens=True)
 
     def chat(
         self,
@@ -133,27 +125,18 @@ class LLM:
         elif isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)):
             conversations = list(messages)
         else:
-            raise RequestStateError(f"messages must be a conversation or a list of them, got {type(messages).__name__}")
-        if not conversations:
-            return []
+            raise RequestStateError(f"messages must be a conversation or a list of them, got {messages!r}")
         texts = [self.engine.render_chat(c) for c in conversations]
-        params = _as_list(
-            SamplingParams() if sampling_params is None else sampling_params, len(texts), "sampling_params"
-        )
-        salts = _as_list(cache_salt, len(texts), "cache_salt")
-        prepared = [
-            self.engine.prepare(text, p, cache_salt=salt, add_special_tokens=False)
-            for text, p, salt in zip(texts, params, salts)
-        ]
-        return self._queue_and_run(prepared)
+        return self._run(texts, sampling_params, cache_salt, add_special_tokens=False)
 
-    def _queue_and_run(self, prepared: list[PreparedRequest]) -> list[RequestOutput]:
-        queued: list[str] = []
+    def _run(self, prompts: list, sampling_params, cache_salt, *, add_special_tokens: bool) -> list[RequestOutput]:
+        """Queue every prompt (all or none), run them to the end; outputs in prompt order."""
+        params = _as_list(sampling_params, len(prompts), "sampling_params")
+        salts = _as_list(cache_salt, len(prompts), "cache_salt")
+        queued = self.engine.add_requests(prompts, params, cache_salts=salts, add_special_tokens=add_special_tokens)
         try:
-            for one in prepared:
-                queued.append(self.engine.add_prepared(one))
             done = self.engine.run_until_done(queued)
-        except BaseException:  # a refused request, or an interrupt: leave nothing half-done behind
+        except BaseException:  # an interrupt or a failed step: leave nothing half-done behind
             for rid in queued:
                 self.engine.abort(rid)
             raise

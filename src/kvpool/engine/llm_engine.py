@@ -16,18 +16,19 @@ Each :meth:`LLMEngine.step`:
    blocks, which stay in the prefix cache until evicted.
 
 A prefix hit is never recomputed: the scheduler starts the request's first
-chunk at the number of cached tokens. Every request is checked before it is
-queued, so a bad one raises a :class:`~kvpool.errors.KVPoolError` and leaves
-the engine serving. Should a step fail anyway (or be interrupted), every
+chunk at the number of cached tokens. Every public method checks all of its
+arguments before it changes anything, so a bad request (or batch) raises a
+:class:`~kvpool.errors.KVPoolError` naming the value, with nothing queued, and
+the engine keeps serving. Should a step fail anyway (or be interrupted), every
 request is dropped and the prefix cache emptied before the exception goes on,
 and the engine serves new requests as before.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,12 +40,13 @@ from kvpool.engine.model_store import DEFAULT_MODEL
 from kvpool.engine.outputs import IncrementalDetokenizer, RequestDelta, RequestOutput
 from kvpool.engine.sampling import SamplingParams, make_generator, sample_tokens
 from kvpool.engine.startup import EngineOptions, EngineSetup, start_engine
-from kvpool.errors import ConfigError, InvalidTokenError, RequestStateError
+from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
+from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
 from kvpool.scheduler import RequestMetrics, Scheduler, SchedulerConfig, StopConditions
 
-__all__ = ["LLMEngine", "PreparedRequest", "Prompt"]
+__all__ = ["LLMEngine", "Prompt"]
 
 #: A prompt: text (needs a tokenizer) or token IDs.
 Prompt = str | Sequence[int]
@@ -52,8 +54,24 @@ Prompt = str | Sequence[int]
 _LOGGER = logging.getLogger("kvpool.engine")
 
 
+def _check_bool(name: str, value: object) -> None:
+    if type(value) is not bool:
+        raise ConfigError(f"{name} must be a bool, got {value!r}")
+
+
+def _per_prompt(values: Sequence | None, count: int, what: str) -> list:
+    """One value per prompt (None for each when ``values`` is None)."""
+    if values is None:
+        return [None] * count
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ConfigError(f"{what} must be a list with one entry per prompt, got {values!r}")
+    if len(values) != count:
+        raise ConfigError(f"{what} has {len(values)} entries for {count} prompts")
+    return list(values)
+
+
 @dataclass(frozen=True, slots=True)
-class PreparedRequest:
+class _Prepared:
     """A request that passed every check and only waits to be queued."""
 
     request: Request
@@ -111,6 +129,8 @@ class LLMEngine:
         device: torch.device | str | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
+        if log is not None and not callable(log):
+            raise ConfigError(f"log must be callable or None, got {log!r}")
         options = EngineOptions(
             model=model,
             block_size=block_size,
@@ -149,7 +169,7 @@ class LLMEngine:
             ),
         )
         self._live: dict[str, _Live] = {}
-        self._ids = itertools.count()
+        self._next_id = 0  # automatic request IDs are str(n), n counting up from here
 
     # -- properties ----------------------------------------------------------------
 
@@ -186,15 +206,30 @@ class LLMEngine:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token IDs of ``text``; ``add_special_tokens`` adds the tokenizer's own (e.g. BOS)."""
+        if not isinstance(text, str):
+            raise RequestStateError(f"text to encode must be a str, got {text!r}")
+        _check_bool("add_special_tokens", add_special_tokens)
         tokenizer = self._require_tokenizer("pass token IDs instead of text")
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         tokenizer = self._require_tokenizer("cannot decode text")
-        return tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return tokenizer.decode(self._vocab_tokens(token_ids, "token_ids").tolist(), skip_special_tokens=True)
+
+    def _vocab_tokens(self, token_ids: Sequence[int], what: str) -> array:
+        """``token_ids`` as an array, refused unless every one is in the model's vocabulary."""
+        tokens = to_token_array(token_ids, what)  # the core's rule: integers in [0, 2**32)
+        vocab = self.setup.runner.vocab_size
+        if tokens and max(tokens) >= vocab:
+            i = next(i for i, t in enumerate(tokens) if t >= vocab)
+            raise InvalidTokenError(f"{what}[{i}] = {tokens[i]} is not a token ID of this model, in [0, {vocab})")
+        return tokens
 
     def render_chat(self, conversation: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
         """The conversation as the model's chat template writes it."""
+        if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, Sequence):
+            raise RequestStateError(f"a conversation is a list of messages, got {conversation!r}")
+        _check_bool("add_generation_prompt", add_generation_prompt)
         tokenizer = self._require_tokenizer("chat needs one")
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"the tokenizer of model {self.setup.model_name!r} has no chat template")
@@ -214,88 +249,6 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
 
-    def prepare(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        add_special_tokens: bool = True,
-    ) -> PreparedRequest:
-        """Check a request fully without queuing it; :meth:`add_prepared` queues it.
-
-        Text prompts are encoded with ``add_special_tokens`` (False for text
-        that already holds them, such as a rendered chat template).
-        """
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
-            raise ConfigError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if request_id is None:
-            request_id = str(next(self._ids))
-            while request_id in self._live:
-                request_id = str(next(self._ids))
-        elif not isinstance(request_id, str) or not request_id:
-            raise RequestStateError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._live:
-            raise RequestStateError(f"request {request_id!r} is already running")
-        text: str | None = None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestStateError(f"request {request_id!r}: the prompt is empty")
-            text = prompt
-            token_ids = self.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-            raise RequestStateError(
-                f"request {request_id!r}: a prompt is text or a sequence of token IDs, got {type(prompt).__name__}"
-            )
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise RequestStateError(f"request {request_id!r}: the prompt has no tokens")
-        vocab = self.setup.runner.vocab_size
-        for i, token in enumerate(token_ids):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise InvalidTokenError(
-                    f"request {request_id!r}: prompt token {i} is {token!r}, not a token ID in [0, {vocab})"
-                )
-        limit = self.setup.max_model_len
-        if len(token_ids) >= limit:
-            raise RequestStateError(
-                f"request {request_id!r}: the prompt has {len(token_ids)} tokens, which leaves no room for "
-                f"output under max_model_len={limit}"
-            )
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise RequestStateError(
-                f"request {request_id!r}: cache_salt must be a non-empty string, got {cache_salt!r}"
-            )
-        eos = self.setup.eos_token_ids
-        # A model may name several end tokens; the first is "the" EOS, the others stop like it.
-        extra_eos = frozenset() if params.ignore_eos else frozenset(eos[1:])
-        stop = StopConditions(
-            max_tokens=params.max_tokens,
-            stop_token_ids=frozenset(params.stop_token_ids) | extra_eos,
-            eos_token_id=eos[0] if eos else None,
-            ignore_eos=params.ignore_eos,
-        )
-        request = Request(request_id, token_ids, cache_salt=cache_salt)
-        return PreparedRequest(request=request, stop=stop, params=params, prompt=text)
-
-    def add_prepared(self, prepared: PreparedRequest) -> str:
-        """Queue a request from :meth:`prepare`; returns its ID."""
-        rid = prepared.request.request_id
-        if rid in self._live:
-            raise RequestStateError(f"request {rid!r} is already running")
-        self.scheduler.add_request(prepared.request, prepared.stop)  # raises before queuing
-        tokenizer = self.setup.tokenizer
-        self._live[rid] = _Live(
-            params=prepared.params,
-            generator=make_generator(prepared.params, "cpu"),
-            detokenizer=IncrementalDetokenizer(tokenizer) if tokenizer is not None else None,
-            prompt=prepared.prompt,
-        )
-        return rid
-
     def add_request(
         self,
         prompt: Prompt,
@@ -305,17 +258,133 @@ class LLMEngine:
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
     ) -> str:
-        """Check and queue one request; returns its ID. Raises :class:`KVPoolError` before queuing."""
-        prepared = self.prepare(
-            prompt, sampling_params, request_id=request_id, cache_salt=cache_salt, add_special_tokens=add_special_tokens
+        """Check and queue one request; returns its ID (see :meth:`add_requests`)."""
+        [rid] = self.add_requests(
+            [prompt],
+            [sampling_params],
+            request_ids=[request_id],
+            cache_salts=[cache_salt],
+            add_special_tokens=add_special_tokens,
         )
-        return self.add_prepared(prepared)
+        return rid
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks go back to the pool. Unknown IDs are ignored."""
-        if self._live.pop(request_id, None) is not None:
-            self.scheduler.abort(request_id)
-            self.scheduler.forget(request_id)
+    def add_requests(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: Sequence[SamplingParams | None] | None = None,
+        *,
+        request_ids: Sequence[str | None] | None = None,
+        cache_salts: Sequence[str | None] | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[str]:
+        """Check every request, then queue them all; returns their IDs in prompt order.
+
+        Args:
+            prompts: text (needs a tokenizer) or token IDs, one per request.
+            sampling_params: one per prompt; None (for all, or for one) means
+                greedy, 16 tokens.
+            request_ids: one per prompt; None (for all, or for one) takes the
+                next free number.
+            cache_salts: one per prompt, or None; requests with different
+                salts never share cached blocks.
+            add_special_tokens: encode text prompts with the tokenizer's own
+                special tokens (False for text that already holds them, such
+                as a rendered chat template).
+
+        Raises:
+            KVPoolError: any request is bad; then none is queued and no
+                automatic ID is used up.
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise RequestStateError(f"prompts must be a list of prompts, got {prompts!r}")
+        count = len(prompts)
+        params = _per_prompt(sampling_params, count, "sampling_params")
+        salts = _per_prompt(cache_salts, count, "cache_salts")
+        _check_bool("add_special_tokens", add_special_tokens)
+        ids, next_id = self._choose_ids(_per_prompt(request_ids, count, "request_ids"))
+        prepared = [
+            self._prepare(prompt, sp, rid, salt, add_special_tokens)
+            for prompt, sp, rid, salt in zip(prompts, params, ids, salts)
+        ]
+        for one in prepared:  # every check has passed: queuing cannot fail
+            self.scheduler.add_request(one.request, one.stop)
+            tokenizer = self.setup.tokenizer
+            self._live[one.request.request_id] = _Live(
+                params=one.params,
+                generator=make_generator(one.params, "cpu"),
+                detokenizer=IncrementalDetokenizer(tokenizer) if tokenizer is not None else None,
+                prompt=one.prompt,
+            )
+        self._next_id = next_id
+        return ids
+
+    def _choose_ids(self, wanted: list[str | None]) -> tuple[list[str], int]:
+        """Given IDs checked, None replaced by fresh numbers; and the counter after them."""
+        taken: set[str] = set()
+        for rid in wanted:
+            if rid is None:
+                continue
+            if not isinstance(rid, str) or not rid:
+                raise RequestStateError(f"request_id must be a non-empty string, got {rid!r}")
+            if rid in self._live or rid in taken:
+                raise RequestStateError(f"request {rid!r} is already running")
+            taken.add(rid)
+        ids, n = [], self._next_id
+        for rid in wanted:
+            while rid is None:
+                candidate, n = str(n), n + 1
+                if candidate not in self._live and candidate not in taken:
+                    rid = candidate
+            ids.append(rid)
+        return ids, n
+
+    def _prepare(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str, cache_salt: str | None, special: bool
+    ) -> _Prepared:
+        """A request checked by every rule that applies to it; nothing is queued."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"request {request_id!r}: sampling_params must be a SamplingParams, got {params!r}")
+        text: str | None = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestStateError(f"request {request_id!r}: the prompt is empty")
+            text = prompt
+            prompt = self.encode(prompt, add_special_tokens=special)
+        elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise RequestStateError(
+                f"request {request_id!r}: a prompt is text or a sequence of token IDs, got {prompt!r}"
+            )
+        try:
+            tokens = self._vocab_tokens(prompt, "prompt token_ids")
+        except KVPoolError as exc:
+            raise type(exc)(f"request {request_id!r}: {exc}") from None
+        request = Request(request_id, tokens, cache_salt=cache_salt)  # checks the salt and that tokens exist
+        eos = self.setup.eos_token_ids
+        # A model may name several end tokens; the first is "the" EOS, the others stop like it.
+        extra_eos = frozenset() if params.ignore_eos else frozenset(eos[1:])
+        stop = StopConditions(
+            max_tokens=params.max_tokens,
+            stop_token_ids=frozenset(params.stop_token_ids) | extra_eos,
+            eos_token_id=eos[0] if eos else None,
+            ignore_eos=params.ignore_eos,
+        )
+        self.scheduler.check_request(request, stop)  # room under max_model_len, in the pool, a free ID
+        return _Prepared(request=request, stop=stop, params=params, prompt=text)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its blocks go back to the pool.
+
+        Returns whether one was stopped: an unknown or finished ID changes nothing.
+        """
+        if not isinstance(request_id, str):
+            raise RequestStateError(f"a request ID is a string, got {request_id!r}")
+        if request_id not in self._live:
+            return False
+        self.scheduler.abort(request_id)
+        self.scheduler.forget(request_id)
+        del self._live[request_id]
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -408,7 +477,16 @@ class LLMEngine:
 
         Other requests advance too; their outputs are not returned here.
         """
-        wanted = set(self._live) if request_ids is None else set(request_ids)
+        if request_ids is None:
+            wanted = set(self._live)
+        elif isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Sequence):
+            raise RequestStateError(f"request_ids must be a list of request IDs, got {request_ids!r}")
+        else:
+            wanted = set()
+            for rid in request_ids:
+                if not isinstance(rid, str) or rid not in self._live:
+                    raise RequestStateError(f"request {rid!r} is not running in this engine")
+                wanted.add(rid)
         done: dict[str, RequestOutput] = {}
         while wanted - done.keys():
             if not self.scheduler.has_unfinished_requests():

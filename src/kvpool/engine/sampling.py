@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvpool.errors import ConfigError, InvalidTokenError
+from kvpool.hashing import to_token_array
 
 __all__ = ["SamplingParams", "make_generator", "sample_tokens"]
 
-_MAX_TOKEN_ID = 2**32
 _MAX_SEED = 2**63
 
 
@@ -73,13 +73,9 @@ class SamplingParams:
             raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
             raise ConfigError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-            raise ConfigError(f"stop_token_ids must be a sequence of token IDs, got {self.stop_token_ids!r}")
-        stops = tuple(self.stop_token_ids)
-        for token in stops:
-            if not _is_int(token) or not 0 <= token < _MAX_TOKEN_ID:
-                raise InvalidTokenError(f"stop token ID {token!r} is not an integer in [0, 2**32)")
-        object.__setattr__(self, "stop_token_ids", stops)
+        if isinstance(self.stop_token_ids, Mapping):  # iterating a mapping would silently take its keys
+            raise InvalidTokenError(f"stop_token_ids must be a sequence of token IDs, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(to_token_array(self.stop_token_ids, "stop_token_ids")))
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "temperature", float(self.temperature))

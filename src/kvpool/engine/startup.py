@@ -110,6 +110,10 @@ class EngineOptions:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.dtype is not None and not isinstance(self.dtype, (str, torch.dtype)):
+            raise ConfigError(f"dtype must be a torch.dtype, a name such as 'bfloat16', or None, got {self.dtype!r}")
+        if self.device is not None and not isinstance(self.device, (str, torch.device)):
+            raise ConfigError(f"device must be 'cpu', 'cuda', a torch.device or None, got {self.device!r}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
