@@ -37,6 +37,13 @@ What is read, and how
 * Hugging Face leaves out fields equal to its config classes' defaults; for the
   model types whose published files rely on that, the defaults are filled in
   from :data:`MODEL_TYPE_DEFAULTS`.
+* Every field read is checked once, in :func:`text_config_view`, against its
+  rule in ``_FIELD_RULES``: sizes are positive integers up to
+  :data:`MAX_FIELD_VALUE` (an integral float such as ``4096.0`` counts as an
+  integer), layer counts and per-layer lists stop at :data:`MAX_LAYERS`, so a
+  hostile file is refused before any work proportional to it. A ``null`` field
+  counts as absent. Anything else raises :class:`ConfigError` naming the field
+  and the value.
 
 Recurrent state sizes (elements per layer per request)
 ------------------------------------------------------
@@ -83,6 +90,8 @@ from kvpool.specs import (
 )
 
 __all__ = [
+    "MAX_FIELD_VALUE",
+    "MAX_LAYERS",
     "MODEL_TYPE_DEFAULTS",
     "SHIPPED_CONFIG_DIR",
     "DecoderLayer",
@@ -130,6 +139,110 @@ MODEL_TYPE_DEFAULTS: MappingProxyType[str, MappingProxyType[str, Any]] = Mapping
 
 _OUTER_FIELDS = ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings", "architectures")
 
+#: Most decoder layers a config may describe (and longest per-layer list or string field).
+MAX_LAYERS = 4096
+#: Largest value of a size field (heads, widths, vocabulary, context, windows, experts).
+MAX_FIELD_VALUE = 2**32
+
+
+class _Rule(Enum):
+    """What a config field may hold (the value is what error messages say it must be)."""
+
+    COUNT = "a positive integer"
+    INDEX = "an integer >= 0"
+    LAYERS = "a positive number of layers"
+    TEXT = "a string"
+    FLAG = "true or false"
+    OBJECT = "a JSON object"
+    NAMES = "a list of strings"
+    INDICES = "a list of integers >= 0"
+
+
+def _rules(rule: _Rule, names: str) -> dict[str, _Rule]:
+    return dict.fromkeys(names.split(), rule)
+
+
+#: The rule of every field this module, the estimates and the planner read.
+_FIELD_RULES: dict[str, _Rule] = {
+    **_rules(
+        _Rule.COUNT,
+        "hidden_size vocab_size intermediate_size max_position_embeddings num_attention_heads "
+        "num_key_value_heads head_dim sliding_window sliding_window_pattern attention_chunk_size "
+        "no_rope_layer_interval attn_layer_period full_attention_interval expert_layer_period "
+        "moe_layer_freq decoder_sparse_step kv_lora_rank qk_rope_head_dim qk_nope_head_dim v_head_dim "
+        "moe_intermediate_size num_experts_per_tok shared_expert_intermediate_size "
+        "shared_intermediate_size moe_shared_expert_intermediate_size linear_num_value_heads "
+        "linear_value_head_dim linear_key_head_dim linear_num_key_heads linear_conv_kernel_dim "
+        "mamba_num_heads mamba_n_heads num_heads mamba_head_dim mamba_d_head mamba_expand expand "
+        "ssm_state_size mamba_d_state state_size n_groups mamba_n_groups conv_kernel mamba_d_conv "
+        "mamba_dt_rank time_step_rank",
+    ),
+    **_rules(
+        _Rule.INDEX,
+        "max_window_layers attn_layer_offset expert_layer_offset first_k_dense_replace "
+        "n_shared_experts q_lora_rank n_routed_experts num_local_experts num_experts",
+    ),
+    "num_hidden_layers": _Rule.LAYERS,
+    **_rules(
+        _Rule.TEXT,
+        "model_type torch_dtype dtype mamba_ssm_cache_dtype hidden_act mlp_hidden_act hybrid_override_pattern",
+    ),
+    **_rules(_Rule.FLAG, "use_sliding_window tie_word_embeddings"),
+    **_rules(_Rule.OBJECT, "text_config quantization_config"),
+    **_rules(_Rule.NAMES, "architectures layer_types layers_block_type"),
+    **_rules(_Rule.INDICES, "no_rope_layers mlp_only_layers"),
+}
+#: The fields read inside ``quantization_config``.
+_QUANT_RULES: dict[str, _Rule] = {"quant_method": _Rule.TEXT, "bits": _Rule.COUNT}
+#: Fields whose published files may say "auto" (the size is then derived).
+_AUTO_FIELDS = frozenset({"mamba_head_dim", "mamba_d_head", "mamba_dt_rank", "time_step_rank"})
+
+
+def _checked(field: str, value: Any, rule: _Rule) -> Any:
+    """``value`` if it obeys ``rule`` (an integral float comes back as an int); ConfigError naming both otherwise."""
+    if rule in (_Rule.COUNT, _Rule.INDEX, _Rule.LAYERS):
+        if field.rsplit(".", 1)[-1] in _AUTO_FIELDS and value == "auto":
+            return value
+        number = int(value) if isinstance(value, float) and value.is_integer() else value
+        low = 0 if rule is _Rule.INDEX else 1
+        if isinstance(number, bool) or not isinstance(number, int) or number < low:
+            raise ConfigError(f"config.json field {field!r} must be {rule.value}, got {_short(value)}")
+        high = MAX_LAYERS if rule is _Rule.LAYERS else MAX_FIELD_VALUE
+        if number > high:
+            raise ConfigError(f"config.json field {field!r} must be at most {high:,}, got {_short(value)}")
+        return number
+    ok = {
+        _Rule.TEXT: isinstance(value, str),
+        _Rule.FLAG: isinstance(value, bool),
+        _Rule.OBJECT: isinstance(value, dict),
+        _Rule.NAMES: isinstance(value, list) and all(isinstance(v, str) for v in value),
+        _Rule.INDICES: isinstance(value, list)
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD_VALUE for v in value),
+    }[rule]
+    if not ok:
+        raise ConfigError(f"config.json field {field!r} must be {rule.value}, got {_short(value)}")
+    if rule is not _Rule.FLAG and rule is not _Rule.OBJECT and len(value) > MAX_LAYERS:
+        raise ConfigError(f"config.json field {field!r} has {len(value):,} entries; at most {MAX_LAYERS:,} are allowed")
+    if field == "quantization_config":
+        return _checked_fields(value, _QUANT_RULES, prefix=f"{field}.")
+    return value
+
+
+def _short(value: Any) -> str:
+    """The value as a message shows it: its repr, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _checked_fields(fields: dict[str, Any], rules: dict[str, _Rule], *, prefix: str = "") -> dict[str, Any]:
+    """A copy of ``fields`` with every field that has a rule checked (null fields count as absent)."""
+    out = dict(fields)
+    for name, value in fields.items():
+        rule = rules.get(name) if isinstance(name, str) else None
+        if rule is not None and value is not None:
+            out[name] = _checked(prefix + name, value, rule)
+    return out
+
 
 def shipped_config_names() -> tuple[str, ...]:
     """Names of the shipped configs, sorted (``"llama-3.1-8b"``, ...)."""
@@ -140,8 +253,8 @@ def load_model_config(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load a config: a shipped name, a path to a config.json, or a folder holding one.
 
     Returns the parsed JSON object. Raises :class:`ConfigError` for an unknown
-    name (listing the shipped ones), unreadable or malformed JSON, or JSON that
-    is not an object.
+    name (listing the shipped ones), unreadable or malformed JSON, JSON that is
+    not an object, or a field that breaks its rule (see :func:`text_config_view`).
     """
     text = os.fspath(name_or_path)
     shipped = SHIPPED_CONFIG_DIR / f"{text}.json"
@@ -159,10 +272,13 @@ def load_model_config(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
             )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: bad UTF-8 or JSON, or a number too long to read
         raise ConfigError(f"cannot read model config {str(path)!r}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"cannot read model config {str(path)!r}: JSON nested too deeply") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model config {str(path)!r} must hold a JSON object, got {type(config).__name__}")
+    text_config_view(config)  # every field it reads obeys its rule
     return config
 
 
@@ -171,11 +287,14 @@ def text_config_view(config: dict[str, Any]) -> dict[str, Any]:
 
     For multimodal wrappers the ``text_config`` fields win over the outer dtype,
     quantization and tying fields; known model-type defaults fill the gaps.
+    Every field with a rule is checked here (see the module docstring), so the
+    readers trust the view. O(fields) time.
     """
     if not isinstance(config, dict):
         raise ConfigError(f"model config must be a dict, got {type(config).__name__}")
     inner = config.get("text_config")
-    if isinstance(inner, dict):
+    if inner is not None:
+        inner = _checked("text_config", inner, _Rule.OBJECT)
         merged = {k: config[k] for k in _OUTER_FIELDS if k in config}
         merged.update(inner)
     else:
@@ -183,7 +302,7 @@ def text_config_view(config: dict[str, Any]) -> dict[str, Any]:
     for key, value in MODEL_TYPE_DEFAULTS.get(str(merged.get("model_type")), {}).items():
         if merged.get(key) is None:
             merged[key] = value
-    return merged
+    return _checked_fields(merged, _FIELD_RULES)
 
 
 def _missing(field: str) -> ConfigError:
@@ -191,15 +310,15 @@ def _missing(field: str) -> ConfigError:
 
 
 def _pos_int(cfg: dict[str, Any], field: str, default: int | None = None) -> int:
+    """A required (or defaulted) positive integer field of a :func:`text_config_view`."""
     value = cfg.get(field)
     if value is None:
         if default is None:
             raise _missing(field)
         return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"config.json field {field!r} must be a positive integer, got {value!r}")
+    value = _checked(field, value, _FIELD_RULES.get(field, _Rule.COUNT))
+    if value == "auto":
+        raise ConfigError(f"config.json field {field!r} must be {_Rule.COUNT.value} here, got 'auto'")
     return value
 
 
@@ -309,8 +428,6 @@ def _attention_kinds(cfg: dict[str, Any], n: int) -> list[LayerKind]:
         return [full] * n
     if cfg.get("max_window_layers") is not None and "use_sliding_window" in cfg:
         start = cfg["max_window_layers"]
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ConfigError(f"config.json field 'max_window_layers' must be an integer >= 0, got {start!r}")
         return [sliding if i >= start else full for i in range(n)]
     if cfg.get("model_type") == "gemma2":
         return [sliding if i % 2 == 0 else full for i in range(n)]
@@ -327,8 +444,6 @@ def _read_layers(cfg: dict[str, Any]) -> list[DecoderLayer]:
     kinds: list[LayerKind | None]
     separate_mlp = False
     if types is not None:
-        if not isinstance(types, list):
-            raise ConfigError(f"config.json field 'layer_types' must be a list, got {types!r}")
         kinds = []
         for i, name in enumerate(types):
             if name not in _TYPE_NAMES:
@@ -337,7 +452,7 @@ def _read_layers(cfg: dict[str, Any]) -> list[DecoderLayer]:
         separate_mlp = any(name in ("mlp", "moe") for name in types)
         mlps = [(MlpKind.MOE if name == "moe" else MlpKind.DENSE if name == "mlp" else MlpKind.NONE) for name in types]
     elif pattern is not None:
-        if not isinstance(pattern, str) or any(ch not in _PATTERN_CHARS for ch in pattern):
+        if any(ch not in _PATTERN_CHARS for ch in pattern):
             raise ConfigError(
                 f"config.json field 'hybrid_override_pattern' must use only M, *, - and E, got {pattern!r}"
             )
@@ -349,7 +464,7 @@ def _read_layers(cfg: dict[str, Any]) -> list[DecoderLayer]:
         if cfg.get("attn_layer_period") is not None:
             period = _pos_int(cfg, "attn_layer_period")
             offset = cfg.get("attn_layer_offset") or 0
-            if not isinstance(offset, int) or not 0 <= offset < period:
+            if offset >= period:
                 raise ConfigError(f"config.json field 'attn_layer_offset' must be in [0, {period}), got {offset!r}")
             kinds = [LayerKind.FULL_ATTENTION if i % period == offset else LayerKind.MAMBA for i in range(n)]
         elif cfg.get("full_attention_interval") is not None:

@@ -1,8 +1,9 @@
 """The ``kvpool`` command line.
 
-Command-line tools need the ``cli`` extra (click); the library itself does not.
-Each subcommand lives in its own module and imports its heavy dependencies
-(torch, numpy) only when it runs.
+click is a dependency of kvpool, but only this package imports it: the library
+itself needs the standard library alone. Each subcommand lives in its own
+module and imports its heavy dependencies (torch, numpy, matplotlib) only when
+it runs; a command whose extra is missing says which one to install.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import click  # noqa: F401
     except ImportError:
-        print("kvpool's command line needs click: pip install 'kvpool[cli]'", file=sys.stderr)
-        return 2
+        print("kvpool: error: the command line needs click: pip install 'click>=8.1'", file=sys.stderr)
+        return 1
     from kvpool.cli.app import cli
 
     return cli.main(args=argv, prog_name="kvpool", standalone_mode=True)

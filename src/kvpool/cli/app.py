@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
+from kvpool.cli.params import BAD_INPUT, ENVIRONMENT
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class _Commands(click.Group):
+    """The group, with the last line of defence: an error that escapes a command is one line, never a traceback.
+
+    Commands check their input and report it themselves; this only catches
+    what they missed: a ``ValueError`` (``KVPoolError`` included) exits with
+    status 2, an ``OSError`` (the machine, not the input) with status 1.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ValueError as exc:
+            click.echo(f"kvpool: error: {exc}", err=True)
+            ctx.exit(BAD_INPUT)
+        except OSError as exc:
+            click.echo(f"kvpool: error: {exc}", err=True)
+            ctx.exit(ENVIRONMENT)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvpool")
 def cli() -> None:
     """kvpool: a paged KV cache manager for LLM inference."""

@@ -12,10 +12,11 @@ import functools
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
+from kvpool.cli.params import fail, require_extra
 from kvpool.errors import KVPoolError
 
 __all__ = ["chat", "generate"]
@@ -25,11 +26,6 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 
 def _log(line: str) -> None:
     click.echo(f"INFO {time.strftime('%H:%M:%S')} {line}", err=True)
-
-
-def _fail(command: str, message: str) -> NoReturn:
-    click.echo(f"kvpool {command}: error: {message}", err=True)
-    sys.exit(2)
 
 
 def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,11 +56,9 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 def _setup(command: str, kw: dict[str, Any]) -> tuple[Any, Any]:
     """Build the sampling parameters (checked first) and start the engine."""
-    try:
-        import torch  # noqa: F401
-        import transformers
-    except ImportError:
-        _fail(command, "the engine needs torch and transformers: pip install 'kvpool[engine]'")
+    require_extra(command, "engine", "torch", "transformers")
+    import transformers
+
     from kvpool.engine.llm_engine import LLMEngine
     from kvpool.engine.sampling import SamplingParams
 
@@ -116,7 +110,7 @@ def _guard(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             try:
                 return fn(*args, **kwargs)
             except KVPoolError as exc:
-                _fail(command, str(exc))
+                fail(command, str(exc))
 
         return run
 
@@ -137,9 +131,9 @@ def generate(prompt: str, repeat: int, raw: bool, **kw: Any) -> None:
     request finds the first one's blocks.
     """
     if repeat < 1:
-        _fail("generate", f"--repeat must be >= 1, got {repeat}")
+        fail("generate", f"--repeat must be >= 1, got {repeat}")
     if not prompt:
-        _fail("generate", "the prompt is empty")
+        fail("generate", "the prompt is empty")
     engine, params = _setup("generate", kw)
     tokenizer = engine.tokenizer
     templated = not raw and tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 
 import click
 
+from kvpool.cli.params import fail
 from kvpool.errors import KVPoolError
 from kvpool.model_config import layer_kinds, load_model_config, shipped_config_names, text_config_view
 from kvpool.planner import GB, GiB, KVPlan, MemoryTerm, parse_size, plan_kv_cache
@@ -15,11 +15,6 @@ from kvpool.planner import GB, GiB, KVPlan, MemoryTerm, parse_size, plan_kv_cach
 __all__ = ["plan", "render_plan"]
 
 MiB = 2**20
-
-
-def _fail(message: str) -> None:
-    click.echo(f"kvpool plan: error: {message}", err=True)
-    sys.exit(2)
 
 
 def _binary(n: int) -> str:
@@ -144,9 +139,9 @@ def plan(
         click.echo(_list_configs())
         return
     if config_name is None:
-        _fail("missing option '--config' (a shipped name from --list, or a config.json path)")
+        fail("plan", "missing option '--config' (a shipped name from --list, or a config.json path)")
     if gpu_memory is None:
-        _fail("missing option '--gpu-memory' (e.g. 80GB or 80GiB)")
+        fail("plan", "missing option '--gpu-memory' (e.g. 80GB or 80GiB)")
     try:
         sizes = {
             flag: None if text is None else parse_size(text, field=flag)
@@ -173,7 +168,7 @@ def plan(
             name=f"{config_name} ({arch})",
         )
     except KVPoolError as exc:
-        _fail(str(exc))
+        fail("plan", str(exc))
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:

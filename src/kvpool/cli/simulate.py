@@ -8,26 +8,36 @@ from pathlib import Path
 
 import click
 
+from kvpool.cli.params import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, fail, require_extra
 from kvpool.errors import KVPoolError
 
 SYNTHETIC_PREFIX = "synthetic:"
+SYNTHETIC_REQUESTS = 500
 
 
 def _load(trace: str, requests: int | None, seed: int):
     if trace.startswith(SYNTHETIC_PREFIX):
         from kvpool.sim.workloads import generate_workload
 
-        return generate_workload(trace[len(SYNTHETIC_PREFIX) :], num_requests=requests or 500, seed=seed)
-    from kvpool.sim.traces import load_trace
+        count = SYNTHETIC_REQUESTS if requests is None else requests
+        return generate_workload(trace[len(SYNTHETIC_PREFIX) :], num_requests=count, seed=seed)
+    from kvpool.sim.traces import iter_trace
 
-    loaded = load_trace(trace)
-    return loaded[:requests] if requests else loaded
+    loaded = iter_trace(trace)
+    return list(loaded) if requests is None else [r for _, r in zip(range(requests), loaded)]
+
+
+def _plot_folder(plot_dir: Path) -> None:
+    """Make ``--plot-dir`` before any work, so a folder that cannot exist fails fast."""
+    require_extra("simulate", "sim", "matplotlib")
+    try:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail("simulate", f"--plot-dir {str(plot_dir)!r} cannot be created: {exc.strerror or exc}")
 
 
 def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None, block_size: int) -> int:
     if kv_blocks is not None:
-        if kv_blocks < 1:
-            raise KVPoolError(f"--kv-blocks must be positive, got {kv_blocks}")
         return kv_blocks + 1  # plus the null block
     if kv_memory is None or model is None:
         raise KVPoolError("give --kv-blocks N, or --kv-memory SIZE with --model CONFIG")
@@ -61,7 +71,8 @@ def _percent(x: float) -> str:
 
 def _print_table(result, label: str) -> None:
     rows = [
-        ("requests", f"{result.requests:,} ({result.rejected:,} larger than the pool)"),
+        ("requests", f"{result.requests:,}"),
+        ("rejected", f"{result.rejected:,} (larger than the whole pool, never admitted)"),
         ("pool", f"{result.num_blocks - 1:,} blocks x {result.block_size} tokens, policy {result.policy}"),
         ("token hit rate", _percent(result.token_hit_rate)),
         ("block hit rate", _percent(result.block_hit_rate)),
@@ -83,24 +94,27 @@ def _print_table(result, label: str) -> None:
 
 @click.command()
 @click.argument("trace")
-@click.option("--kv-blocks", type=int, help="Usable KV blocks (the pool gets one more, the null block).")
+@click.option("--kv-blocks", type=POSITIVE_INT, help="Usable KV blocks (the pool gets one more, the null block).")
 @click.option("--kv-memory", help="KV memory, e.g. 40GiB or 40GB; needs --model.")
 @click.option("--model", help="Shipped config name or config.json path, to size blocks from --kv-memory.")
-@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--block-size", type=POSITIVE_INT, default=16, show_default=True)
 @click.option("--policy", default="lru", show_default=True, help="Eviction policy (lru is vLLM's order).")
 @click.option("--sequential", is_flag=True, help="One request at a time in file order, freed before the next.")
-@click.option("--requests", "max_requests", type=int, help="Replay only the first N requests (synthetic: how many).")
+@click.option("--requests", "max_requests", type=POSITIVE_INT, help="Replay only the first N requests (synthetic: how many).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of synthetic workloads.")
-@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True)
-@click.option("--max-num-seqs", type=int, default=256, show_default=True)
-@click.option("--step-overhead-ms", type=float, default=10.0, show_default=True, help="Cost model: fixed time per step.")
-@click.option("--prefill-us-per-token", type=float, default=50.0, show_default=True, help="Cost model: prefill time per token.")
-@click.option("--decode-us-per-seq", type=float, default=100.0, show_default=True, help="Cost model: decode time per sequence per step.")
+@click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=8192, show_default=True)
+@click.option("--max-num-seqs", type=POSITIVE_INT, default=256, show_default=True)
+@click.option("--step-overhead-ms", type=NON_NEGATIVE_FLOAT, default=10.0, show_default=True,
+              help="Cost model: fixed time per step.")
+@click.option("--prefill-us-per-token", type=NON_NEGATIVE_FLOAT, default=50.0, show_default=True,
+              help="Cost model: prefill time per token.")
+@click.option("--decode-us-per-seq", type=NON_NEGATIVE_FLOAT, default=100.0, show_default=True,
+              help="Cost model: decode time per sequence per step.")
 @click.option("--hash", "hash_algo", type=click.Choice(["sha256", "xxh3_128"]), default="xxh3_128", show_default=True,
               help="Block hash; xxh3_128 verifies every hit, so hit rates are the same, only faster.")
 @click.option("--curve", help="Comma-separated cache sizes in blocks: also compute the hit-rate curve (sequential model).")
 @click.option("--curve-policies", default="lru", show_default=True, help="Comma-separated policies for --curve.")
-@click.option("--lookahead", type=int, default=0, show_default=True,
+@click.option("--lookahead", type=NON_NEGATIVE_INT, default=0, show_default=True,
               help="Sequential runs: announce the next N requests as waiting (for the 'waiting' policy).")
 @click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
@@ -114,16 +128,14 @@ def simulate(
     TRACE is a Mooncake JSONL trace, kvpool's token-level JSONL format, or
     synthetic:shared_prefix | multi_turn | agent | multi_tenant | mixed. Times
     are simulated with the cost model (defaults: 10 ms per step, 50 us per
-    prefill token, 100 us per decoding sequence).
+    prefill token, 100 us per decoding sequence). Requests larger than the
+    whole pool are counted as rejected and skipped. --curve needs numpy and
+    --plot-dir matplotlib (the sim extra).
     """
     try:
         _run(**locals())
     except KVPoolError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
-    except FileNotFoundError as exc:
-        click.echo(f"error: no such trace file: {exc.filename}", err=True)
-        sys.exit(2)
+        fail("simulate", str(exc))
 
 
 def _run(
@@ -133,11 +145,13 @@ def _run(
 ):
     from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory, simulate as run_simulation
 
+    if curve is not None:
+        require_extra("simulate", "sim", "numpy")
+    if plot_dir is not None:
+        _plot_folder(plot_dir)
     requests = _load(trace, max_requests, seed)
     if not requests:
         raise KVPoolError(f"trace {trace} holds no requests")
-    if lookahead < 0:
-        raise KVPoolError(f"--lookahead must be non-negative, got {lookahead}")
     curve_only = curve is not None and kv_blocks is None and kv_memory is None
     num_blocks = 0 if curve_only else _num_blocks(kv_blocks, kv_memory, model, block_size)
     policy_factory(policy)  # an unknown name fails before any work
@@ -188,7 +202,6 @@ def _run(
         if plot_dir is not None:
             from kvpool.sim.plots import plot_usage
 
-            plot_dir.mkdir(parents=True, exist_ok=True)
             path = plot_usage(result.usage_timeline, plot_dir / "usage.png", title=f"KV usage, {label}")
             output["usage_plot"] = str(path)
             if show:
@@ -235,7 +248,6 @@ def _curve(requests, curve, curve_policies, block_size, hash_algo, lookahead, pl
     if plot_dir is not None:
         from kvpool.sim.plots import plot_hit_rate_curve
 
-        plot_dir.mkdir(parents=True, exist_ok=True)
         path = plot_hit_rate_curve(sizes, rates, plot_dir / "hit_rate_curve.png", title=f"Hit rate vs cache size, {label}")
         result["plot"] = str(path)
         if show:

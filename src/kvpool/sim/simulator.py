@@ -14,6 +14,7 @@ Decisions never read a wall clock, so a replay is bit-for-bit repeatable.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -43,8 +44,8 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value < 0:
-                raise ConfigError(f"cost model {name} must be a non-negative number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ConfigError(f"cost model {name} must be a finite number >= 0, got {value!r}")
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
         return self.step_overhead_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
@@ -66,8 +67,9 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if type(self.num_blocks) is not int or self.num_blocks < 2:
             raise ConfigError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
-        if not isinstance(self.usage_interval_s, int | float) or self.usage_interval_s <= 0:
-            raise ConfigError(f"usage_interval_s must be positive, got {self.usage_interval_s!r}")
+        interval = self.usage_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 < interval < math.inf:
+            raise ConfigError(f"usage_interval_s must be a finite number > 0, got {interval!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,8 +142,9 @@ def simulate(
 ) -> SimulationResult:
     """Replay ``trace`` (sorted by arrival) and return the figures.
 
-    ``progress`` is called with the number of requests that finished since the
-    last call.
+    A request that could never fit in the pool, even alone, is not admitted:
+    it counts in ``rejected`` and the replay goes on. ``progress`` is called
+    with the number of requests that finished since the last call.
     """
     started = time.perf_counter()
     requests = sorted(trace, key=lambda r: r.arrival_ms)
@@ -189,10 +192,14 @@ def simulate(
                 scheduler.add_request(request, stop, arrival_time=trace_request.arrival_ms / 1000)
             except CapacityError:
                 rejected += 1
+                if progress is not None:
+                    progress(1)
                 continue
             live[request.request_id] = _Live(request, trace_request.output_token_ids())
             prompt_tokens += request.num_prompt_tokens
         if not scheduler.has_unfinished_requests():
+            if i == len(requests):  # the last arrivals were all rejected
+                break
             clock[0] = max(clock[0], requests[i].arrival_ms / 1000)
             continue
         output = scheduler.schedule()

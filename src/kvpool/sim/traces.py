@@ -13,7 +13,9 @@ and :class:`OutputSegment` (a previous turn's output).
 Formats (see ``docs/traces.md``): :attr:`TraceFormat.MOONCAKE` (read) and
 kvpool's token-level :attr:`TraceFormat.TOKENS` (read and written by
 :func:`write_trace`). Bad input raises :class:`TraceError`, whose message names
-the file, the line number and the field. Standard library only.
+the file, the line number and the field. Sizes are bounded before anything is
+built from them: a request holds at most :data:`MAX_REQUEST_TOKENS` tokens,
+prompt and output together. Standard library only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, TypeAlias
 from kvpool.errors import KVPoolError
 
 __all__ = [
+    "MAX_REQUEST_TOKENS",
     "MOONCAKE_BLOCK_TOKENS",
     "HashBlockSegment",
     "OutputSegment",
@@ -53,6 +56,8 @@ __all__ = [
 MOONCAKE_BLOCK_TOKENS = 512
 #: Largest hash ID whose expansion ``h * 512 + j`` still fits in uint32.
 MAX_HASH_ID = 2**32 // MOONCAKE_BLOCK_TOKENS - 1
+#: Most tokens one request may hold, prompt and output together (beyond any model's context).
+MAX_REQUEST_TOKENS = 2**24
 _TOKEN_LIMIT = 2**32
 _TYPECODE = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -103,7 +108,11 @@ def _derived_tokens(tag: str, parts: tuple[str, ...], count: int) -> array:
 
 
 def _bad_count(value: object) -> str | None:
-    return None if type(value) is int and value >= 0 else f"must be a non-negative integer, got {value!r}"
+    if type(value) is not int or value < 0:
+        return f"must be a non-negative integer, got {value!r}"
+    if value > MAX_REQUEST_TOKENS:
+        return f"must be at most {MAX_REQUEST_TOKENS:,} (tokens in one request), got {value!r}"
+    return None
 
 
 def _bad_arrival(a: object) -> str | None:
@@ -313,6 +322,12 @@ class TraceRequest:
                 raise TraceError("is an unowned unique segment: use TraceRequest.create", field=f"segments[{i}]")
         object.__setattr__(self, "segments", segments)
         object.__setattr__(self, "prompt_length", sum(s.length for s in segments))
+        if self.prompt_length + self.output_length > MAX_REQUEST_TOKENS:
+            raise TraceError(
+                f"holds {self.prompt_length:,} prompt + {self.output_length:,} output tokens; "
+                f"a request may hold at most {MAX_REQUEST_TOKENS:,}",
+                field="segments",
+            )
 
     @classmethod
     def create(
@@ -531,19 +546,31 @@ def _detect(obj: dict[str, Any], where: _Where) -> TraceFormat:
 
 
 def _records(path: Path) -> Iterator[tuple[_Where, dict[str, Any]]]:
-    """Non-blank lines of ``path`` decoded as JSON objects, with their location."""
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = _Where(path.name, lineno)
-            try:
-                obj = json.loads(raw)
-            except ValueError as exc:
-                raise where.fail(None, f"malformed JSON ({exc})") from None
-            if not isinstance(obj, dict):
-                raise where.fail(None, f"must be a JSON object, got {type(obj).__name__}")
-            yield where, obj
+    """Non-blank lines of ``path`` decoded as JSON objects, with their location.
+
+    A file that cannot be opened or read raises :class:`TraceError` naming the path.
+    """
+    try:
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if raw.strip():
+                    yield _Where(path.name, lineno), _json_object(raw, _Where(path.name, lineno))
+    except FileNotFoundError:
+        raise TraceError("no such trace file", file=str(path)) from None
+    except OSError as exc:
+        raise TraceError(f"cannot read the trace file ({exc.strerror or exc})", file=str(path)) from None
+
+
+def _json_object(raw: bytes, where: _Where) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:  # bad JSON, bad UTF-8, or a number too long to read
+        raise where.fail(None, f"malformed JSON ({exc})") from None
+    except RecursionError:
+        raise where.fail(None, "malformed JSON (nested too deeply)") from None
+    if not isinstance(obj, dict):
+        raise where.fail(None, f"must be a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def detect_format(path: str | PathLike[str]) -> TraceFormat:
@@ -569,7 +596,13 @@ def iter_trace(path: str | PathLike[str], format: TraceFormat | str | None = Non
         if parser is None:
             fmt = fmt or _detect(obj, where)
             parser = _MooncakeParser(path.name, path.stem) if fmt is TraceFormat.MOONCAKE else _TokenParser(path.name)
-        yield parser.parse(obj, where.line)
+        try:
+            request = parser.parse(obj, where.line)
+        except TraceError as exc:
+            if exc.line is not None:
+                raise
+            raise where.fail(exc.field, exc.problem) from None  # raised by a segment or request: add the place
+        yield request
     if parser is None:
         raise TraceError("file is empty (no requests)", file=path.name)
 

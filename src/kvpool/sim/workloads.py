@@ -37,7 +37,10 @@ from typing import Any
 from kvpool.errors import ConfigError
 from kvpool.sim.traces import SharedSegment, TraceRequest, UniqueSegment
 
-__all__ = ["WorkloadConfig", "WorkloadKind", "generate_workload"]
+__all__ = ["MAX_WORKLOAD_REQUESTS", "WorkloadConfig", "WorkloadKind", "generate_workload"]
+
+#: Most requests one call of :func:`generate_workload` builds (and most prompts, sessions or tenants).
+MAX_WORKLOAD_REQUESTS = 1_000_000
 
 
 class WorkloadKind(Enum):
@@ -89,11 +92,12 @@ class WorkloadConfig:
             raise ConfigError(f"rate_per_s must be a positive finite number, got {self.rate_per_s!r}")
         if not _is_number(self.prompt_skew) or self.prompt_skew < 0:
             raise ConfigError(f"prompt_skew must be a finite number >= 0, got {self.prompt_skew!r}")
-        counts = ("num_system_prompts", "concurrent_sessions", "num_agent_prompts", "max_context_tokens", "num_tenants")
-        for name in counts:
+        if type(self.max_context_tokens) is not int or self.max_context_tokens < 1:
+            raise ConfigError(f"max_context_tokens must be a positive integer, got {self.max_context_tokens!r}")
+        for name in ("num_system_prompts", "concurrent_sessions", "num_agent_prompts", "num_tenants"):
             value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            if type(value) is not int or not 1 <= value <= MAX_WORKLOAD_REQUESTS:
+                raise ConfigError(f"{name} must be an integer in [1, {MAX_WORKLOAD_REQUESTS:,}], got {value!r}")
         for f in fields(self):
             if f.name.endswith(("_tokens", "turns", "_steps")) and f.name != "max_context_tokens":
                 _check_range(f.name, getattr(self, f.name), 1 if f.name in ("turns", "agent_steps") else 0)
@@ -247,8 +251,8 @@ def generate_workload(
         kind = WorkloadKind(kind)
     except ValueError:
         raise ConfigError(f"unknown workload kind {kind!r}; use one of {[k.value for k in WorkloadKind]}") from None
-    if type(num_requests) is not int or num_requests < 0:
-        raise ConfigError(f"num_requests must be a non-negative integer, got {num_requests!r}")
+    if type(num_requests) is not int or not 0 <= num_requests <= MAX_WORKLOAD_REQUESTS:
+        raise ConfigError(f"num_requests must be an integer in [0, {MAX_WORKLOAD_REQUESTS:,}], got {num_requests!r}")
     if type(seed) is not int:
         raise ConfigError(f"seed must be an integer, got {seed!r}")
     cfg = config if config is not None else WorkloadConfig()

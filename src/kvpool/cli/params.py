@@ -1,0 +1,72 @@
+"""What every command shares: numeric option types, and the two ways a command refuses.
+
+* Option types: a bad number (negative, zero where a count is meant, nan, an
+  infinity) is refused by click before the command runs, with exit status 2
+  and a message naming the option and the value.
+* :func:`fail`: one line on stderr, ``kvpool <command>: error: <message>``,
+  then exit status 2 for bad input (:data:`BAD_INPUT`) or 1 when the machine
+  lacks something (:data:`ENVIRONMENT`).
+* :func:`require_extra`: a command that needs an optional dependency says
+  which extra to install instead of failing on the import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from typing import Any, NoReturn
+
+import click
+
+__all__ = [
+    "BAD_INPUT",
+    "ENVIRONMENT",
+    "NON_NEGATIVE_FLOAT",
+    "NON_NEGATIVE_INT",
+    "POSITIVE_INT",
+    "FiniteFloatRange",
+    "fail",
+    "require_extra",
+]
+
+#: Exit status for bad input (click's own usage errors exit 2 as well).
+BAD_INPUT = 2
+#: Exit status when the environment is missing something (an extra, a readable file system).
+ENVIRONMENT = 1
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A :class:`click.FloatRange` that also refuses nan and the infinities (the range alone lets them through)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number.", param, ctx)
+        return number
+
+
+POSITIVE_INT = click.IntRange(min=1)
+NON_NEGATIVE_INT = click.IntRange(min=0)
+NON_NEGATIVE_FLOAT = FiniteFloatRange(min=0)
+
+
+def fail(command: str, message: str, status: int = BAD_INPUT) -> NoReturn:
+    """Print ``kvpool <command>: error: <message>`` on stderr and exit with ``status``."""
+    click.echo(f"kvpool {command}: error: {message}", err=True)
+    sys.exit(status)
+
+
+def require_extra(command: str, extra: str, *modules: str) -> None:
+    """Import ``modules``; when one is missing, fail naming the extra that provides it (exit status 1)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            fail(
+                command,
+                f"this needs {module}, which comes with kvpool's '{extra}' extra: pip install 'kvpool[{extra}]'",
+                ENVIRONMENT,
+            )
