@@ -11,12 +11,14 @@ point.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from tests.group_helpers import chunked, full, mamba, sliding
+from tests.helpers import snapshot
 
-from kvpool import CapacityError, KVCacheManager, Request
+from kvpool import CapacityError, KVCacheManager, KVPoolError, Request
 from kvpool.groups.base import cdiv
 from kvpool.specs import LayerKind
 
@@ -52,6 +54,7 @@ class HybridMachine(RuleBasedStateMachine):
         groups = [builders[k](unit * multiples[i], i) for i, k in enumerate(chosen)]
         self.mgr = KVCacheManager.from_groups(groups, num_blocks)
         self.running: dict[str, Request] = {}
+        self.accepted: dict[str, int] = {}  # progress the manager saw at each request's last allocation
         self.waiting: list[Request] = []
         self.next_id = 0
         # block ID -> (group, the token prefix it holds) while it is cached in a table
@@ -94,6 +97,7 @@ class HybridMachine(RuleBasedStateMachine):
             return
         request.num_computed_tokens = num_hit + num_new
         self.running[request.request_id] = request
+        self.accepted[request.request_id] = num_hit
         self._record(request)
 
     def _preempt(self, request: Request) -> None:
@@ -132,6 +136,7 @@ class HybridMachine(RuleBasedStateMachine):
         if new is None:
             self._preempt(request)
             return
+        self.accepted[request.request_id] = request.num_computed_tokens
         request.num_computed_tokens += num_new
         self._record(request)
 
@@ -151,6 +156,64 @@ class HybridMachine(RuleBasedStateMachine):
     @rule(chunk=st.sampled_from([0, 4]))
     def readmit(self, chunk: int) -> None:
         self._admit(self.waiting.pop(0), chunk)
+
+    # -- hostile callers -------------------------------------------------------------
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES[:3]),
+        tail=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=6),
+        between=st.sampled_from(["reset", "flood"]),
+    )
+    def stale_hit(self, prefix, tail, between) -> None:
+        """A lookup, then the cache changes under it: refused cleanly, or still a true hit."""
+        self.next_id += 1
+        request = Request(f"r{self.next_id}", prefix + tail)
+        hit, num_hit = self.mgr.get_computed_blocks(request)
+        if between == "reset":
+            for other in list(self.running.values()):
+                self._preempt(other)
+            if self.mgr.reset_prefix_cache():
+                self.shadow.clear()
+        else:
+            self.next_id += 1
+            flood = Request(f"flood{self.next_id}", list(range(1000 + self.next_id, 1040 + self.next_id)))
+            self._admit(flood, 0)
+            if flood.request_id in self.running:
+                self.finish(list(self.running).index(flood.request_id))
+        before = snapshot(self.mgr)
+        try:
+            new = self.mgr.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit)
+        except CapacityError:
+            return
+        except KVPoolError as error:
+            assert "stale" in str(error), error
+            assert snapshot(self.mgr) == before
+            return
+        if new is not None:
+            request.num_computed_tokens = request.num_tokens
+            self.running[request.request_id] = request
+            self.accepted[request.request_id] = num_hit
+            self._check_hit(request, hit, num_hit)
+            self._record(request)
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(min_value=0), lie=st.sampled_from(["float", "bool", "back", "jump"]))
+    def progress_lie(self, pick: int, lie: str) -> None:
+        request = list(self.running.values())[pick % len(self.running)]
+        honest = request.num_computed_tokens
+        accepted = self.accepted[request.request_id]  # what the manager saw at its last allocation
+        if lie == "back" and accepted == 0:
+            return
+        request.append_output_token_ids([4] * 8)
+        bogus = {"float": float(honest), "bool": honest > 0, "back": accepted - 1, "jump": honest + 1}[lie]
+        before = snapshot(self.mgr)
+        request.num_computed_tokens = bogus
+        try:
+            with pytest.raises(KVPoolError, match="num_computed_tokens"):
+                self.mgr.allocate_slots(request, 1)
+        finally:
+            request.num_computed_tokens = honest
+        assert snapshot(self.mgr) == before
 
     # -- invariants ------------------------------------------------------------------
 

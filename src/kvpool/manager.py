@@ -8,12 +8,17 @@
     ...                                                      # None: no room, preempt or wait
     mgr.free(req)                                            # tail first
 
-Each scheduling step calls ``allocate_slots`` once per request. It counts the
-blocks that the request's computed, new and lookahead tokens occupy in every
-layer group; if the free blocks fall short it answers ``None`` and touches
-nothing. Otherwise it claims the prefix-hit blocks, pops new ones in eviction
-order, extends the block tables, and registers every block that just filled up
-in the prefix-cache index.
+Each scheduling step calls ``allocate_slots`` once per request. It first
+checks everything it is handed against what it issued itself: the lookup
+result (same manager, same request object, nothing evicted or reset since),
+the request's progress (an ``int`` that never moves back nor past the slots
+allocated) and ``max_model_len``; a violation raises with nothing changed.
+Then it counts the blocks that the request's computed, new and lookahead
+tokens occupy in every layer group; if the free blocks fall short it answers
+``None`` and takes nothing (a running request still gives back the blocks
+that left its window, as every step does). Otherwise it claims the prefix-hit
+blocks, pops new ones in eviction order, extends the block tables, and
+registers every block that just filled up in the prefix-cache index.
 
 Hybrid models are several layer groups sharing the pool, each with its own
 rules and block size (see docs/hybrid.md)::
@@ -343,13 +348,8 @@ class KVCacheManager:
             # in a single-group model: the same checks and decisions as the
             # general path below, without its per-group fan-out.
             computed = request.num_computed_tokens
-            total = computed + num_new_tokens
-            if (
-                type(computed) is int
-                and held.computed <= computed <= held.slots
-                and total <= len(request._token_ids)
-                and total <= self._max_len
-            ):
+            total = computed + num_new_tokens if type(computed) is int else _NO_LIMIT
+            if total <= len(request._token_ids) and total <= self._max_len and held.computed <= computed <= held.slots:
                 held.computed = computed
                 new = single.grow(request.request_id, computed, total)
                 if new is None:
