@@ -230,7 +230,7 @@ def test_sampling_params_are_strict(kwargs, error, match):
         (lambda e: e.add_request("w1", add_special_tokens="false"), ConfigError, "add_special_tokens .* 'false'"),
         (lambda e: e.add_request([1, True]), InvalidTokenError, "True"),
         (lambda e: e.add_requests("w1 w2"), RequestStateError, "prompts must be a list"),
-        (lambda e: e.add_requests([GOOD, GOOD], request_ids=["x", "x"]), RequestStateError, "'x' is already"),
+        (lambda e: e.add_requests([GOOD, GOOD], request_ids=["x", "x"]), RequestStateError, "'x' appears twice"),
         (lambda e: e.add_requests([GOOD, GOOD], request_ids=["x"]), ConfigError, "request_ids has 1 entries"),
         (lambda e: e.add_requests([GOOD], cache_salts="salt"), ConfigError, "cache_salts .* 'salt'"),
         (lambda e: e.add_requests([GOOD, [VOCAB]]), InvalidTokenError, str(VOCAB)),

@@ -326,8 +326,10 @@ class LLMEngine:
                 continue
             if not isinstance(rid, str) or not rid:
                 raise RequestStateError(f"request_id must be a non-empty string, got {rid!r}")
-            if rid in self._live or rid in taken:
+            if rid in self._live:
                 raise RequestStateError(f"request {rid!r} is already running")
+            if rid in taken:
+                raise RequestStateError(f"request ID {rid!r} appears twice in one batch")
             taken.add(rid)
         ids, n = [], self._next_id
         for rid in wanted:
