@@ -98,3 +98,46 @@ def test_imports_never_go_upwards(path):
 def test_nothing_below_the_engine_imports_torch(path):
     for name, line in kvpool_imports(path):
         assert name.split(".")[0] not in {"torch", "transformers", "numpy"}, f"{path.name}:{line} imports {name}"
+
+
+def _module_name(path: Path) -> str:
+    parts = ("kvpool", *path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _every_import(path: Path) -> set[str]:
+    """kvpool modules a file names in any import: type-checking and function-level ones included."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n == "kvpool" or n.startswith("kvpool.")}
+
+
+def test_there_is_no_import_cycle_at_all():
+    modules = {_module_name(p): p for p in MODULES}
+    graph = {name: {m for m in _every_import(path) if m in modules and m != name} for name, path in modules.items()}
+    # a package's own __init__ importing its submodules is how packages are built, not a cycle
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not (m.startswith(name + ".") and modules[name].name == "__init__.py")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)

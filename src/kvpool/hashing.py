@@ -38,12 +38,9 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, NewType
+from typing import NewType
 
 from kvpool.errors import ConfigError, InvalidTokenError
-
-if TYPE_CHECKING:
-    from kvpool.request import Request
 
 __all__ = [
     "DEFAULT_HASH_SEED",
@@ -181,48 +178,46 @@ class BlockHasher:
             return BlockHash(self._xxh(data))
         return BlockHash(self._sha(data).digest())
 
-    def extend(self, request: Request) -> None:
-        """Hash every block of ``request`` that is full but not yet hashed.
+    def chain(
+        self, parent: BlockHash | None, token_bytes: bytes, extras: Sequence[bytes] | None = None
+    ) -> tuple[list[BlockHash], list[bytes] | None]:
+        """The chained hashes of consecutive full blocks, after ``parent``.
 
-        Cost: one digest of ``len(parent) + 4 * block_size`` bytes (plus extra
-        keys) per new block; O(1) when no block became full.
+        ``token_bytes`` holds ``k * block_size`` token IDs as little-endian
+        uint32 (:func:`token_bytes`); ``parent`` is the hash of the block
+        before the first (None: the chain's root); ``extras[i]`` is block
+        ``i``'s serialised extra keys (:func:`extra_key_bytes`), or None when
+        no block has any. Returns the ``k`` hashes and, when this hasher's
+        hits are verified, the ``k`` block contents (else None).
+
+        Cost: one digest of ``len(parent) + 4 * block_size`` bytes (plus
+        extra keys) per block.
         """
-        hashes = request._block_hashes
-        bs = self.block_size
-        start = len(hashes)
-        tokens = request._token_ids
-        stop = len(tokens) // bs
-        request._next_full = (stop + 1) * bs
-        if stop <= start:
-            return
-        data = tokens[start * bs : stop * bs]
-        if _BIG_ENDIAN:  # pragma: no cover
-            data.byteswap()
-        raw = data.tobytes()
-        width = 4 * bs
-        parent = hashes[-1] if hashes else self.root
-        contents = request._block_contents if self.stores_contents else None
-        if request._has_extra_keys:
-            extras = request._extra_key_bytes
-            for k in range(start, stop):
-                off = (k - start) * width
-                content = raw[off : off + width] + extras(k * bs, k * bs + bs)
-                parent = self.digest(parent + content)
+        width = 4 * self.block_size
+        parent = self.root if parent is None else parent
+        hashes: list[BlockHash] = []
+        contents: list[bytes] | None = [] if self.stores_contents else None
+        if extras is not None:
+            digest = self.digest
+            for i, off in enumerate(range(0, len(token_bytes), width)):
+                content = token_bytes[off : off + width] + extras[i]
+                parent = digest(parent + content)
                 hashes.append(parent)
                 if contents is not None:
                     contents.append(content)
         elif self._xxh is not None:
             xxh = self._xxh
-            for off in range(0, len(raw), width):
-                content = raw[off : off + width]
+            for off in range(0, len(token_bytes), width):
+                content = token_bytes[off : off + width]
                 parent = xxh(parent + content)
                 hashes.append(parent)
-                contents.append(content)  # type: ignore[union-attr]
+                contents.append(content)  # type: ignore[union-attr]  # the fast hash always stores contents
         else:
             sha = self._sha
-            for off in range(0, len(raw), width):
-                parent = sha(parent + raw[off : off + width]).digest()
+            for off in range(0, len(token_bytes), width):
+                parent = sha(parent + token_bytes[off : off + width]).digest()
                 hashes.append(parent)
+        return hashes, contents
 
     def hash_token_ids(
         self,
@@ -245,25 +240,20 @@ class BlockHasher:
             raise ConfigError(f"mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
         items = tuple(sorted(mm_inputs, key=lambda m: m.offset))
         lora, salt = lora_key(lora_name), salt_key(cache_salt)
-        sequence = _TokenSequence(tokens, lambda start, end: extra_key_bytes(lora, salt, items, start, end))
-        sequence._has_extra_keys = bool(lora or salt or items)
-        sequence._block_contents = [] if self.stores_contents else None
-        self.extend(sequence)  # type: ignore[arg-type]
-        return sequence._block_hashes
+        bs = self.block_size
+        num_blocks = len(tokens) // bs
+        extras = None
+        if lora or salt or items:
+            extras = [extra_key_bytes(lora, salt, items, k * bs, k * bs + bs) for k in range(num_blocks)]
+        return self.chain(None, token_bytes(tokens[: num_blocks * bs]), extras)[0]
 
 
-class _TokenSequence:
-    """The fields :meth:`BlockHasher.extend` reads, for hashing bare token IDs."""
-
-    __slots__ = ("_token_ids", "_block_hashes", "_block_contents", "_has_extra_keys", "_extra_key_bytes", "_next_full")
-
-    def __init__(self, tokens: array, extras) -> None:
-        self._token_ids = tokens
-        self._block_hashes: list[BlockHash] = []
-        self._block_contents: list[bytes] | None = None
-        self._has_extra_keys = False
-        self._extra_key_bytes = extras
-        self._next_full = 0
+def token_bytes(tokens: array) -> bytes:
+    """Token IDs (an ``array`` of :data:`TOKEN_TYPECODE`) as little-endian uint32 bytes."""
+    if _BIG_ENDIAN:  # pragma: no cover
+        tokens = tokens[:]
+        tokens.byteswap()
+    return tokens.tobytes()
 
 
 def extra_key_bytes(

@@ -23,13 +23,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
 from kvpool.errors import InvalidTokenError, ReadOnlyFieldError, RequestStateError
 from kvpool.hashing import (
     TOKEN_LIMIT,
     TOKEN_TYPECODE,
     BlockHash,
+    BlockHasher,
     MultiModalInput,
     extra_key_bytes,
     extra_keys_readable,
@@ -37,10 +37,8 @@ from kvpool.hashing import (
     lora_key,
     salt_key,
     to_token_array,
+    token_bytes,
 )
-
-if TYPE_CHECKING:
-    from kvpool.hashing import BlockHasher
 
 __all__ = ["Request"]
 
@@ -194,7 +192,7 @@ class Request:
         else:
             tokens.extend(to_token_array(token_ids, "output token_ids"))
         if len(tokens) >= self._next_full:
-            self._hasher.extend(self)  # type: ignore[union-attr]
+            self._hash_new_blocks()
 
     # -- cache keys ---------------------------------------------------------------
 
@@ -219,7 +217,27 @@ class Request:
             )
         self._hasher = hasher
         self._block_contents = [] if hasher.stores_contents else None
-        hasher.extend(self)
+        self._hash_new_blocks()
+
+    def _hash_new_blocks(self) -> None:
+        """Hash every block that is full but not yet hashed (O(1) when none is)."""
+        hasher: BlockHasher = self._hasher  # type: ignore[assignment]  # bound before any block is due
+        bs = hasher.block_size
+        hashes = self._block_hashes
+        start = len(hashes)
+        stop = len(self._token_ids) // bs
+        self._next_full = (stop + 1) * bs
+        if stop <= start:
+            return
+        extras = None
+        if self._has_extra_keys:
+            extras = [self._extra_key_bytes(k * bs, k * bs + bs) for k in range(start, stop)]
+        new, contents = hasher.chain(
+            hashes[-1] if hashes else None, token_bytes(self._token_ids[start * bs : stop * bs]), extras
+        )
+        hashes.extend(new)
+        if contents is not None:
+            self._block_contents.extend(contents)  # type: ignore[union-attr]  # set with the hasher
 
     def __repr__(self) -> str:
         return (
