@@ -61,7 +61,7 @@ def _text_field(request_id: str, name: str, value: object) -> None:
     """Refuse a text key that is neither None nor text that hashes one way (see ``key_text_problem``)."""
     problem = None if value is None else key_text_problem(value)
     if problem is not None:
-        raise RequestStateError(f"request {request_id!r}: {name} must be {problem} or None")
+        raise RequestStateError(f"request {request_id!r}: {name} must be None or {problem}")
 
 
 class Request:

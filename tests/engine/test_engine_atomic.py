@@ -138,7 +138,7 @@ def test_generate_refuses_a_batch_with_a_bad_prompt(busy, prompts, error, match)
         ({"sampling_params": "greedy"}, ConfigError, "sampling_params must be a SamplingParams, got 'greedy'"),
         ({"sampling_params": [greedy(3), {"max_tokens": 3}]}, ConfigError, "max_tokens"),
         ({"sampling_params": [greedy(3)]}, ConfigError, "sampling_params has 1 entries for 2 prompts"),
-        ({"cache_salt": ""}, RequestStateError, "cache_salt must be a non-empty string.*''"),
+        ({"cache_salt": ""}, RequestStateError, "cache_salt must be None or a non-empty string.*''"),
         ({"cache_salt": 5}, RequestStateError, "cache_salt .* got 5"),
         ({"cache_salt": ["a"]}, ConfigError, "cache_salt has 1 entries for 2 prompts"),
         ({"cache_salt": ["a", b"b"]}, RequestStateError, "b'b'"),
