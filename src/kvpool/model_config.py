@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -196,12 +197,20 @@ _FIELD_RULES: dict[str, _Rule] = {
 _QUANT_RULES: dict[str, _Rule] = {"quant_method": _Rule.TEXT, "bits": _Rule.COUNT}
 #: Fields whose published files may say "auto" (the size is then derived).
 _AUTO_FIELDS = frozenset({"mamba_head_dim", "mamba_d_head", "mamba_dt_rank", "time_step_rank"})
+_SHAPES: dict[_Rule, Callable[[Any], bool]] = {
+    _Rule.TEXT: lambda v: isinstance(v, str),
+    _Rule.FLAG: lambda v: isinstance(v, bool),
+    _Rule.OBJECT: lambda v: isinstance(v, dict),
+    _Rule.NAMES: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    _Rule.INDICES: lambda v: isinstance(v, list)
+    and all(type(x) is int and 0 <= x <= MAX_FIELD_VALUE for x in v),
+}
 
 
 def _checked(field: str, value: Any, rule: _Rule) -> Any:
     """``value`` if it obeys ``rule`` (an integral float comes back as an int); ConfigError naming both otherwise."""
     if rule in (_Rule.COUNT, _Rule.INDEX, _Rule.LAYERS):
-        if field.rsplit(".", 1)[-1] in _AUTO_FIELDS and value == "auto":
+        if field in _AUTO_FIELDS and value == "auto":
             return value
         number = int(value) if isinstance(value, float) and value.is_integer() else value
         low = 0 if rule is _Rule.INDEX else 1
@@ -211,17 +220,9 @@ def _checked(field: str, value: Any, rule: _Rule) -> Any:
         if number > high:
             raise ConfigError(f"config.json field {field!r} must be at most {high:,}, got {_short(value)}")
         return number
-    ok = {
-        _Rule.TEXT: isinstance(value, str),
-        _Rule.FLAG: isinstance(value, bool),
-        _Rule.OBJECT: isinstance(value, dict),
-        _Rule.NAMES: isinstance(value, list) and all(isinstance(v, str) for v in value),
-        _Rule.INDICES: isinstance(value, list)
-        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_FIELD_VALUE for v in value),
-    }[rule]
-    if not ok:
+    if not _SHAPES[rule](value):
         raise ConfigError(f"config.json field {field!r} must be {rule.value}, got {_short(value)}")
-    if rule is not _Rule.FLAG and rule is not _Rule.OBJECT and len(value) > MAX_LAYERS:
+    if rule in (_Rule.TEXT, _Rule.NAMES, _Rule.INDICES) and len(value) > MAX_LAYERS:
         raise ConfigError(f"config.json field {field!r} has {len(value):,} entries; at most {MAX_LAYERS:,} are allowed")
     if field == "quantization_config":
         return _checked_fields(value, _QUANT_RULES, prefix=f"{field}.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from itertools import islice
 from pathlib import Path
 
 import click
@@ -23,8 +24,7 @@ def _load(trace: str, requests: int | None, seed: int):
         return generate_workload(trace[len(SYNTHETIC_PREFIX) :], num_requests=count, seed=seed)
     from kvpool.sim.traces import iter_trace
 
-    loaded = iter_trace(trace)
-    return list(loaded) if requests is None else [r for _, r in zip(range(requests), loaded)]
+    return list(islice(iter_trace(trace), requests))  # reads no further than the requests replayed
 
 
 def _plot_folder(plot_dir: Path) -> None:
