@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool import BlockHasher, ConfigError, HashAlgo, KVCacheManager, MultiModalInput, Request
+from kvpool.hashing import TOKEN_TYPECODE, extra_key_bytes, lora_key, salt_key, token_bytes
 
 TOKENS = list(range(1000, 1040))  # 10 blocks of 4
 
@@ -106,3 +111,37 @@ def test_a_request_cannot_move_to_a_manager_with_other_hashing():
     first.hash_request(req)
     with pytest.raises(ValueError, match="block_size=4"):
         second.hash_request(req)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=40),
+    block_size=st.sampled_from([1, 2, 4]),
+    salt=st.sampled_from([None, "t", "tenant-b"]),
+    lora=st.sampled_from([None, "adapter"]),
+    media=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 6)), max_size=3),
+    split=st.integers(min_value=0, max_value=40),
+    algo=st.sampled_from(["sha256", "xxh3_128"] if importlib.util.find_spec("xxhash") else ["sha256"]),
+)
+def test_every_key_layout_hashes_like_the_per_block_definition(tokens, block_size, salt, lora, media, split, algo):
+    """The fast paths (no keys, a LoRA suffix, a salted first block) equal the per-block definition."""
+    items = tuple(
+        MultiModalInput(identifier=f"img{i}", offset=o, length=n) for i, (o, n) in enumerate(media) if o + n <= len(tokens)
+    )
+    hasher = BlockHasher(block_size, algo)
+    lk, sk = lora_key(lora), salt_key(salt)
+    full = len(tokens) // block_size
+    extras = [extra_key_bytes(lk, sk, items, k * block_size, (k + 1) * block_size) for k in range(full)]
+    raw = array(TOKEN_TYPECODE, tokens[: full * block_size])
+    expected, expected_contents = hasher.chain(None, token_bytes(raw), extras)
+    assert hasher.hash_token_ids(tokens, cache_salt=salt, lora_name=lora, mm_inputs=items) == expected
+    # the same, grown token by token after a prompt of `split` tokens, as a request is
+    if tokens:
+        cut = max(1, min(split, len(tokens)))
+        request = Request("r", tokens[:cut], cache_salt=salt, lora_name=lora, mm_inputs=[m for m in items if m.offset + m.length <= cut])
+        if len(request.mm_inputs) == len(items):
+            request._bind(hasher)
+            for t in tokens[cut:]:
+                request.append_output_token_ids(t)
+            assert request.block_hashes == expected
+            assert request._block_contents == expected_contents

@@ -179,16 +179,20 @@ class BlockHasher:
         return BlockHash(self._sha(data).digest())
 
     def chain(
-        self, parent: BlockHash | None, token_bytes: bytes, extras: Sequence[bytes] | None = None
+        self,
+        parent: BlockHash | None,
+        token_bytes: bytes,
+        extras: Sequence[bytes] | None = None,
+        suffix: bytes = b"",
     ) -> tuple[list[BlockHash], list[bytes] | None]:
         """The chained hashes of consecutive full blocks, after ``parent``.
 
         ``token_bytes`` holds ``k * block_size`` token IDs as little-endian
         uint32 (:func:`token_bytes`); ``parent`` is the hash of the block
-        before the first (None: the chain's root); ``extras[i]`` is block
-        ``i``'s serialised extra keys (:func:`extra_key_bytes`), or None when
-        no block has any. Returns the ``k`` hashes and, when this hasher's
-        hits are verified, the ``k`` block contents (else None).
+        before the first (None: the chain's root). Block ``i``'s extra keys
+        are ``extras[i]`` when given (:func:`extra_key_bytes`), else ``suffix``
+        for every block. Returns the ``k`` hashes and, when this hasher's hits
+        are verified, the ``k`` block contents (else None).
 
         Cost: one digest of ``len(parent) + 4 * block_size`` bytes (plus
         extra keys) per block.
@@ -207,17 +211,57 @@ class BlockHasher:
                     contents.append(content)
         elif self._xxh is not None:
             xxh = self._xxh
+            append = contents.append  # type: ignore[union-attr]  # the fast hash always stores contents
             for off in range(0, len(token_bytes), width):
-                content = token_bytes[off : off + width]
+                content = token_bytes[off : off + width] + suffix
                 parent = xxh(parent + content)
                 hashes.append(parent)
-                contents.append(content)  # type: ignore[union-attr]  # the fast hash always stores contents
+                append(content)
+        elif suffix:
+            sha = self._sha
+            for off in range(0, len(token_bytes), width):
+                parent = sha(parent + token_bytes[off : off + width] + suffix).digest()
+                hashes.append(parent)
         else:
             sha = self._sha
             for off in range(0, len(token_bytes), width):
                 parent = sha(parent + token_bytes[off : off + width]).digest()
                 hashes.append(parent)
         return hashes, contents
+
+    def chain_blocks(
+        self,
+        parent: BlockHash | None,
+        token_bytes: bytes,
+        first_block: int,
+        *,
+        lora_key: bytes = b"",
+        salt_key: bytes = b"",
+        mm_inputs: Sequence[MultiModalInput] = (),
+    ) -> tuple[list[BlockHash], list[bytes] | None]:
+        """:meth:`chain` for blocks ``first_block, first_block + 1, ...`` of a request with these keys.
+
+        The keys' layout decides the cheapest exact path: without media, every
+        block's extra keys are the LoRA key (and the salt, on block 0 only), a
+        constant suffix; media overlap some blocks, so they take the per-block
+        path. ``lora_key`` and ``salt_key`` come from :func:`lora_key` and
+        :func:`salt_key`.
+        """
+        bs = self.block_size
+        if mm_inputs:
+            count = len(token_bytes) // (4 * bs)
+            extras = [
+                extra_key_bytes(lora_key, salt_key, mm_inputs, k * bs, k * bs + bs)
+                for k in range(first_block, first_block + count)
+            ]
+            return self.chain(parent, token_bytes, extras)
+        if first_block == 0 and salt_key and token_bytes:
+            width = 4 * bs
+            head, head_contents = self.chain(parent, token_bytes[:width], [lora_key + salt_key])
+            rest, rest_contents = self.chain(head[0], token_bytes[width:], suffix=lora_key)
+            contents = head_contents + rest_contents if head_contents is not None else None  # type: ignore[operator]
+            return head + rest, contents
+        return self.chain(parent, token_bytes, suffix=lora_key)
 
     def hash_token_ids(
         self,
@@ -239,13 +283,16 @@ class BlockHasher:
         if isinstance(mm_inputs, str | bytes) or not all(isinstance(m, MultiModalInput) for m in mm_inputs):
             raise ConfigError(f"mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
         items = tuple(sorted(mm_inputs, key=lambda m: m.offset))
-        lora, salt = lora_key(lora_name), salt_key(cache_salt)
         bs = self.block_size
         num_blocks = len(tokens) // bs
-        extras = None
-        if lora or salt or items:
-            extras = [extra_key_bytes(lora, salt, items, k * bs, k * bs + bs) for k in range(num_blocks)]
-        return self.chain(None, token_bytes(tokens[: num_blocks * bs]), extras)[0]
+        return self.chain_blocks(
+            None,
+            token_bytes(tokens[: num_blocks * bs]),
+            0,
+            lora_key=lora_key(lora_name),
+            salt_key=salt_key(cache_salt),
+            mm_inputs=items,
+        )[0]
 
 
 def token_bytes(tokens: array) -> bytes:

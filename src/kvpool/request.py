@@ -31,7 +31,6 @@ from kvpool.hashing import (
     BlockHash,
     BlockHasher,
     MultiModalInput,
-    extra_key_bytes,
     extra_keys_readable,
     key_text_problem,
     lora_key,
@@ -94,7 +93,6 @@ class Request:
         "_hasher",
         "_next_full",
         "_block_contents",
-        "_has_extra_keys",
         "_lora_key",
         "_salt_key",
     )
@@ -140,7 +138,6 @@ class Request:
         # Token count at which the next block becomes full (hashing is due then).
         self._next_full = _NEVER
         self._block_contents: list[bytes] | None = None
-        self._has_extra_keys = bool(cache_salt is not None or lora_name is not None or items)
         self._lora_key = lora_key(lora_name)
         self._salt_key = salt_key(cache_salt)
 
@@ -196,9 +193,6 @@ class Request:
 
     # -- cache keys ---------------------------------------------------------------
 
-    def _extra_key_bytes(self, start: int, end: int) -> bytes:
-        return extra_key_bytes(self._lora_key, self._salt_key, self._mm_inputs, start, end)
-
     def extra_keys(self, start: int, end: int) -> tuple | None:
         """Readable extra keys of the block covering ``[start, end)`` (for KV events)."""
         return extra_keys_readable(self._lora_name, self._cache_salt, self._mm_inputs, start, end)
@@ -229,11 +223,13 @@ class Request:
         self._next_full = (stop + 1) * bs
         if stop <= start:
             return
-        extras = None
-        if self._has_extra_keys:
-            extras = [self._extra_key_bytes(k * bs, k * bs + bs) for k in range(start, stop)]
-        new, contents = hasher.chain(
-            hashes[-1] if hashes else None, token_bytes(self._token_ids[start * bs : stop * bs]), extras
+        new, contents = hasher.chain_blocks(
+            hashes[-1] if hashes else None,
+            token_bytes(self._token_ids[start * bs : stop * bs]),
+            start,
+            lora_key=self._lora_key,
+            salt_key=self._salt_key,
+            mm_inputs=self._mm_inputs,
         )
         hashes.extend(new)
         if contents is not None:
