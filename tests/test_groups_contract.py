@@ -10,7 +10,7 @@ from tests.group_helpers import chunked, cross, full, mamba, mla, sliding
 from tests.helpers import snapshot
 
 from kvpool import CapacityError, KVCacheManager, Request
-from kvpool.groups.base import cdiv
+from kvpool.specs import cdiv
 from kvpool.specs import KVCacheGroup
 
 

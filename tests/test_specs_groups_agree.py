@@ -44,7 +44,6 @@ def test_every_layer_kind_is_covered():
 def test_the_group_manager_caches_what_the_spec_says_is_cacheable(name):
     group = GROUPS[name]
     (manager,) = _manager(group).groups
-    assert manager.prefix_cacheable == group.spec.prefix_cacheable
     assert manager.enable_caching == group.spec.prefix_cacheable
 
 

@@ -30,13 +30,9 @@ from typing import ClassVar
 from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.block_pool import BlockPool
 from kvpool.request import Request
+from kvpool.specs import FullAttentionSpec, KVDtype, LayerSpec, cdiv
 
-__all__ = ["GroupManager", "cdiv"]
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative integers."""
-    return -(-a // b)
+__all__ = ["GroupManager"]
 
 
 class _StridedHashes(Sequence):
@@ -87,7 +83,9 @@ class GroupManager:
         group_id: this group's position among the model's groups.
         block_size: tokens per block of this group.
         enable_caching: whether this group caches full blocks.
-        spec: the group's layer spec (``kvpool.specs``), for the rules' parameters.
+        spec: the group's layer spec (``kvpool.specs``): the rules' parameters,
+            whether its blocks may be prefix-cached and how many a request
+            keeps. None means full attention (a manager built without a model).
         hash_block_size: tokens per request hash; ``block_size`` must be a
             multiple of it. None means ``block_size``.
 
@@ -101,8 +99,6 @@ class GroupManager:
     sizes (set by the coordinator).
     """
 
-    #: Whether a prefix hit can be served by this group's layer type at all.
-    prefix_cacheable: ClassVar[bool] = True
     #: Whether every shorter block-aligned prefix of a hit is also a hit.
     downward_closed: ClassVar[bool] = True
     #: Whether hits walk the hashes from block 0 (needed by the verified index).
@@ -117,16 +113,18 @@ class GroupManager:
         block_size: int,
         enable_caching: bool,
         *,
-        spec: object = None,
+        spec: LayerSpec | None = None,
         hash_block_size: int | None = None,
     ) -> None:
+        if spec is None:  # only the block size matters to full attention's rules
+            spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32)
         self.spec = spec
         self.pool = pool
         self.group_id = group_id
         self.block_size = block_size
         self.hash_stride = 1 if hash_block_size is None else block_size // hash_block_size
         self.alignment = block_size
-        self.enable_caching = enable_caching and self.prefix_cacheable
+        self.enable_caching = enable_caching and spec.prefix_cacheable
         self.index = pool.indexes[group_id]
         self.null_block = pool.null_block
         self.tables: dict[str, list[KVBlock]] = {}
@@ -250,7 +248,7 @@ class GroupManager:
         ``allocate_new_blocks``.
         """
         table = self.tables[request_id]
-        missing = -(-num_tokens // self.block_size) - len(table)
+        missing = -(-num_tokens // self.block_size) - len(table)  # cdiv, inlined: once per request per step
         if missing <= 0:
             return []
         pool = self.pool
@@ -297,13 +295,13 @@ class GroupManager:
     # -- sizes -------------------------------------------------------------------
 
     def max_blocks_for(self, num_tokens: int) -> int:
-        """The most blocks one request of ``num_tokens`` tokens holds at once in this group.
+        """The most blocks one request of ``num_tokens`` tokens holds at once in this group: the spec's count.
 
         Assumes the request grows in steps no longer than its window (decode,
         or prefill chunks); one long step holds what :meth:`blocks_held_after`
         says.
         """
-        return cdiv(num_tokens, self.block_size)
+        return self.spec.blocks_per_request(num_tokens)
 
     def blocks_held_after(self, num_computed_tokens: int, num_tokens: int) -> int:
         """Blocks a request holds right after a step from ``num_computed_tokens`` to ``num_tokens`` tokens."""

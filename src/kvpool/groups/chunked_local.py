@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import KVBlock
-from kvpool.groups.base import GroupManager, cdiv
+from kvpool.groups.base import GroupManager
 from kvpool.request import Request
 
 __all__ = ["ChunkedLocalAttentionManager"]
@@ -84,11 +84,3 @@ class ChunkedLocalAttentionManager(GroupManager):
     def grow(self, request_id: str, num_computed_tokens: int, num_tokens: int) -> list[int] | None:
         self.remove_skipped_blocks(request_id, num_computed_tokens)
         return super().grow(request_id, num_computed_tokens, num_tokens)
-
-    def max_blocks_for(self, num_tokens: int) -> int:
-        """Blocks covering one chunk (one more when a chunk may start inside a block)."""
-        chunk_blocks = cdiv(self.attention_chunk_size, self.block_size)
-        if self.attention_chunk_size % self.block_size:
-            chunk_blocks += 1
-        full = cdiv(num_tokens, self.block_size)
-        return full if full < chunk_blocks else chunk_blocks

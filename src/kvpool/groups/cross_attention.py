@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import KVBlock
-from kvpool.groups.base import GroupManager, cdiv
+from kvpool.groups.base import GroupManager
 from kvpool.request import Request
+from kvpool.specs import cdiv
 
 __all__ = ["CrossAttentionManager"]
 
@@ -27,7 +28,6 @@ __all__ = ["CrossAttentionManager"]
 class CrossAttentionManager(GroupManager):
     """Blocks for the encoder input, allocated by ``num_encoder_tokens``; never cached."""
 
-    prefix_cacheable: ClassVar[bool] = False
     uses_encoder_tokens: ClassVar[bool] = True
 
     def find_longest_cache_hit(self, request: Request, max_length: int) -> list[KVBlock]:

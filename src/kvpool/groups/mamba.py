@@ -50,9 +50,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
-from kvpool.groups.base import GroupManager, cdiv
+from kvpool.groups.base import GroupManager
 from kvpool.request import Request
-from kvpool.specs import MambaSpec
+from kvpool.specs import MambaSpec, cdiv
 
 __all__ = ["MambaManager"]
 
@@ -172,10 +172,6 @@ class MambaManager(GroupManager):
             self.pool.free_blocks([table[k] for k in reversed(live)])
 
     # -- sizes -------------------------------------------------------------------
-
-    def max_blocks_for(self, num_tokens: int) -> int:
-        """The spec's count: two blocks (one up to ``block_size`` tokens, where no step crosses a block)."""
-        return self.spec.blocks_per_request(num_tokens)
 
     def blocks_held_after(self, num_computed_tokens: int, num_tokens: int) -> int:
         """The spec's count: two after a step from a state into a new block position, else one."""

@@ -49,8 +49,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import KVBlock
-from kvpool.groups.base import GroupManager, cdiv
+from kvpool.groups.base import GroupManager
 from kvpool.request import Request
+from kvpool.specs import cdiv
 
 __all__ = ["SlidingWindowManager"]
 
@@ -126,9 +127,3 @@ class SlidingWindowManager(GroupManager):
     def grow(self, request_id: str, num_computed_tokens: int, num_tokens: int) -> list[int] | None:
         self.remove_skipped_blocks(request_id, num_computed_tokens)
         return super().grow(request_id, num_computed_tokens, num_tokens)
-
-    def max_blocks_for(self, num_tokens: int) -> int:
-        """Blocks covering the window: ``cdiv(window - 1, block_size) + 1`` (the window need not start on a block)."""
-        full = cdiv(num_tokens, self.block_size)
-        window = self.blocks_for_hit + 1
-        return full if full < window else window
