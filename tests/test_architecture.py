@@ -12,30 +12,33 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvpool"
 # First path component under kvpool/ (module or package) -> layer.
 LAYERS = {
     "errors": 0,
-    "hashing": 1,
-    "specs": 1,
-    "stats": 1,
-    "block": 2,
-    "events": 2,
-    "model_config": 2,
-    "request": 3,
-    "estimates": 3,
-    "planner": 4,
-    "free_queue": 4,
-    "prefix_index": 4,
-    "eviction": 5,
-    "block_pool": 5,
-    "groups": 6,
-    "coordinator": 7,
-    "invariants": 8,
-    "manager": 9,
-    "scheduler": 10,
-    "engine": 11,
-    "sim": 11,
-    "cli": 12,
-    "__init__": 13,  # the package facade re-exports the core
+    "checks": 1,
+    "hashing": 2,
+    "specs": 2,
+    "stats": 2,
+    "block": 3,
+    "events": 3,
+    "model_config": 3,
+    "request": 4,
+    "recurrent_state": 4,
+    "free_queue": 5,
+    "prefix_index": 5,
+    "model_layers": 5,
+    "eviction": 6,
+    "block_pool": 6,
+    "estimates": 6,
+    "groups": 7,
+    "planner": 7,
+    "coordinator": 8,
+    "invariants": 9,
+    "manager": 10,
+    "scheduler": 11,
+    "engine": 12,
+    "sim": 12,
+    "cli": 13,
+    "__init__": 14,  # the package facade re-exports the core
 }
-TORCH_FREE_BELOW = 11
+TORCH_FREE_BELOW = 12
 
 
 def component(path: Path) -> str:

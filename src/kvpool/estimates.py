@@ -20,17 +20,10 @@ from enum import Enum
 from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.model_config import (
-    MlpKind,
-    StateFamily,
-    decoder_layers,
-    head_dim,
-    model_dtype,
-    num_kv_heads,
-    state_dims,
-    text_config_view,
-)
-from kvpool.specs import LayerKind
+from kvpool.model_config import first_int_field, head_dim, model_dtype, num_kv_heads, text_config_view
+from kvpool.model_layers import MlpKind, decoder_layers
+from kvpool.recurrent_state import StateFamily, state_dims
+from kvpool.specs import LayerKind, cdiv
 
 __all__ = [
     "ACTIVATION_BATCH_TOKENS",
@@ -88,23 +81,11 @@ class ParameterEstimate:
         return self.embedding + self.attention + self.recurrent + self.dense_mlp + self.experts
 
 
-def _field(cfg: dict[str, Any], *names: str) -> int:
-    """The first of ``names`` present in the config, as a positive integer."""
-    for name in names:
-        value = cfg.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"config.json field {name!r} must be a positive integer, got {value!r}")
-        return value
-    raise ConfigError(f"config.json field {names[0]!r} is missing (needed for the memory estimates)")
-
-
 def _attention_params(cfg: dict[str, Any], kind: LayerKind) -> int:
-    h, heads = _field(cfg, "hidden_size"), _field(cfg, "num_attention_heads")
+    h, heads = first_int_field(cfg, "hidden_size"), first_int_field(cfg, "num_attention_heads")
     if kind is LayerKind.MLA:
-        rope, nope = _field(cfg, "qk_rope_head_dim"), _field(cfg, "qk_nope_head_dim")
-        v_dim, rank = _field(cfg, "v_head_dim"), _field(cfg, "kv_lora_rank")
+        rope, nope = first_int_field(cfg, "qk_rope_head_dim"), first_int_field(cfg, "qk_nope_head_dim")
+        v_dim, rank = first_int_field(cfg, "v_head_dim"), first_int_field(cfg, "kv_lora_rank")
         q_rank = cfg.get("q_lora_rank")
         q = h * heads * (nope + rope) if not q_rank else h * q_rank + q_rank * heads * (nope + rope)
         return q + h * (rank + rope) + rank * heads * (nope + v_dim) + heads * v_dim * h + 2 * h
@@ -113,7 +94,7 @@ def _attention_params(cfg: dict[str, Any], kind: LayerKind) -> int:
 
 
 def _recurrent_params(cfg: dict[str, Any]) -> int:
-    h = _field(cfg, "hidden_size")
+    h = first_int_field(cfg, "hidden_size")
     d = state_dims(cfg)
     conv = d.conv_dim * (d.d_conv + 1)  # weights and bias
     if d.family is StateFamily.GATED_DELTA_NET:  # in_proj (q, k, v, z, two gates), out_proj, A, dt, norm
@@ -122,7 +103,7 @@ def _recurrent_params(cfg: dict[str, Any]) -> int:
         return h * (d.d_inner + d.conv_dim + d.heads) + conv + d.d_inner * h + 3 * d.heads + d.d_inner
     dt_rank = cfg.get("mamba_dt_rank") or cfg.get("time_step_rank")
     if isinstance(dt_rank, bool) or not isinstance(dt_rank, int):
-        dt_rank = -(-h // 16)  # Mamba-1's "auto"
+        dt_rank = cdiv(h, 16)  # Mamba-1's "auto"
     # in_proj (x, z), x_proj (dt, B, C), dt_proj, A, D, out_proj
     return (
         2 * h * d.d_inner + conv + d.d_inner * (dt_rank + 2 * d.d_state) + (dt_rank + 1) * d.d_inner
@@ -134,16 +115,16 @@ def _mlp_params(cfg: dict[str, Any], mlp: MlpKind) -> tuple[int, int]:
     """(dense, experts) parameters of one layer's feed-forward part."""
     if mlp is MlpKind.NONE:
         return 0, 0
-    h = _field(cfg, "hidden_size")
+    h = first_int_field(cfg, "hidden_size")
     matrices = 2 if (cfg.get("mlp_hidden_act") or cfg.get("hidden_act")) == "relu2" else 3
     if mlp is MlpKind.DENSE:
-        return matrices * h * _field(cfg, "intermediate_size"), 0
-    experts = _field(cfg, "n_routed_experts", "num_local_experts", "num_experts")
-    inner = _field(cfg, "moe_intermediate_size", "intermediate_size")
+        return matrices * h * first_int_field(cfg, "intermediate_size"), 0
+    experts = first_int_field(cfg, "n_routed_experts", "num_local_experts", "num_experts")
+    inner = first_int_field(cfg, "moe_intermediate_size", "intermediate_size")
     shared = (cfg.get("n_shared_experts") or 0) * inner
     for name in ("shared_expert_intermediate_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size"):
         if not shared and cfg.get(name):
-            shared = _field(cfg, name)
+            shared = first_int_field(cfg, name)
     return 0, experts * matrices * h * inner + matrices * h * shared + h * experts + h
 
 
@@ -157,7 +138,7 @@ def estimate_parameters(config: dict[str, Any]) -> ParameterEstimate:
     ``vocab x hidden``, twice unless ``tie_word_embeddings``.
     """
     cfg = text_config_view(config)
-    h, vocab = _field(cfg, "hidden_size"), _field(cfg, "vocab_size")
+    h, vocab = first_int_field(cfg, "hidden_size"), first_int_field(cfg, "vocab_size")
     tied = cfg.get("tie_word_embeddings", True) is not False
     attention = recurrent = dense = experts = 0
     for layer in decoder_layers(cfg):
@@ -198,7 +179,7 @@ def estimate_weight_bytes(config: dict[str, Any], *, tp_size: int = 1) -> Memory
         how = f"{params.total / 1e9:.2f}B params x {dtype.itemsize} B ({dtype.value})"
         if method:
             how += f"; quantization {method!r} not modelled"
-    per_gpu = -(-total // tp_size)
+    per_gpu = cdiv(total, tp_size)
     if tp_size > 1:
         how += f", / tp {tp_size}"
     return MemoryTerm(bytes=per_gpu, source=TermSource.ESTIMATED, basis=how)
@@ -208,10 +189,10 @@ def estimate_activation_bytes(config: dict[str, Any], *, tp_size: int = 1) -> Me
     """Estimated peak activation bytes on one GPU (formula in the module docstring)."""
     cfg = text_config_view(config)
     dtype = model_dtype(cfg)
-    hidden, vocab = _field(cfg, "hidden_size"), _field(cfg, "vocab_size")
-    width = _field(cfg, "intermediate_size") if cfg.get("intermediate_size") is not None else 4 * hidden
+    hidden, vocab = first_int_field(cfg, "hidden_size"), first_int_field(cfg, "vocab_size")
+    width = first_int_field(cfg, "intermediate_size") if cfg.get("intermediate_size") is not None else 4 * hidden
     if cfg.get("moe_intermediate_size") is not None and cfg.get("num_experts_per_tok") is not None:
-        width = max(width, _field(cfg, "moe_intermediate_size") * _field(cfg, "num_experts_per_tok"))
+        width = max(width, first_int_field(cfg, "moe_intermediate_size") * first_int_field(cfg, "num_experts_per_tok"))
     per_token = (4 * hidden + 2 * width // tp_size) * dtype.itemsize
     total = ACTIVATION_BATCH_TOKENS * per_token + ACTIVATION_NUM_SEQS * vocab * 4
     how = (

@@ -32,6 +32,7 @@ from enum import Enum
 from fractions import Fraction
 from typing import Any
 
+from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.errors import ConfigError
 from kvpool.estimates import (
     ACTIVATION_BATCH_TOKENS,
@@ -43,22 +44,16 @@ from kvpool.estimates import (
     estimate_parameters,
     estimate_weight_bytes,
 )
-from kvpool.model_config import (
-    cache_layer_indices,
-    checkpoint_dtype,
-    layer_kinds,
-    layer_specs_from_config,
-    max_position_embeddings,
-    model_dtype,
-    state_size,
-    text_config_view,
-)
+from kvpool.model_config import checkpoint_dtype, max_position_embeddings, model_dtype, text_config_view
+from kvpool.model_layers import cache_layer_indices, layer_kinds, layer_specs_from_config
+from kvpool.recurrent_state import state_size
 from kvpool.specs import (
     KVCacheGroup,
     KVDtype,
     LayerKind,
     LayerSpec,
     MambaSpec,
+    cdiv,
     group_layers,
     layers_per_pool_block,
     pool_block_bytes,
@@ -235,13 +230,6 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{name} must be {bound}, got {value!r}")
-    return value
-
-
 def _utilization(value: object) -> Fraction:
     """The utilization as an exact fraction of its decimal spelling (0.9 is 9/10), checked to be in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal, Fraction)):
@@ -312,12 +300,12 @@ def plan_kv_cache(
     if total <= 0:
         raise ConfigError(f"gpu_memory_bytes must be positive, got {total}")
     utilization = _utilization(gpu_memory_utilization)
-    tp_size = _check_int("tp_size", tp_size, minimum=1)
-    block_size = _check_int("block_size", block_size, minimum=1)
+    tp_size = check_int("tp_size", tp_size)
+    block_size = check_int("block_size", block_size)
     cfg = text_config_view(config)
     if max_model_len is None:
         max_model_len = max_position_embeddings(cfg)
-    max_model_len = _check_int("max_model_len", max_model_len, minimum=1)
+    max_model_len = check_int("max_model_len", max_model_len, minimum=MIN_MODEL_LEN)
     dtype = model_dtype(cfg)
     if isinstance(kv_dtype, KVDtype):
         cache_dtype = kv_dtype
@@ -336,7 +324,7 @@ def plan_kv_cache(
     else:
         whole = parse_size(weights_bytes, field="weights_bytes")
         weights = MemoryTerm(
-            bytes=-(-whole // tp_size),
+            bytes=cdiv(whole, tp_size),
             source=TermSource.GIVEN,
             basis="given" + (f", {whole:,} B / tp {tp_size}" if tp_size > 1 else ""),
         )

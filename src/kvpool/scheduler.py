@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from kvpool.checks import MIN_MODEL_LEN
 from kvpool.errors import CapacityError, ConfigError, InvalidTokenError, RequestStateError
 from kvpool.hashing import TOKEN_LIMIT, to_token_array
 from kvpool.manager import KVCacheManager
@@ -91,8 +92,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (type(self.max_model_len) is not int or self.max_model_len < 2):
-            raise ConfigError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+        max_model_len = self.max_model_len
+        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < MIN_MODEL_LEN):
+            raise ConfigError(f"max_model_len must be an integer >= {MIN_MODEL_LEN} or None, got {self.max_model_len!r}")
         if not isinstance(self.chunk_detail, ChunkDetail):
             raise ConfigError(f"chunk_detail must be a ChunkDetail, got {self.chunk_detail!r}")
 

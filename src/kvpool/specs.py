@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar, Self
 
+from kvpool.checks import check_int
 from kvpool.errors import ConfigError
 
 __all__ = [
@@ -166,8 +167,7 @@ class LayerKind(Enum):
 
 def _check_positive(owner: str, **values: object) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{owner}.{name} must be a positive integer, got {value!r}")
+        check_int(f"{owner}.{name}", value)
 
 
 def _check_dtype(owner: str, dtype: object) -> None:

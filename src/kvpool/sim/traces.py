@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from kvpool.errors import KVPoolError
+from kvpool.hashing import TOKEN_LIMIT, TOKEN_TYPECODE
+from kvpool.specs import cdiv
 
 __all__ = [
     "MAX_REQUEST_TOKENS",
@@ -55,11 +57,9 @@ __all__ = [
 #: Tokens per Mooncake hash block.
 MOONCAKE_BLOCK_TOKENS = 512
 #: Largest hash ID whose expansion ``h * 512 + j`` still fits in uint32.
-MAX_HASH_ID = 2**32 // MOONCAKE_BLOCK_TOKENS - 1
+MAX_HASH_ID = TOKEN_LIMIT // MOONCAKE_BLOCK_TOKENS - 1
 #: Most tokens one request may hold, prompt and output together (beyond any model's context).
 MAX_REQUEST_TOKENS = 2**24
-_TOKEN_LIMIT = 2**32
-_TYPECODE = "I" if array("I").itemsize == 4 else "L"
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
@@ -100,7 +100,7 @@ def _derived_tokens(tag: str, parts: tuple[str, ...], count: int) -> array:
         raw = part.encode("utf-8")
         xof.update(len(raw).to_bytes(8, "little"))
         xof.update(raw)
-    out = array(_TYPECODE)
+    out = array(TOKEN_TYPECODE)
     out.frombytes(xof.digest(4 * count))
     if _BIG_ENDIAN:
         out.byteswap()
@@ -131,10 +131,10 @@ def _to_token_bytes(token_ids: Iterable[int], name: str) -> bytes:
     try:
         if any(type(t) is bool for t in values):
             raise TypeError
-        packed = array(_TYPECODE, values)
+        packed = array(TOKEN_TYPECODE, values)
     except (TypeError, OverflowError, ValueError):
         for i, t in enumerate(values):
-            if type(t) is not int or not 0 <= t < _TOKEN_LIMIT:
+            if type(t) is not int or not 0 <= t < TOKEN_LIMIT:
                 raise TraceError(f"must hold integers in [0, 2**32), got {t!r} at index {i}", field=name) from None
         raise
     if _BIG_ENDIAN:
@@ -210,7 +210,7 @@ class TokenSegment:
         return len(self.data) // 4
 
     def token_ids(self) -> array:
-        out = array(_TYPECODE)
+        out = array(TOKEN_TYPECODE)
         out.frombytes(self.data)
         if _BIG_ENDIAN:
             out.byteswap()
@@ -239,7 +239,7 @@ class HashBlockSegment:
 
     def token_ids(self) -> array:
         """The tokens; O(length)."""
-        out = array(_TYPECODE)
+        out = array(TOKEN_TYPECODE)
         for i, h in enumerate(self.hash_ids):
             base = h * MOONCAKE_BLOCK_TOKENS
             out.extend(range(base, base + min(MOONCAKE_BLOCK_TOKENS, self.length - i * MOONCAKE_BLOCK_TOKENS)))
@@ -252,7 +252,7 @@ def _bad_hash_ids(hash_ids: object, length: int) -> str | None:
     for i, h in enumerate(hash_ids):
         if type(h) is not int or not 0 <= h <= MAX_HASH_ID:
             return f"must hold integers in [0, {MAX_HASH_ID}] (so h*512+511 < 2**32), got {h!r} at index {i}"
-    need = -(-length // MOONCAKE_BLOCK_TOKENS)
+    need = cdiv(length, MOONCAKE_BLOCK_TOKENS)
     if len(hash_ids) != need:
         return f"has {len(hash_ids)} ids but a length of {length} tokens needs ceil({length}/512) = {need}"
     return None
@@ -368,7 +368,7 @@ class TraceRequest:
 
     def prompt_token_ids(self) -> array:
         """The prompt as a fresh ``array('I')`` of ``prompt_length`` tokens; O(prompt_length)."""
-        out = array(_TYPECODE)
+        out = array(TOKEN_TYPECODE)
         for seg in self.segments:
             out.extend(seg.token_ids())
         return out
