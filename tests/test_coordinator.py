@@ -7,7 +7,8 @@ from tests.group_helpers import cached_ids, chunked, cross, full, mamba, sliding
 from tests.helpers import admit, snapshot
 
 from kvpool import ConfigError, KVCacheManager, Request
-from kvpool.model_config import layer_specs_from_config, load_model_config
+from kvpool.model_config import load_model_config
+from kvpool.model_layers import layer_specs_from_config
 from kvpool.specs import LayerKind, group_layers
 
 

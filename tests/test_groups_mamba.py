@@ -8,7 +8,8 @@ from tests.helpers import admit, snapshot
 
 from kvpool import CapacityError, InvariantViolation, KVCacheManager, Request
 from kvpool.groups import MambaManager
-from kvpool.model_config import layer_specs_from_config, load_model_config
+from kvpool.model_config import load_model_config
+from kvpool.model_layers import layer_specs_from_config
 from kvpool.specs import LayerKind, group_layers
 
 

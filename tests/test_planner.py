@@ -10,17 +10,15 @@ import pytest
 
 from kvpool.errors import ConfigError
 from kvpool.model_config import (
-    cache_layer_indices,
     head_dim,
-    layer_kinds,
-    layer_specs_from_config,
     load_model_config,
     model_dtype,
     num_kv_heads,
     shipped_config_names,
-    state_size,
     text_config_view,
 )
+from kvpool.model_layers import cache_layer_indices, layer_kinds, layer_specs_from_config
+from kvpool.recurrent_state import state_size
 from kvpool.planner import (
     GB,
     GiB,

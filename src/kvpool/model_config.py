@@ -1,37 +1,20 @@
-"""Read a Hugging Face ``config.json`` (plain JSON, no transformers) into per-layer KV cache specs.
+"""Read a Hugging Face ``config.json`` (plain JSON, no transformers): loading, field rules, dtype and head geometry.
+
+:func:`load_model_config` reads a shipped name, a file or a folder;
+:func:`text_config_view` flattens a config once into a :class:`TextConfig`,
+the language model's fields with every field checked against its rule. Every
+reader in kvpool (this module, :mod:`kvpool.model_layers`,
+:mod:`kvpool.recurrent_state`, the estimates and the planner) takes that view
+as it is, so a config is flattened and checked once per entry point; a raw
+config handed to a reader is flattened on the way in.
 
 What is read, and how
 ---------------------
-* Layers: ``num_hidden_layers`` (or the length of a per-layer type list).
 * KV heads: ``num_key_value_heads``. Only when that field is absent (or null)
   is ``num_attention_heads`` used: Hugging Face defines a missing
   ``num_key_value_heads`` as plain multi-head attention.
 * Head size: ``head_dim``, else ``hidden_size / num_attention_heads`` (which
   must divide evenly).
-* Which layers are what (first rule that applies):
-
-  1. ``layer_types`` (or ``layers_block_type``): ``full_attention`` /
-     ``attention``, ``sliding_attention``, ``chunked_attention``,
-     ``linear_attention`` / ``mamba`` (a fixed recurrent state), and ``mlp`` /
-     ``moe`` for layers with no cache (Nemotron-H style).
-  2. ``hybrid_override_pattern`` (Nemotron-H): ``M`` Mamba-2, ``*`` attention,
-     ``-`` MLP and ``E`` mixture-of-experts (no cache).
-  3. ``attn_layer_period`` / ``attn_layer_offset`` (Jamba): layer ``i`` is
-     attention when ``i % period == offset``, Mamba otherwise.
-  4. ``full_attention_interval`` (Qwen3-Next): layer ``i`` is full attention
-     when ``(i + 1) % interval == 0``, gated delta net otherwise.
-  5. ``model_type`` ``mamba`` / ``mamba2`` / ``falcon_mamba``: every layer is Mamba.
-  6. ``attention_chunk_size`` (Llama 4): ``no_rope_layers[i] == 1`` marks a
-     chunked-local layer, ``0`` a global one; an empty list means every
-     ``no_rope_layer_interval``-th layer (default 4) is global.
-  7. Sliding windows: ``use_sliding_window: false`` (Qwen) or a null
-     ``sliding_window`` means all full attention; with ``max_window_layers``
-     (Qwen) layers from that index on slide; Gemma 2 alternates (even layers
-     slide); ``sliding_window_pattern`` ``p`` (Gemma 3, default 6) makes every
-     ``p``-th layer global; otherwise every layer slides (Mistral).
-
-* MLA: a non-null ``kv_lora_rank`` turns attention layers into MLA layers with
-  ``kv_lora_rank`` and ``qk_rope_head_dim``.
 * Multimodal wrappers: the fields of ``text_config`` are read, on top of the
   outer ``torch_dtype`` / ``dtype`` / ``quantization_config``.
 * Hugging Face leaves out fields equal to its config classes' defaults; for the
@@ -45,26 +28,9 @@ What is read, and how
   counts as absent. Anything else raises :class:`ConfigError` naming the field
   and the value.
 
-Recurrent state sizes (elements per layer per request)
-------------------------------------------------------
-* Mamba-1 (Jamba; ``d_inner = mamba_expand * hidden_size``):
-  conv ``d_inner * (d_conv - 1)``, SSM ``d_inner * d_state``.
-* Mamba-2 (Nemotron-H, Granite 4.0-H; ``H`` heads of ``P`` dims, ``G`` groups,
-  state ``N``, ``d_inner = H * P``): conv ``(d_inner + 2 * G * N) * (d_conv - 1)``,
-  SSM ``H * P * N``.
-* Gated delta net (Qwen3-Next; ``Hk`` key heads of ``Dk``, ``Hv`` value heads
-  of ``Dv``, kernel ``K``): conv ``(2 * Hk * Dk + Hv * Dv) * (K - 1)``,
-  recurrent state ``Hv * Dv * Dk``.
-
-The conv state is stored in the model dtype; the SSM/recurrent state in
-``mamba_ssm_cache_dtype`` when the config sets it (Nemotron-H's default is
-float32), else in the model dtype. A KV cache dtype such as fp8 does not apply
-to states. With tensor parallelism the state is split across ranks when its
-heads divide evenly (Mamba-2 groups are split, or one group kept per rank when
-there are fewer groups than ranks); otherwise each rank holds the whole state.
-
 The model dtype is ``torch_dtype`` (or ``dtype``), except that a float32
-checkpoint is served in bf16, as serving engines do by default.
+checkpoint is served in bf16, as serving engines do by default
+(:func:`serving_dtype` is that rule, :func:`model_dtype` applies it to a config).
 """
 
 from __future__ import annotations
@@ -72,48 +38,33 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.specs import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVDtype,
-    LayerKind,
-    LayerSpec,
-    MambaSpec,
-    MLASpec,
-    SlidingWindowSpec,
-)
+from kvpool.specs import KVDtype
 
 __all__ = [
     "MAX_FIELD_VALUE",
     "MAX_LAYERS",
     "MODEL_TYPE_DEFAULTS",
     "SHIPPED_CONFIG_DIR",
-    "DecoderLayer",
-    "MlpKind",
-    "StateDims",
-    "StateFamily",
-    "StateSize",
-    "cache_layer_indices",
+    "TextConfig",
     "checkpoint_dtype",
-    "decoder_layers",
+    "dtype_field",
+    "first_int_field",
     "head_dim",
+    "int_field",
     "kv_heads_per_rank",
-    "layer_kinds",
-    "layer_specs_from_config",
     "load_model_config",
     "max_position_embeddings",
+    "missing_field",
     "model_dtype",
     "num_kv_heads",
+    "serving_dtype",
     "shipped_config_names",
-    "state_dims",
-    "state_size",
     "text_config_view",
 ]
 
@@ -283,14 +234,23 @@ def load_model_config(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
     return config
 
 
-def text_config_view(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's fields as one flat dict (a new dict; the input is not changed).
+class TextConfig(dict):
+    """A config flattened and checked by :func:`text_config_view`; readers take it as it is."""
+
+    __slots__ = ()
+
+
+def text_config_view(config: dict[str, Any]) -> TextConfig:
+    """The language model's fields as one flat, checked dict (a new one; the input is not changed).
 
     For multimodal wrappers the ``text_config`` fields win over the outer dtype,
     quantization and tying fields; known model-type defaults fill the gaps.
     Every field with a rule is checked here (see the module docstring), so the
-    readers trust the view. O(fields) time.
+    readers trust the view. O(fields) time; a :class:`TextConfig` comes back
+    as it is, in O(1), so a reader handed a view does not flatten it again.
     """
+    if isinstance(config, TextConfig):
+        return config
     if not isinstance(config, dict):
         raise ConfigError(f"model config must be a dict, got {type(config).__name__}")
     inner = config.get("text_config")
@@ -303,19 +263,20 @@ def text_config_view(config: dict[str, Any]) -> dict[str, Any]:
     for key, value in MODEL_TYPE_DEFAULTS.get(str(merged.get("model_type")), {}).items():
         if merged.get(key) is None:
             merged[key] = value
-    return _checked_fields(merged, _FIELD_RULES)
+    return TextConfig(_checked_fields(merged, _FIELD_RULES))
 
 
-def _missing(field: str) -> ConfigError:
+def missing_field(field: str) -> ConfigError:
+    """The error for a required field that a config lacks."""
     return ConfigError(f"config.json field {field!r} is missing")
 
 
-def _pos_int(cfg: dict[str, Any], field: str, default: int | None = None) -> int:
+def int_field(cfg: dict[str, Any], field: str, default: int | None = None) -> int:
     """A required (or defaulted) positive integer field of a :func:`text_config_view`."""
     value = cfg.get(field)
     if value is None:
         if default is None:
-            raise _missing(field)
+            raise missing_field(field)
         return default
     value = _checked(field, value, _FIELD_RULES.get(field, _Rule.COUNT))
     if value == "auto":
@@ -323,15 +284,19 @@ def _pos_int(cfg: dict[str, Any], field: str, default: int | None = None) -> int
     return value
 
 
-def _first_int(cfg: dict[str, Any], *fields: str) -> int:
+def first_int_field(cfg: dict[str, Any], *fields: str) -> int:
+    """The first of ``fields`` present in a :func:`text_config_view`, as by :func:`int_field`."""
     for field in fields:
         if cfg.get(field) is not None:
-            return _pos_int(cfg, field)
+            return int_field(cfg, field)
+    if len(fields) == 1:
+        raise missing_field(fields[0])
     others = ", ".join(map(repr, fields[1:]))
     raise ConfigError(f"config.json field {fields[0]!r} is missing (also looked for {others})")
 
 
-def _dtype_field(cfg: dict[str, Any], field: str) -> KVDtype:
+def dtype_field(cfg: dict[str, Any], field: str) -> KVDtype:
+    """A dtype field of a :func:`text_config_view` (``"bfloat16"``, ...)."""
     value = cfg[field]
     try:
         return KVDtype.parse(str(value))
@@ -344,173 +309,24 @@ def checkpoint_dtype(config: dict[str, Any]) -> KVDtype:
     cfg = text_config_view(config)
     for field in ("torch_dtype", "dtype"):
         if cfg.get(field) is not None:
-            return _dtype_field(cfg, field)
+            return dtype_field(cfg, field)
     raise ConfigError("config.json field 'torch_dtype' is missing (nor is there a 'dtype' field)")
 
 
+def serving_dtype(checkpoint: KVDtype) -> KVDtype:
+    """The dtype a model stored in ``checkpoint`` is served in: float32 checkpoints are served in bf16."""
+    return KVDtype.BF16 if checkpoint is KVDtype.FP32 else checkpoint
+
+
 def model_dtype(config: dict[str, Any]) -> KVDtype:
-    """The dtype the model is served in: the checkpoint dtype, with float32 served as bf16."""
-    dtype = checkpoint_dtype(config)
-    return KVDtype.BF16 if dtype is KVDtype.FP32 else dtype
+    """The dtype the model is served in: :func:`serving_dtype` of the checkpoint dtype."""
+    return serving_dtype(checkpoint_dtype(config))
 
 
 def max_position_embeddings(config: dict[str, Any]) -> int:
     """The longest context the model was configured for (``max_position_embeddings``)."""
-    return _pos_int(text_config_view(config), "max_position_embeddings")
+    return int_field(text_config_view(config), "max_position_embeddings")
 
-
-class MlpKind(Enum):
-    """The feed-forward part of a decoder layer (for parameter estimates)."""
-
-    NONE = "none"
-    DENSE = "dense"
-    MOE = "moe"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DecoderLayer:
-    """One decoder layer: what it caches (None: nothing) and its feed-forward part."""
-
-    kind: LayerKind | None
-    mlp: MlpKind
-
-
-_TYPE_NAMES: dict[str, LayerKind | None] = {
-    "full_attention": LayerKind.FULL_ATTENTION,
-    "attention": LayerKind.FULL_ATTENTION,
-    "sliding_attention": LayerKind.SLIDING_WINDOW,
-    "chunked_attention": LayerKind.CHUNKED_LOCAL,
-    "linear_attention": LayerKind.MAMBA,
-    "mamba": LayerKind.MAMBA,
-    "mlp": None,
-    "moe": None,
-}
-_PATTERN_CHARS: dict[str, tuple[LayerKind | None, MlpKind]] = {
-    "M": (LayerKind.MAMBA, MlpKind.NONE),
-    "*": (LayerKind.FULL_ATTENTION, MlpKind.NONE),
-    "-": (None, MlpKind.DENSE),
-    "E": (None, MlpKind.MOE),
-}
-
-
-def _num_experts(cfg: dict[str, Any]) -> int:
-    for field in ("n_routed_experts", "num_local_experts", "num_experts"):
-        value = cfg.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
-
-
-def _is_moe_layer(cfg: dict[str, Any], i: int) -> bool:
-    if not _num_experts(cfg) or i in (cfg.get("mlp_only_layers") or ()):
-        return False
-    if i < (cfg.get("first_k_dense_replace") or 0):
-        return False
-    if cfg.get("expert_layer_period"):
-        return i % _pos_int(cfg, "expert_layer_period") == (cfg.get("expert_layer_offset") or 0)
-    if cfg.get("moe_layer_freq"):
-        return i % _pos_int(cfg, "moe_layer_freq") == 0
-    if cfg.get("decoder_sparse_step"):
-        return (i + 1) % _pos_int(cfg, "decoder_sparse_step") == 0
-    return True
-
-
-def _attention_kinds(cfg: dict[str, Any], n: int) -> list[LayerKind]:
-    full, sliding = LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW
-    if cfg.get("attention_chunk_size") is not None:
-        flags = cfg.get("no_rope_layers") or []
-        if not flags:
-            interval = _pos_int(cfg, "no_rope_layer_interval", 4)
-            flags = [int((i + 1) % interval != 0) for i in range(n)]
-        if len(flags) != n:
-            raise ConfigError(f"config.json field 'no_rope_layers' has {len(flags)} entries, expected {n}")
-        return [LayerKind.CHUNKED_LOCAL if flag else full for flag in flags]
-    if cfg.get("use_sliding_window") is False or cfg.get("sliding_window") is None:
-        return [full] * n
-    if cfg.get("max_window_layers") is not None and "use_sliding_window" in cfg:
-        start = cfg["max_window_layers"]
-        return [sliding if i >= start else full for i in range(n)]
-    if cfg.get("model_type") == "gemma2":
-        return [sliding if i % 2 == 0 else full for i in range(n)]
-    if cfg.get("sliding_window_pattern") is not None:
-        pattern = _pos_int(cfg, "sliding_window_pattern")
-        return [sliding if (i + 1) % pattern else full for i in range(n)]
-    return [sliding] * n
-
-
-def _read_layers(cfg: dict[str, Any]) -> list[DecoderLayer]:
-    types = cfg.get("layer_types") or cfg.get("layers_block_type")
-    pattern = cfg.get("hybrid_override_pattern")
-    model_type = cfg.get("model_type")
-    kinds: list[LayerKind | None]
-    separate_mlp = False
-    if types is not None:
-        kinds = []
-        for i, name in enumerate(types):
-            if name not in _TYPE_NAMES:
-                raise ConfigError(f"config.json field 'layer_types' has unsupported entry {name!r} at layer {i}")
-            kinds.append(_TYPE_NAMES[name])
-        separate_mlp = any(name in ("mlp", "moe") for name in types)
-        mlps = [(MlpKind.MOE if name == "moe" else MlpKind.DENSE if name == "mlp" else MlpKind.NONE) for name in types]
-    elif pattern is not None:
-        if any(ch not in _PATTERN_CHARS for ch in pattern):
-            raise ConfigError(
-                f"config.json field 'hybrid_override_pattern' must use only M, *, - and E, got {pattern!r}"
-            )
-        kinds = [_PATTERN_CHARS[ch][0] for ch in pattern]
-        mlps = [_PATTERN_CHARS[ch][1] for ch in pattern]
-        separate_mlp = True
-    else:
-        n = _pos_int(cfg, "num_hidden_layers")
-        if cfg.get("attn_layer_period") is not None:
-            period = _pos_int(cfg, "attn_layer_period")
-            offset = cfg.get("attn_layer_offset") or 0
-            if offset >= period:
-                raise ConfigError(f"config.json field 'attn_layer_offset' must be in [0, {period}), got {offset!r}")
-            kinds = [LayerKind.FULL_ATTENTION if i % period == offset else LayerKind.MAMBA for i in range(n)]
-        elif cfg.get("full_attention_interval") is not None:
-            interval = _pos_int(cfg, "full_attention_interval")
-            kinds = [LayerKind.MAMBA if (i + 1) % interval else LayerKind.FULL_ATTENTION for i in range(n)]
-        elif model_type in ("mamba", "mamba2", "falcon_mamba"):
-            kinds = [LayerKind.MAMBA] * n
-        else:
-            kinds = list(_attention_kinds(cfg, n))
-        mlps = [MlpKind.NONE] * n
-    if cfg.get("num_hidden_layers") is not None and _pos_int(cfg, "num_hidden_layers") != len(kinds):
-        raise ConfigError(
-            f"config.json field 'num_hidden_layers' is {cfg['num_hidden_layers']} but the per-layer "
-            f"types list {len(kinds)} layers"
-        )
-    if not kinds:
-        raise _missing("num_hidden_layers")
-    if not separate_mlp:
-        no_mlp = model_type in ("mamba", "mamba2", "falcon_mamba")
-        mlps = [
-            MlpKind.NONE if no_mlp else MlpKind.MOE if _is_moe_layer(cfg, i) else MlpKind.DENSE
-            for i in range(len(kinds))
-        ]
-    if cfg.get("kv_lora_rank") is not None:
-        for i, kind in enumerate(kinds):
-            if kind is LayerKind.FULL_ATTENTION:
-                kinds[i] = LayerKind.MLA
-            elif kind in (LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL):
-                raise ConfigError(f"layer {i}: MLA (kv_lora_rank) with {kind.value} attention is not supported")
-    return [DecoderLayer(kind=k, mlp=m) for k, m in zip(kinds, mlps, strict=True)]
-
-
-def decoder_layers(config: dict[str, Any]) -> tuple[DecoderLayer, ...]:
-    """Every decoder layer in model order (rules in the module docstring)."""
-    return tuple(_read_layers(text_config_view(config)))
-
-
-def layer_kinds(config: dict[str, Any]) -> tuple[LayerKind | None, ...]:
-    """What each decoder layer caches, in model order; None for a layer that keeps no cache."""
-    return tuple(layer.kind for layer in decoder_layers(config))
-
-
-def cache_layer_indices(config: dict[str, Any]) -> tuple[int, ...]:
-    """Decoder-layer index of each entry of :func:`layer_specs_from_config`'s list."""
-    return tuple(i for i, kind in enumerate(layer_kinds(config)) if kind is not None)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
@@ -534,9 +350,9 @@ def head_dim(config: dict[str, Any]) -> int:
     """Attention head size: ``head_dim``, else ``hidden_size / num_attention_heads``."""
     cfg = text_config_view(config)
     if cfg.get("head_dim") is not None:
-        return _pos_int(cfg, "head_dim")
-    hidden = _pos_int(cfg, "hidden_size")
-    heads = _pos_int(cfg, "num_attention_heads")
+        return int_field(cfg, "head_dim")
+    hidden = int_field(cfg, "hidden_size")
+    heads = int_field(cfg, "num_attention_heads")
     if hidden % heads:
         raise ConfigError(
             f"config.json field 'head_dim' is missing and hidden_size {hidden} is not a multiple "
@@ -549,201 +365,8 @@ def num_kv_heads(config: dict[str, Any]) -> int:
     """``num_key_value_heads``; when absent, ``num_attention_heads`` (Hugging Face's multi-head default)."""
     cfg = text_config_view(config)
     if cfg.get("num_key_value_heads") is not None:
-        return _pos_int(cfg, "num_key_value_heads")
+        return int_field(cfg, "num_key_value_heads")
     if cfg.get("num_attention_heads") is None:
         raise ConfigError("config.json field 'num_key_value_heads' is missing (and so is 'num_attention_heads')")
-    return _pos_int(cfg, "num_attention_heads")  # absent num_key_value_heads means multi-head attention
+    return int_field(cfg, "num_attention_heads")  # absent num_key_value_heads means multi-head attention
 
-
-class StateFamily(Enum):
-    """Which recurrent mixer a Mamba-style layer is."""
-
-    MAMBA1 = "mamba1"
-    MAMBA2 = "mamba2"
-    GATED_DELTA_NET = "gated_delta_net"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StateSize:
-    """One recurrent layer's per-request state on one tensor-parallel rank."""
-
-    family: StateFamily
-    conv_elements: int
-    conv_dtype: KVDtype
-    ssm_elements: int
-    ssm_dtype: KVDtype
-    sharded: bool  # True when split across tensor-parallel ranks
-
-    @property
-    def total_bytes(self) -> int:
-        return self.conv_elements * self.conv_dtype.itemsize + self.ssm_elements * self.ssm_dtype.itemsize
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StateDims:
-    """Whole-model (unsharded) sizes of a recurrent mixer."""
-
-    family: StateFamily
-    heads: int  # Mamba-2 heads, or value heads of a gated delta net; d_inner for Mamba-1
-    head_dim: int  # Mamba-2 head dim, value head dim (gated delta net); 1 for Mamba-1
-    d_state: int  # SSM state size, or key head dim (gated delta net)
-    groups: int  # Mamba-2 groups, or key heads (gated delta net); 0 for Mamba-1
-    d_conv: int
-
-    @property
-    def d_inner(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the causal convolution."""
-        if self.family is StateFamily.MAMBA1:
-            return self.d_inner
-        if self.family is StateFamily.MAMBA2:
-            return self.d_inner + 2 * self.groups * self.d_state
-        return 2 * self.groups * self.d_state + self.d_inner
-
-
-def state_dims(config: dict[str, Any]) -> StateDims:
-    """Whole-model sizes of the recurrent mixer (raises :class:`ConfigError` when the fields are missing)."""
-    cfg = text_config_view(config)
-    model_type = cfg.get("model_type")
-    if cfg.get("linear_num_value_heads") is not None:
-        return StateDims(
-            family=StateFamily.GATED_DELTA_NET,
-            heads=_pos_int(cfg, "linear_num_value_heads"),
-            head_dim=_pos_int(cfg, "linear_value_head_dim"),
-            d_state=_pos_int(cfg, "linear_key_head_dim"),
-            groups=_pos_int(cfg, "linear_num_key_heads"),
-            d_conv=_pos_int(cfg, "linear_conv_kernel_dim"),
-        )
-    heads_fields = ("mamba_num_heads", "mamba_n_heads") + (("num_heads",) if model_type == "mamba2" else ())
-    if any(cfg.get(f) is not None for f in heads_fields):
-        heads = _first_int(cfg, *heads_fields)
-        head_fields = [f for f in ("mamba_head_dim", "mamba_d_head") if cfg.get(f) not in (None, "auto")]
-        if model_type == "mamba2" and cfg.get("head_dim") is not None:
-            head_fields.append("head_dim")
-        if head_fields:
-            head_dim = _pos_int(cfg, head_fields[0])
-        else:  # "auto": the inner size split evenly over the heads
-            d_inner = _first_int(cfg, "mamba_expand", "expand") * _pos_int(cfg, "hidden_size")
-            if d_inner % heads:
-                raise ConfigError(f"Mamba inner size {d_inner} is not a multiple of mamba heads {heads}")
-            head_dim = d_inner // heads
-        return StateDims(
-            family=StateFamily.MAMBA2,
-            heads=heads,
-            head_dim=head_dim,
-            d_state=_first_int(cfg, "ssm_state_size", "mamba_d_state", "state_size"),
-            groups=_first_int(cfg, "n_groups", "mamba_n_groups"),
-            d_conv=_first_int(cfg, "conv_kernel", "mamba_d_conv"),
-        )
-    if any(cfg.get(f) is not None for f in ("mamba_d_state", "state_size")):
-        if model_type in ("mamba", "falcon_mamba"):
-            d_inner = _pos_int(cfg, "intermediate_size")
-        else:
-            d_inner = _first_int(cfg, "mamba_expand", "expand") * _pos_int(cfg, "hidden_size")
-        return StateDims(
-            family=StateFamily.MAMBA1,
-            heads=d_inner,
-            head_dim=1,
-            d_state=_first_int(cfg, "mamba_d_state", "state_size"),
-            groups=0,
-            d_conv=_first_int(cfg, "mamba_d_conv", "conv_kernel"),
-        )
-    raise ConfigError(
-        "config.json has recurrent (Mamba / linear attention) layers but none of the fields that size "
-        "their state: 'mamba_d_state', 'ssm_state_size', 'mamba_n_heads' or 'linear_num_value_heads'"
-    )
-
-
-def state_size(config: dict[str, Any], *, tp_size: int = 1) -> StateSize:
-    """The recurrent state of one Mamba-style layer (formulas in the module docstring)."""
-    cfg = text_config_view(config)
-    tp_size = _check_int_arg("tp_size", tp_size)
-    dims = state_dims(cfg)
-    conv_dtype = model_dtype(cfg)
-    ssm_dtype = conv_dtype
-    if cfg.get("mamba_ssm_cache_dtype") not in (None, "auto"):
-        ssm_dtype = _dtype_field(cfg, "mamba_ssm_cache_dtype")
-    if dims.family is StateFamily.MAMBA1:
-        split, groups = dims.d_inner % tp_size == 0, 0
-    elif dims.family is StateFamily.GATED_DELTA_NET:
-        split = dims.heads % tp_size == 0 and dims.groups % tp_size == 0
-        groups = dims.groups // tp_size if split else dims.groups
-    else:  # Mamba-2 keeps one whole group per rank when there are fewer groups than ranks
-        split = dims.heads % tp_size == 0 and (dims.groups % tp_size == 0 or tp_size % dims.groups == 0)
-        groups = max(dims.groups // tp_size, 1) if split else dims.groups
-    inner = dims.heads // (tp_size if split else 1) * dims.head_dim
-    return StateSize(
-        family=dims.family,
-        conv_elements=(inner + 2 * groups * dims.d_state) * (dims.d_conv - 1),
-        conv_dtype=conv_dtype,
-        ssm_elements=inner * dims.d_state,
-        ssm_dtype=ssm_dtype,
-        sharded=split and tp_size > 1,
-    )
-
-
-def _check_int_arg(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def layer_specs_from_config(
-    config: dict[str, Any],
-    *,
-    block_size: int = 16,
-    kv_dtype: KVDtype | str | None = None,
-    tp_size: int = 1,
-) -> list[LayerSpec]:
-    """One spec per cache-holding layer, in model order, sized for one tensor-parallel rank.
-
-    ``kv_dtype`` None or ``"auto"`` means the model dtype; a string is parsed
-    with :meth:`KVDtype.parse`. Layers that keep no cache (Nemotron-H's MLP
-    layers) are skipped; :func:`cache_layer_indices` maps list positions back
-    to decoder layers. Block sizes are as requested: sharing one pool may raise
-    them (see :func:`kvpool.specs.group_layers`). Raises :class:`ConfigError`
-    naming the field for a missing or invalid config field, or naming both
-    numbers when ``tp_size`` does not fit the KV heads.
-    """
-    block_size = _check_int_arg("block_size", block_size)
-    tp_size = _check_int_arg("tp_size", tp_size)
-    cfg = text_config_view(config)
-    layers = _read_layers(cfg)
-    if isinstance(kv_dtype, KVDtype):
-        dtype = kv_dtype
-    else:
-        dtype = KVDtype.parse("auto" if kv_dtype is None else kv_dtype, auto=model_dtype(cfg), field="kv_dtype")
-    kinds = {layer.kind for layer in layers}
-    specs: list[LayerSpec] = []
-    if not kinds - {None}:
-        raise ConfigError("the model config describes no layer that keeps a KV cache or state")
-    heads = (
-        {"block_size": block_size, "dtype": dtype, "head_dim": head_dim(cfg),
-         "num_kv_heads": kv_heads_per_rank(num_kv_heads(cfg), tp_size)}
-        if kinds & {LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL}
-        else {}
-    )  # fmt: skip
-    for layer in layers:
-        if layer.kind is None:
-            continue
-        if layer.kind is LayerKind.FULL_ATTENTION:
-            specs.append(FullAttentionSpec(**heads))
-        elif layer.kind is LayerKind.SLIDING_WINDOW:
-            specs.append(SlidingWindowSpec(**heads, sliding_window=_pos_int(cfg, "sliding_window")))
-        elif layer.kind is LayerKind.CHUNKED_LOCAL:
-            specs.append(ChunkedLocalAttentionSpec(**heads, attention_chunk_size=_pos_int(cfg, "attention_chunk_size")))
-        elif layer.kind is LayerKind.MLA:
-            specs.append(
-                MLASpec(
-                    block_size=block_size,
-                    kv_lora_rank=_pos_int(cfg, "kv_lora_rank"),
-                    qk_rope_head_dim=_pos_int(cfg, "qk_rope_head_dim"),
-                    dtype=dtype,
-                )
-            )
-        else:  # LayerKind.MAMBA
-            specs.append(MambaSpec(state_bytes=state_size(cfg, tp_size=tp_size).total_bytes, block_size=block_size))
-    return specs

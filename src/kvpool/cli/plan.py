@@ -9,7 +9,8 @@ import click
 
 from kvpool.cli.params import fail
 from kvpool.errors import KVPoolError
-from kvpool.model_config import layer_kinds, load_model_config, shipped_config_names, text_config_view
+from kvpool.model_config import load_model_config, shipped_config_names, text_config_view
+from kvpool.model_layers import layer_kinds
 from kvpool.planner import GB, GiB, KVPlan, MemoryTerm, parse_size, plan_kv_cache
 
 __all__ = ["plan", "render_plan"]

@@ -41,7 +41,8 @@ def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None,
         return kv_blocks + 1  # plus the null block
     if kv_memory is None or model is None:
         raise KVPoolError("give --kv-blocks N, or --kv-memory SIZE with --model CONFIG")
-    from kvpool.model_config import layer_specs_from_config, load_model_config
+    from kvpool.model_config import load_model_config
+    from kvpool.model_layers import layer_specs_from_config
     from kvpool.planner import parse_size
     from kvpool.specs import group_layers, pool_block_bytes
 
