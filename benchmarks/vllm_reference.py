@@ -1,68 +1,107 @@
 """Drive vLLM's own KV cache manager with the same calls as kvpool's.
 
-Used only by the side-by-side benchmark, in an environment where vLLM is
-installed beside kvpool (``pip install --no-deps vllm==0.33.0`` plus the
-modules its ``vllm.v1.core`` package imports). vLLM is never a dependency of
-kvpool.
+Used by the side-by-side benchmark (``bench_manager.py --vs-vllm``), the live
+parity test (``tests/test_vllm_parity.py``) and the fixture recorder
+(``record_vllm_decisions.py``), in an environment where vLLM is installed
+beside kvpool. vLLM is never a dependency of kvpool. A separate virtual
+environment that has it::
+
+    python3 -m venv /work/venv-vllm
+    /work/venv-vllm/bin/pip install torch==2.13.0
+    /work/venv-vllm/bin/pip install --no-deps vllm==0.33.0
+    /work/venv-vllm/bin/pip install --no-deps <the modules vllm.v1.core imports>   # see record_vllm_decisions.py
+    /work/venv-vllm/bin/pip install -e ".[test,fast]"
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+GroupKind = tuple[str, int, int | None]  # ("full", block_size, None) | ("sw", bs, window) | ("cl", bs, chunk)
+
+
+def build_vllm_manager(num_blocks: int, kinds: Sequence[GroupKind], max_model_len: int = 1 << 20, log_stats: bool = False):
+    """vLLM's KVCacheManager for the given layer groups, and a factory of its requests.
+
+    ``kinds`` holds one ``(kind, block_size, parameter)`` per group: ``("full",
+    bs, None)``, ``("sw", bs, window)`` or ``("cl", bs, chunk)``. Hashes are
+    computed at the greatest common divisor of the block sizes, as kvpool's
+    ``KVCacheManager.from_groups`` does. Returns ``(manager, make_request)``
+    where ``make_request(request_id, token_ids, cache_salt=None)``.
+    """
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    groups = []
+    common = {"num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    for i, (kind, block_size, parameter) in enumerate(kinds):
+        if kind == "full":
+            spec = FullAttentionSpec(block_size=block_size, **common)
+        elif kind == "sw":
+            spec = SlidingWindowSpec(block_size=block_size, sliding_window=parameter, **common)
+        elif kind == "cl":
+            spec = ChunkedLocalAttentionSpec(block_size=block_size, attention_chunk_size=parameter, **common)
+        else:
+            raise ValueError(f"unknown group kind {kind!r}")
+        groups.append(KVCacheGroupSpec([f"layer.{i}"], spec))
+    hash_block_size = math.gcd(*(k[1] for k in kinds))
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    manager = KVCacheManager(
+        config,
+        max_model_len=max_model_len,
+        scheduler_block_size=math.lcm(*(k[1] for k in kinds)),
+        hash_block_size=hash_block_size,
+        enable_caching=True,
+        log_stats=log_stats,
+    )
+    hasher = get_request_block_hasher(hash_block_size, hash_fn)
+    sampling = SamplingParams(max_tokens=1 << 20)
+
+    def make_request(request_id: str, token_ids: Sequence[int], cache_salt: str | None = None):
+        return Request(request_id, list(token_ids), sampling, None, cache_salt=cache_salt, block_hasher=hasher)
+
+    return manager, make_request
+
+
+def _free_queue(manager) -> list[int]:
+    return [b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()]
 
 
 class VLLMManager:
-    """vLLM's single-group KVCacheManager behind kvpool's call shapes."""
+    """vLLM's single-group KVCacheManager behind kvpool's call shapes (for the benchmark)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 1 << 20) -> None:
-        import torch
-        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec,
-            KVCacheConfig,
-            KVCacheGroupSpec,
-        )
 
-        hash_fn = get_hash_fn_by_name("sha256")
-        init_none_hash(hash_fn)
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-        config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-        )
-        self._mgr = KVCacheManager(
-            config,
-            max_model_len=max_model_len,
-            scheduler_block_size=block_size,
-            hash_block_size=block_size,
-            enable_caching=True,
-            log_stats=True,
-        )
-        self._hasher = get_request_block_hasher(block_size, hash_fn)
-        self._sampling = SamplingParams(max_tokens=1 << 20)
+        self._mgr, self._make = build_vllm_manager(num_blocks, [("full", block_size, None)], max_model_len, log_stats=True)
+        self._hasher = get_request_block_hasher(block_size, get_hash_fn_by_name("sha256"))
 
     def make_request(self, request_id: str, token_ids: Sequence[int]):
-        from vllm.v1.request import Request
-
-        return Request(
-            request_id,
-            list(token_ids),
-            self._sampling,
-            None,
-            block_hasher=self._hasher,
-        )
+        return self._make(request_id, token_ids)
 
     def make_request_timed(self, request_id: str, token_ids: Sequence[int]):
         """Build the request without hashing, then time hashing its prompt alone."""
         import time
 
+        from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        request = Request(request_id, list(token_ids), self._sampling, None, block_hasher=None)
+        request = Request(request_id, list(token_ids), SamplingParams(max_tokens=1 << 20), None, block_hasher=None)
         request._block_hasher = self._hasher
         start = time.perf_counter_ns()
         request.update_block_hashes()
@@ -83,81 +122,59 @@ class VLLMManager:
         return self._mgr.get_block_ids(request_id)
 
     def free_queue_block_ids(self) -> list[int]:
-        return [b.block_id for b in self._mgr.block_pool.free_block_queue.get_all_free_blocks()]
+        return _free_queue(self._mgr)
 
 
-def build_hybrid_pair(num_blocks: int, kinds: Sequence[tuple[str, int, int | None]]):
-    """kvpool's and vLLM's managers for the same layer groups.
+class VLLMReference:
+    """vLLM's manager as the reference of ``tests/parity_traffic.py``'s traffic driver.
 
-    ``kinds`` holds one ``(kind, block_size, parameter)`` per group: ``("full",
-    bs, None)``, ``("sw", bs, window)`` or ``("cl", bs, chunk)``. Returns
-    ``(kvpool_manager, vllm_manager, vllm_request_factory)``.
+    Implements that module's ``Reference`` calls: requests are vLLM requests,
+    decisions come back as plain lists of block IDs, one list per group.
     """
-    import math
 
-    import torch
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMKVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec as VChunked,
-    )
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec as VFull,
-    )
-    from vllm.v1.kv_cache_interface import (
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-    from vllm.v1.kv_cache_interface import (
-        SlidingWindowSpec as VSliding,
-    )
-    from vllm.v1.request import Request as VLLMRequest
+    def __init__(self, num_blocks: int, kinds: Sequence[GroupKind], max_model_len: int = 1 << 20) -> None:
+        import logging
 
-    from kvpool import KVCacheManager
-    from kvpool.specs import (
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        KVCacheGroup,
-        KVDtype,
-        SlidingWindowSpec,
-    )
+        logging.getLogger("vllm").setLevel(logging.ERROR)  # a refused reset_prefix_cache logs a warning
+        self.manager, self._make = build_vllm_manager(num_blocks, kinds, max_model_len)
 
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    theirs, ours = [], []
-    common = {"num_kv_heads": 1, "dtype": torch.float32}
-    for i, (kind, block_size, parameter) in enumerate(kinds):
-        if kind == "full":
-            spec = VFull(block_size=block_size, head_size=1, **common)
-            mine = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32)
-        elif kind == "sw":
-            spec = VSliding(block_size=block_size, head_size=1, sliding_window=parameter, **common)
-            mine = SlidingWindowSpec(
-                block_size=block_size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32, sliding_window=parameter
-            )
-        else:
-            spec = VChunked(block_size=block_size, head_size=1, attention_chunk_size=parameter, **common)
-            mine = ChunkedLocalAttentionSpec(
-                block_size=block_size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32, attention_chunk_size=parameter
-            )
-        theirs.append(KVCacheGroupSpec([f"layer.{i}"], spec))
-        ours.append(KVCacheGroup(spec=mine, layer_ids=(i,)))
-    hash_block_size = math.gcd(*(k[1] for k in kinds))
-    scheduler_block_size = math.lcm(*(k[1] for k in kinds))
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=theirs)
-    vllm_manager = VLLMKVCacheManager(
-        config,
-        max_model_len=1 << 20,
-        scheduler_block_size=scheduler_block_size,
-        hash_block_size=hash_block_size,
-        enable_caching=True,
-    )
-    hasher = get_request_block_hasher(hash_block_size, hash_fn)
-    sampling = SamplingParams(max_tokens=1 << 20)
+    def make_request(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None):
+        return self._make(request_id, token_ids, cache_salt)
 
-    def make_request(request_id: str, token_ids: Sequence[int]):
-        return VLLMRequest(request_id, list(token_ids), sampling, None, block_hasher=hasher)
+    def lookup(self, request):
+        blocks, num_hit, _boundary = self.manager.get_computed_blocks(request)
+        return blocks, num_hit, [list(ids) for ids in blocks.get_block_ids()]
 
-    return KVCacheManager.from_groups(ours, num_blocks), vllm_manager, make_request
+    def allocate(self, request, num_new: int, num_hit: int, hit, lookahead: int):
+        result = self.manager.allocate_slots(request, num_new, num_hit, hit, lookahead)
+        return None if result is None else [list(ids) for ids in result.get_block_ids()]
+
+    def num_tokens(self, request) -> int:
+        return request.num_tokens
+
+    def num_computed(self, request) -> int:
+        return request.num_computed_tokens
+
+    def set_computed(self, request, value: int) -> None:
+        request.num_computed_tokens = value
+
+    def append(self, request, token: int) -> None:
+        request.append_output_token_ids(token)
+
+    def mark_preempted(self, request) -> None:
+        from vllm.v1.request import RequestStatus
+
+        request.status = RequestStatus.PREEMPTED  # as vLLM's scheduler does (no watermark is set here)
+        request.num_preemptions += 1
+
+    def free(self, request) -> None:
+        self.manager.free(request)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def free_queue(self) -> list[int]:
+        return _free_queue(self.manager)
+
+    def block_table(self, request_id: str) -> list[list[int]]:
+        return [list(ids) for ids in self.manager.get_block_ids(request_id)]
