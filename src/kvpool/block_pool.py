@@ -111,11 +111,26 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the free queue, evicting their cached hashes."""
         blocks = self.free_queue.popleft_n(n)
+        cached = [block for block in blocks if block.block_hash is not None]
+        if cached:
+            self._evict_run(cached)
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
             block.ref_cnt = 1
         return blocks
+
+    def _evict_run(self, blocks: list[KVBlock]) -> None:
+        """Evict cached blocks from their indexes, one call per group (in the single-group case, one call)."""
+        events = self.events
+        if events is not None:
+            for block in blocks:
+                events.append(BlockRemoved(block_hashes=(block.block_hash,), group_id=block.group_id))  # type: ignore[arg-type]  # cached: hash set
+        indexes = self.indexes
+        if len(indexes) == 1:
+            indexes[0].remove_run(blocks)
+        else:
+            for block in blocks:
+                indexes[block.group_id].remove_run((block,))
+        self.num_evictions += len(blocks)
 
     def _evict(self, block: KVBlock) -> None:
         self.indexes[block.group_id].remove(block)
@@ -183,23 +198,11 @@ class BlockPool:
         block whose hash is held by other content stays uncached (and so do its
         successors). ``request`` only feeds the KV events.
         """
-        index = self.indexes[group_id]
-        stored: list = []
-        for k in range(start, stop):
-            block = table[k]
-            if block.block_id == NULL_BLOCK_ID:
-                continue
-            if block.block_hash is not None:
-                raise InvariantViolation(f"block {block.block_id} is cached twice")
-            block_hash = hashes[k]
-            parent = table[k - 1] if k else None
-            if not index.insert(block_hash, block, parent, contents[k] if contents is not None else None):
-                break
-            block.block_hash = block_hash
-            block.group_id = group_id
-            stored.append(k)
-        if self.events is not None and stored:
-            self._record_stored(request, hashes, stored, group_id, block_size)
+        end = self.indexes[group_id].insert_run(table, start, stop, hashes, contents, group_id)
+        if self.events is not None:
+            stored = [k for k in range(start, end) if table[k].block_id != NULL_BLOCK_ID]
+            if stored:
+                self._record_stored(request, hashes, stored, group_id, block_size)
 
     def _record_stored(
         self, request: Request, hashes: Sequence[BlockHash], stored: list[int], group_id: int, block_size: int

@@ -78,6 +78,48 @@ class PrefixIndex:
             found[block.block_id] = block  # type: ignore[index]
         return True
 
+    def insert_run(
+        self, table: Sequence[KVBlock], start: int, stop: int, hashes: Sequence[BlockHash], contents: object, group_id: int
+    ) -> int:
+        """Cache ``table[k]`` under ``hashes[k]`` for ``k`` in ``start..stop-1``, null blocks skipped.
+
+        Sets each block's hash and group. Returns where the run ended (always
+        ``stop``: a trusted hash never refuses). O(1) per block, one call per run.
+        """
+        m = self._map
+        setdefault = m.setdefault
+        for k in range(start, stop):
+            block = table[k]
+            if block.block_id == 0:
+                continue
+            if block.block_hash is not None:
+                raise InvariantViolation(f"block {block.block_id} is cached twice")
+            block_hash = hashes[k]
+            found = setdefault(block_hash, block)
+            if found is not block:  # the hash is cached already: keep both, earliest first
+                if found.__class__ is KVBlock:
+                    m[block_hash] = {found.block_id: found, block.block_id: block}  # type: ignore[union-attr]
+                else:
+                    found[block.block_id] = block  # type: ignore[index]
+            block.block_hash = block_hash
+            block.group_id = group_id
+        return stop
+
+    def remove_run(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop every block of ``blocks`` from the index and clear its hash. O(1) per block."""
+        m = self._map
+        pop = m.pop
+        for block in blocks:
+            block_hash = block.block_hash
+            found = pop(block_hash, None)  # type: ignore[arg-type]
+            if found is not block:
+                if found is None or found.__class__ is KVBlock or block.block_id not in found:  # type: ignore[operator]
+                    raise InvariantViolation(f"block {block.block_id} carries a hash the index does not map to it")
+                del found[block.block_id]  # type: ignore[union-attr]
+                if found:
+                    m[block_hash] = found  # type: ignore[index]
+            block.block_hash = None
+
     def remove(self, block: KVBlock) -> None:
         """Drop ``block`` from the index (its hash stays on the block for the caller to clear)."""
         block_hash = block.block_hash
@@ -166,6 +208,39 @@ class VerifiedPrefixIndex:
         entry.blocks[block.block_id] = block
         block.entry = entry
         return True
+
+    def insert_run(
+        self,
+        table: Sequence[KVBlock],
+        start: int,
+        stop: int,
+        hashes: Sequence[BlockHash],
+        contents: Sequence[bytes] | None,
+        group_id: int,
+    ) -> int:
+        """Cache ``table[start:stop]`` (null blocks skipped) until a block is refused; returns where it stopped."""
+        if contents is None:
+            raise InvariantViolation("verified insert needs the blocks' contents")
+        insert = self.insert
+        for k in range(start, stop):
+            block = table[k]
+            if block.block_id == 0:
+                continue
+            if block.block_hash is not None:
+                raise InvariantViolation(f"block {block.block_id} is cached twice")
+            block_hash = hashes[k]
+            if not insert(block_hash, block, table[k - 1] if k else None, contents[k]):
+                return k
+            block.block_hash = block_hash
+            block.group_id = group_id
+        return stop
+
+    def remove_run(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop every block of ``blocks`` from the index and clear its hash."""
+        remove = self.remove
+        for block in blocks:
+            remove(block)
+            block.block_hash = None
 
     def remove(self, block: KVBlock) -> None:
         entry = block.entry
