@@ -145,17 +145,19 @@ def bench_hf_padded(model, prompts: list[list[int]], output_tokens: int, repeats
     return Row("transformers generate (padded batch)", seconds, len(prompts) * output_tokens, note), outputs
 
 
-def bench_hf_continuous(model, prompts, output_tokens: int, repeats: int, pad_id: int, llm, max_batch_tokens: int):
+def bench_hf_continuous(
+    model, prompts, output_tokens: int, repeats: int, pad_id: int, *, page_size: int, num_blocks: int,
+    max_requests: int, max_batch_tokens: int,
+):  # fmt: skip
     """``generate_batch`` with the engine's limits: same page size, KV blocks, step tokens and running cap."""
     if not hasattr(model, "generate_batch"):
         return None, []
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(max_new_tokens=output_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
-    options = llm.engine.setup.options
     limits = ContinuousBatchingConfig(
-        page_size=options.block_size, num_blocks=llm.engine.num_blocks, max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=options.max_num_seqs,
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests,
     )  # fmt: skip
     seconds, outputs = [], []
     for _ in range(repeats):
@@ -219,6 +221,195 @@ def bench_forward_floor(model, prompt_tokens: int, cached_len: int, repeats: int
             model(ids[:, cached_len:], cache=past, logits_to_keep=1)
             tail.append(time.perf_counter() - started)
     return statistics.median(whole[1:]), statistics.median(tail[1:])
+
+
+# -- mixed steps: one forward pass of mixed parts against the parts run one by one -----------------
+
+#: (name, parts); a part is (cached tokens before the step, tokens computed in the step).
+MIXES: list[tuple[str, list[tuple[int, int]]]] = [
+    ("1 decode @ 8,192 + 7 decodes @ 128", [(8191, 1)] + [(127, 1)] * 7),
+    ("448-token prefill chunk + 8 decodes @ 4-8k", [(0, 448)] + [(4095 + 512 * i, 1) for i in range(8)]),
+    ("448-token chunk over 4,096 cached + 63 decodes @ 256", [(4096, 448)] + [(255, 1)] * 63),
+    ("1 decode @ 8,192 + 63 decodes @ 128", [(8191, 1)] + [(127, 1)] * 63),
+    ("2 chunks of 240 (fresh, over 2,048) + 32 decodes @ 1-4k",
+     [(0, 240), (2048, 240)] + [(1023 + 96 * i, 1) for i in range(32)]),
+    ("32 decodes @ 512 (uniform)", [(511, 1)] * 32),
+    ("8 decodes @ 4-8k (uniform long)", [(4095 + 512 * i, 1) for i in range(8)]),
+]  # fmt: skip
+
+
+def _mix_chunks(parts, block_size: int, vocab: int, seed: int):
+    """One chunk per part, each over its own blocks (shuffled IDs from 1 on; the KV values do not matter)."""
+    from kvpool.engine.batch import SequenceChunk
+
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(start + n) // block_size) for start, n in parts]
+    ids = (torch.randperm(sum(need), generator=gen) + 1).tolist()
+    chunks = []
+    for i, ((start, n), blocks) in enumerate(zip(parts, need)):
+        table = tuple(ids[:blocks])
+        del ids[:blocks]
+        tokens = tuple((1000 + 7 * i + 13 * t) % vocab for t in range(n))
+        chunks.append(SequenceChunk(f"part-{i}", tokens, start, (table,)))
+    return chunks
+
+
+def bench_mixed_steps(repeats: int) -> list[tuple[str, float, float, list[float]]]:
+    """Per mix: median s of the mixed step, sum of the parts' median s, per-part medians.
+
+    Every repetition times the mixed step and then each part as a step of its own, so
+    the two sides see the same machine state.
+    """
+    from kvpool.engine.model_runner import ModelRunner
+    from kvpool.engine.model_store import load_model, resolve_model
+
+    model, _ = load_model(resolve_model(), require_tokenizer=False)
+    block_size = 16
+    most = max(sum(-(-(s + n) // block_size) for s, n in parts) for _, parts in MIXES)
+    runner = ModelRunner.create(model, num_blocks=most + 1, block_size=block_size)
+    vocab = model.config.vocab_size
+    results = []
+    for index, (name, parts) in enumerate(MIXES):
+        chunks = _mix_chunks(parts, block_size, vocab, seed=index)
+        runner.execute(chunks)  # warm-up
+        mixed: list[float] = []
+        alone: list[list[float]] = [[] for _ in chunks]
+        for _ in range(repeats):
+            started = time.perf_counter()
+            runner.execute(chunks)
+            mixed.append(time.perf_counter() - started)
+            for times, chunk in zip(alone, chunks):
+                started = time.perf_counter()
+                runner.execute([chunk])
+                times.append(time.perf_counter() - started)
+        parts_s = [statistics.median(t) for t in alone]
+        results.append((name, statistics.median(mixed), sum(parts_s), mixed))
+        print(f"  {name}: mixed {statistics.median(mixed):.3f} s, parts {sum(parts_s):.3f} s", flush=True)
+    return results
+
+
+def render_mixed_steps(results, args) -> str:
+    lines = [
+        "| mix | one mixed step, median s | parts as separate steps, sum of medians s | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, mixed, parts, _ in results:
+        lines.append(f"| {name} | {mixed:.3f} | {parts:.3f} | {mixed / parts:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+# -- mixed workload: one long conversation beside many short requests -----------------------------
+
+
+def mixed_workload_prompts(tokenizer, long_tokens: int, num_short: int) -> list[list[int]]:
+    """The long conversation's prompt first, then the short requests' (each with its own question)."""
+    long = tokenizer.encode(SYSTEM_TEXT * (long_tokens // 40 + 2))[:long_tokens]
+    return [long] + make_prompts(tokenizer, num_short, 40)
+
+
+def run_mixed_workload(args) -> tuple[float, list[tuple[int, ...]]]:
+    """One timed ``LLM.generate`` of the mixed workload after a warm-up; (seconds, outputs)."""
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.sampling import SamplingParams
+
+    llm = LLM(
+        kv_cache_memory="1GiB", max_model_len=8192, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=64, log=lambda line: None,
+    )  # fmt: skip
+    prompts = mixed_workload_prompts(llm.tokenizer, args.long_tokens, args.short_requests)
+    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+    llm.generate(prompts[1:3], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    llm.engine.manager.reset_prefix_cache()
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    return seconds, [tuple(o.output_token_ids) for o in outs]
+
+
+def bench_mixed_workload(args) -> tuple[list[Row], list[tuple[str, str]]]:
+    """kvpool (this tree, and ``--baseline-src`` if given) in child processes, alternating; transformers here."""
+    import json
+    import subprocess
+
+    sources = [("kvpool engine (LLM.generate)", None)]
+    if args.baseline_src is not None:
+        sources.append(("kvpool engine before this change (LLM.generate)", str(args.baseline_src)))
+    times: dict[str, list[float]] = {name: [] for name, _ in sources}
+    outputs: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for name, src in sources:
+            command = [sys.executable, __file__, "--mixed-child", "--threads", str(args.threads),
+                       "--long-tokens", str(args.long_tokens), "--short-requests", str(args.short_requests),
+                       "--output-tokens", str(args.output_tokens),
+                       "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
+            if src is not None:
+                command += ["--src", src]
+            result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+            times[name].append(result["seconds"])
+            outputs[name] = [tuple(o) for o in result["outputs"]]
+            print(f"  {name}: {result['seconds']:.2f} s", flush=True)
+    total = (args.short_requests + 1) * args.output_tokens
+    note = f"1 x {args.long_tokens} + {args.short_requests} short prompts, {args.output_tokens} output tokens each"
+    rows = [Row(name, times[name], total, note) for name, _ in sources]
+    agreement = []
+    ours = outputs[sources[0][0]]
+    if len(sources) > 1:
+        agreement.append(("before", f"{sum(a == b for a, b in zip(ours, outputs[sources[1][0]]))}/{len(ours)}"))
+    if not args.skip_hf:
+        from kvpool.engine.model_store import load_model, resolve_model
+
+        model, tokenizer = load_model(resolve_model())
+        prompts = mixed_workload_prompts(tokenizer, args.long_tokens, args.short_requests)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+        # The engine's limits: its page size, the blocks of its 1 GiB cache, its caps.
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        block_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * head_dim * 4 * 16
+        row, theirs = bench_hf_continuous(
+            model, prompts, args.output_tokens, args.repeats, pad, page_size=16, num_blocks=(1 << 30) // block_bytes,
+            max_requests=64, max_batch_tokens=args.max_num_batched_tokens,
+        )  # fmt: skip
+        if row is not None:
+            rows.append(Row(row.name, row.seconds, total, row.note))
+            agreement.append(("generate_batch", f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"))
+            print(f"  hf continuous: {row.seconds}", flush=True)
+    return rows, agreement
+
+
+def render_mixed_section(args, machine, ratio_rows, workload) -> str:
+    lines = [
+        "## Engine: mixed steps",
+        "",
+        f"Machine: {machine}. SmolLM2-135M-Instruct, float32, {args.threads} torch thread(s).",
+        "",
+    ]
+    if ratio_rows is not None:
+        lines += [
+            f"Mixed-step ratio: one forward pass of the mixed parts against the sum of the parts run as "
+            f"separate steps, medians of {args.repeats} runs (`{args.command}`):",
+            "",
+            render_mixed_steps(ratio_rows, args),
+        ]
+    if workload is not None:
+        rows, agreement = workload
+        ours = rows[0]
+        lines += [
+            f"Mixed workload: one long conversation ({args.long_tokens}-token prompt) beside "
+            f"{args.short_requests} short requests, all submitted together, {args.output_tokens} output tokens "
+            f"each, greedy; medians of {args.repeats} (`{args.command}`):",
+            "",
+            "| engine | median s | output tokens/s | kvpool speed-up | note |",
+            "|---|---:|---:|---:|---|",
+        ]
+        for row in rows:
+            lines.append(
+                f"| {row.name} | {row.median:.2f} | {row.tokens_per_second:.1f} | "
+                f"{row.median / ours.median:.2f}x | {row.note} |"
+            )
+        if agreement:
+            lines += ["", "Greedy outputs identical to kvpool's: " + ", ".join(f"{n} {v}" for n, v in agreement) + "."]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def render(rows, ttft, args, agreement, machine, floor=None) -> str:
@@ -300,11 +491,11 @@ def _verdicts(rows, ratio: float, fraction: float, floor) -> list[str]:
     return out + [line]
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace the file's "## Engine" section, or append one; other sections stay as they are."""
+def write_section(path: Path, section: str, heading: str = "## Engine") -> None:
+    """Replace the file's ``heading`` section, or append one; other sections stay as they are."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == "## Engine"), None)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
     if start is None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
@@ -325,9 +516,49 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--skip-hf", action="store_true", help="only the kvpool figures")
     parser.add_argument("--write", type=Path, default=None, help="write the '## Engine' section of this file")
+    parser.add_argument(
+        "--mixed-steps", action="store_true", help="the mixed-step ratios (one mixed step vs its parts)"
+    )
+    parser.add_argument(
+        "--mixed-workload", action="store_true", help="one long conversation beside many short requests"
+    )
+    parser.add_argument("--long-tokens", type=int, default=3000, help="mixed workload: the long prompt")
+    parser.add_argument("--short-requests", type=int, default=31, help="mixed workload: short requests")
+    parser.add_argument(
+        "--baseline-src", type=Path, default=None, help="mixed workload: also time the kvpool at this src/ folder"
+    )
+    parser.add_argument("--mixed-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--src", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.command = "python benchmarks/bench_engine.py " + " ".join(sys.argv[1:])
     torch.set_num_threads(args.threads)
+    if args.mixed_child:
+        import json
+
+        if args.src is not None:
+            sys.path.insert(0, str(args.src.resolve()))
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        seconds, outputs = run_mixed_workload(args)
+        print(json.dumps({"seconds": seconds, "outputs": outputs}))
+        return
+    if args.mixed_steps or args.mixed_workload:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        ratios = bench_mixed_steps(args.repeats) if args.mixed_steps else None
+        workload = bench_mixed_workload(args) if args.mixed_workload else None
+        machine = f"{cpu_name()} ({os.cpu_count()} cores, shared), torch {torch.__version__}"
+        section = render_mixed_section(args, machine, ratios, workload)
+        print()
+        print(section)
+        if args.write is not None:
+            write_section(args.write, section, "## Engine: mixed steps")
+            print(f"wrote the 'Engine: mixed steps' section of {args.write}")
+        return
 
     import transformers
 
@@ -360,9 +591,12 @@ def main() -> None:
         rows.append(padded)
         agreement.append(("padded generate", f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"))
         print(f"hf padded: {padded.seconds}", flush=True)
+        options = llm.engine.setup.options
         continuous, theirs = bench_hf_continuous(
-            model, prompts, args.output_tokens, args.repeats, pad, llm, args.max_num_batched_tokens
-        )
+            model, prompts, args.output_tokens, args.repeats, pad, page_size=options.block_size,
+            num_blocks=llm.engine.num_blocks, max_requests=options.max_num_seqs,
+            max_batch_tokens=args.max_num_batched_tokens,
+        )  # fmt: skip
         if continuous is not None:
             rows.append(continuous)
             agreement.append(("generate_batch", f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"))

@@ -38,7 +38,7 @@ def test_stale_slots_and_padding_blocks_never_reach_the_output(window):
             key_cache[table[p // BLOCK], p % BLOCK] = k[p]
             value_cache[table[p // BLOCK], p % BLOCK] = v[p]
     meta = build_attention_metadata(starts, new, tables, block_size=BLOCK, num_blocks=12, sliding_window=window)
-    assert meta.key_blocks.tolist()[0][-1] == 2  # A's padding repeats its newest block
+    assert any(2 in group.key_blocks.tolist() for group in meta.groups)  # A's newest block, stale past its end
     new_k = torch.cat([k[s:] for k, s in zip(full_k, starts)])
     new_v = torch.cat([v[s:] for v, s in zip(full_v, starts)])
     write_kv(key_cache, value_cache, new_k, new_v, meta.slot_mapping)

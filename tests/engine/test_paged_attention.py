@@ -116,6 +116,8 @@ CASES = [
     pytest.param([13, 0, 6], [4, 10, 1], 4, 2, 5, id="sliding-window-5"),
     pytest.param([16, 2], [1, 7], 2, 2, 8, id="sliding-window-8-block-aligned"),
     pytest.param([3], [9], 2, 1, 1, id="window-1-sees-only-itself"),
+    pytest.param([300, 3, 290, 0, 5], [1, 1, 1, 1, 1], 4, 2, None, id="decodes-long-and-short"),
+    pytest.param([300, 3, 290, 17], [1, 1, 1, 5], 4, 2, 7, id="decodes-and-chunk-sliding-window-7"),
 ]
 
 
@@ -182,35 +184,68 @@ def test_write_kv_places_each_token_at_its_slot():
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 4, 8])
-def test_mask_matches_transformers_visibility(window):
+def test_visibility_matches_transformers(window):
+    """Which keys each query attends to, read back from the output itself.
+
+    With zero queries every visible key gets the same weight, and with value
+    ``e_p`` (one-hot) at position ``p`` the output of a query is ``1/n`` exactly
+    at the ``n`` positions it sees: any extra, missing or doubled key shows.
+    """
     from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
     fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
-    starts, qlens = [0, 5, 11, 2], [6, 3, 1, 9]
+    starts, qlens = [0, 5, 11, 2, 9, 0], [6, 3, 1, 9, 1, 1]
+    dim = 32  # more than any position, so every position has its own one-hot value
     # Ten blocks apart, so no two sequences share a block.
     tables = [
         [10 * b + 1 + i for i in range(-(-(s + n) // BLOCK_SIZE))]
         for b, (s, n) in enumerate(zip(starts, qlens))
     ]
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=dim, block_size=BLOCK_SIZE)
+    key_cache, value_cache = allocate_kv_caches(spec, 64).layer(0)
+    value_cache.fill_(float("nan"))  # stale everywhere until written
     meta = build_attention_metadata(
         starts, qlens, tables, block_size=BLOCK_SIZE, num_blocks=64, sliding_window=window
     )
-    for b, (start, qlen) in enumerate(zip(starts, qlens)):
-        # Map each gathered slot back to the position it holds, through the block table.
-        slot_pos = [
-            tables[b].index(slot // BLOCK_SIZE) * BLOCK_SIZE + slot % BLOCK_SIZE
-            for slot in meta.key_slots[b].tolist()
-        ]
-        for i in range(qlen):
-            qpos = start + i
-            seen_list = [slot_pos[j] for j in range(len(slot_pos)) if bool(meta.mask[b, 0, i, j])]
-            seen = set(seen_list)
-            assert len(seen) == len(seen_list)  # no key counted twice
-            zero = torch.tensor(0)
-            expected = {
-                k for k in range(start + qlen) if bool(fn(zero, zero, torch.tensor(qpos), torch.tensor(k)))
-            }
-            assert seen == expected, (b, qpos)
+    for table, start in zip(tables, starts):  # the cached prefix
+        for pos in range(start):
+            value_cache.view(-1, 1, dim)[_slot(table, pos)] = torch.eye(dim)[pos]
+    new_v = torch.cat([torch.eye(dim)[s : s + n] for s, n in zip(starts, qlens)])[:, None, :]
+    write_kv(key_cache, value_cache, torch.zeros_like(new_v), new_v, meta.slot_mapping)
+    out = paged_attention(torch.zeros(sum(qlens), 2, dim), key_cache, value_cache, meta, scale=1.0)
+    row = 0
+    zero = torch.tensor(0)
+    for start, qlen in zip(starts, qlens):
+        for qpos in range(start, start + qlen):
+            expected = [k for k in range(qpos + 1) if bool(fn(zero, zero, torch.tensor(qpos), torch.tensor(k)))]
+            want = torch.zeros(dim)
+            want[expected] = 1 / len(expected)
+            torch.testing.assert_close(out[row, 0], want)
+            torch.testing.assert_close(out[row, 1], want)
+            row += 1
+
+
+def test_decodes_are_grouped_by_length_and_chunks_attend_alone():
+    from kvpool.engine.paged_attention import GROUP_PADDING_KEYS
+
+    long = 4 * GROUP_PADDING_KEYS
+    starts = [long, 3, long - 8, 5, 0, 40]
+    qlens = [1, 1, 1, 1, 7, 9]
+    tables = []
+    next_block = 1
+    for s, n in zip(starts, qlens):
+        blocks = -(-(s + n) // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + blocks)))
+        next_block += blocks
+    meta = build_attention_metadata(starts, qlens, tables, block_size=BLOCK_SIZE, num_blocks=next_block)
+    shapes = sorted((g.num_seqs, g.query_len, g.num_keys, g.mask is None, g.is_causal) for g in meta.groups)
+    assert shapes == [
+        (1, 7, 7, True, True),  # a fresh chunk: square causal, no mask tensor
+        (1, 9, 49, False, False),  # a chunk over a prefix: one additive mask
+        (2, 1, 2 * BLOCK_SIZE, False, False),  # the two short decodes, padded together
+        (2, 1, -(-(long + 1) // BLOCK_SIZE) * BLOCK_SIZE, False, False),  # the two long ones
+    ]
+    assert meta.num_tokens == sum(qlens)
 
 
 def test_null_block_and_freed_blocks_are_never_read():
@@ -252,7 +287,7 @@ def test_backend_object_matches_functions():
     )
     meta = backend.build_metadata(
         starts, qlens, tables, block_size=BLOCK_SIZE, num_blocks=key_cache.shape[0],
-        sliding_window=None, device=torch.device("cpu"), labels=["a"],
+        sliding_window=None, device=torch.device("cpu"), dtype=torch.float32, labels=["a"],
     )
     backend.write_kv(key_cache, value_cache, new_k, new_v, meta)
     out = backend.attend(q, key_cache, value_cache, meta, scale=0.25, logit_softcap=None)
@@ -294,7 +329,7 @@ def test_null_block_is_fine_once_out_of_window():
     meta = build_attention_metadata(
         [8], [1], [[0, 2, 3]], block_size=BLOCK_SIZE, num_blocks=8, sliding_window=5
     )
-    assert 0 not in (meta.key_slots // BLOCK_SIZE).tolist()[0]
+    assert all(0 not in group.key_blocks.tolist() for group in meta.groups)
 
 
 def test_error_names_the_request():

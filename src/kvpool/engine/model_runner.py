@@ -227,6 +227,7 @@ class ModelRunner:
         self._decoder = decoder
         self._modules = layers
         self._device = param.device
+        self._dtype = param.dtype
         self._vocab_size = int(config.vocab_size)
         self._head_dim = kv_caches.spec.head_dim
         self._rotary = [_rotary_fn(layer.self_attn) for layer in layers]
@@ -274,6 +275,29 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def attention_workspace_bytes(self, *, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        """Most bytes attention holds at once in any step the limits allow.
+
+        A step's other activations grow with its tokens only (and its logits with
+        the sequences it samples), so a pass of ``max_num_tokens`` tokens sampling
+        ``max_num_seqs`` sequences shows them; what attention holds grows with the
+        contexts it reads, which such a pass does not exercise, and is bounded here
+        from what the backend allocates (:func:`~kvpool.engine.paged_attention.attention_workspace_bytes`).
+        """
+        config = self.model.config
+        return self.backend.workspace_bytes(
+            max_num_tokens=max_num_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            num_heads=int(config.num_attention_heads),
+            num_kv_heads=self.kv_caches.spec.num_kv_heads,
+            head_dim=self._head_dim,
+            block_size=self.block_size,
+            dtype_bytes=torch.empty((), dtype=self._dtype).element_size(),
+            num_metadata_sets=len({(info.group, info.sliding_window) for info in self.layers}),
+            logit_softcap=any(info.logit_softcap is not None for info in self.layers),
+        )
+
     def _validate(self, chunks: Sequence[SequenceChunk]) -> None:
         if not chunks:
             raise KVPoolError("execute() needs at least one SequenceChunk")
@@ -315,6 +339,7 @@ class ModelRunner:
                     num_blocks=self.num_blocks,
                     sliding_window=info.sliding_window,
                     device=self._device,
+                    dtype=self._dtype,
                     labels=labels,
                 )
         return metadata

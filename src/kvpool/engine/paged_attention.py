@@ -1,9 +1,7 @@
 """Paged attention in plain torch: write K/V at slots, attend through block tables.
 
 Shapes used throughout (``T`` = tokens computed this step, summed over the
-batch; ``B`` = sequences in the batch; ``H`` / ``Hkv`` = query / key-value heads;
-``D`` = head size; ``Q`` = longest chunk in the batch; ``K`` = most keys any
-sequence attends to this step):
+batch; ``H`` / ``Hkv`` = query / key-value heads; ``D`` = head size):
 
 * ``query``: ``[T, H, D]``; new ``key`` / ``value``: ``[T, Hkv, D]``, flattened
   over the batch in chunk order, with no padding.
@@ -15,26 +13,49 @@ Visibility (identical to transformers 5.24, ``masking_utils``): a query at
 position ``q`` sees a key at position ``k`` iff ``k <= q`` (causal) and, on a
 layer with sliding window ``W``, also ``k > q - W``; i.e. the ``W`` most recent
 positions, itself included. A chunk starting at ``s`` therefore needs keys from
-``max(0, s - W + 1)`` on, and only those are gathered: blocks wholly before that
+``max(0, s - W + 1)`` on, and only those are read: blocks wholly before that
 may be the null block ``0``, which is never read.
 
-Attention itself runs on a padded ``[B, H, Q, K]`` problem built once per step
-(per KV cache group and window) by :func:`build_attention_metadata` and reused
-by every layer that shares the group and window; the padding lives only inside
-attention, never in the model's token dimension.
+No padding across the step
+--------------------------
 
-Keys and values are gathered a whole block at a time (one row copy per block
-rather than per token, several times faster on a CPU): the ``K`` columns of a
-sequence are the blocks from the one holding its first visible position to the
-one holding its newest, padded with repeats of its newest block. Columns that
-are not visible positions (before the window, past the newest token, padding)
-are masked, and their gathered copies are zeroed so that whatever a reused
-block still holds there never reaches the output.
+A server's steps mix one long conversation with many short requests, prefill
+chunks with decodes. Padding every sequence to the step's longest query and
+longest context makes such a step cost several times the sum of its parts, so
+the step is split into *attention groups* once (by
+:func:`build_attention_metadata`, shared by every layer of a KV cache group
+and window), and each group is one ``scaled_dot_product_attention`` call over
+exactly the keys its sequences read::
+
+    step:  [chunk A: 448 tokens over 4,096]  [decode B @ 8,192]  [decodes C..J @ 120-130]
+    calls: A alone (causal mask)             B alone (no mask)   C..J together, padded to 130 keys
+
+* A prefill chunk (more than one query) is always a group of its own: its
+  queries are a slice of ``query`` (no copy) and its keys are the blocks from
+  the one holding its first visible position, trimmed to exactly the visible
+  range. A chunk that starts at 0 on a full-attention layer uses
+  ``is_causal`` (its square mask needs no tensor); others get one additive
+  ``[Q, K]`` mask.
+* Decodes are sorted by the number of keys they read and packed greedily: a
+  decode joins the current group when padding it to the group's longest
+  costs at most :data:`GROUP_PADDING_KEYS` extra key columns (about what a
+  call of its own costs in fixed overhead) and the group's gather stays
+  within :data:`GROUP_KEY_LIMIT` keys (or one sequence's, when longer). A
+  decode alone reads its exact key range and needs no mask; in a padded
+  group the columns past a sequence's visible range are masked and their
+  gathered copies zeroed, since a reused block may hold anything there.
+
+So every sequence's attention reads its own blocks only, and the keys a step
+gathers are, up to a group's padding, the keys its sequences attend to: a
+step's attention costs the sum of its sequences' attention plus one call's
+overhead per group. Keys and values are gathered a whole block at a time with
+``index_select`` (one row copy per block rather than per token, several times
+faster on a CPU), one group at a time, so the transient copy is one group's.
 
 A backend is chosen once, when the model runner is built
 (:func:`select_attention_backend`). :class:`TorchAttentionBackend` always works;
-a fused device kernel can be added as another :class:`AttentionBackend` without
-touching the runner.
+a fused device kernel that reads the blocks in place can be added as another
+:class:`AttentionBackend` without touching the runner.
 """
 
 from __future__ import annotations
@@ -52,9 +73,13 @@ from kvpool.errors import ConfigError, RequestStateError
 __all__ = [
     "AttentionBackend",
     "AttentionBackendKind",
+    "AttentionGroup",
     "AttentionMetadata",
+    "GROUP_KEY_LIMIT",
+    "GROUP_PADDING_KEYS",
     "NULL_BLOCK_ID",
     "TorchAttentionBackend",
+    "attention_workspace_bytes",
     "build_attention_metadata",
     "paged_attention",
     "select_attention_backend",
@@ -64,38 +89,66 @@ __all__ = [
 #: Placeholder block for positions a sliding-window layer no longer sees.
 NULL_BLOCK_ID = 0
 
+#: Most key columns of padding a decode may add to join a group. One call's fixed
+#: cost (a few torch dispatches) is about what attending to this many more keys costs
+#: one decode on a CPU, so below it a shared call wins and above it a call of its own.
+GROUP_PADDING_KEYS = 256
+
+#: Most keys (sequences x padded keys) one group gathers, unless a single sequence
+#: reads more: it bounds the transient copy of a step of many long decodes.
+GROUP_KEY_LIMIT = 16384
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AttentionGroup:
+    """Sequences that attend in one call (see the module docstring).
+
+    Attributes:
+        token_rows: ``[B]`` int64 for a decode group: the row of ``query`` (and of
+            the output) of each member; None for a single sequence, whose rows
+            are ``first_row .. first_row + query_len - 1``.
+        first_row: First row of a single sequence's tokens in ``[T, ...]``.
+        query_len: ``Q``, tokens of the (single) sequence; 1 for a decode group.
+        key_blocks: ``[B * n]`` int64, the ``n`` blocks gathered per member, in order
+            (a member with fewer repeats its newest block).
+        key_offset: Column of the first key kept from the gathered blocks (the
+            first visible position's offset in its block).
+        num_keys: ``K``, key columns attended per member after the offset.
+        invalid_keys: ``[m]`` int64, flat indices into the gathered ``[B * n * block_size]``
+            rows that are not visible positions of their member (zeroed), or None.
+        mask: Additive ``[B, 1, Q, K]`` mask (0 visible, -inf hidden), or None.
+        is_causal: The keys are exactly the query positions: a square causal mask.
+    """
+
+    token_rows: torch.Tensor | None
+    first_row: int
+    query_len: int
+    key_blocks: torch.Tensor
+    key_offset: int
+    num_keys: int
+    invalid_keys: torch.Tensor | None
+    mask: torch.Tensor | None
+    is_causal: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return 1 if self.token_rows is None else int(self.token_rows.shape[0])
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class AttentionMetadata:
-    """Index tensors for one step of one KV cache group and one window setting.
+    """Indices for one step of one KV cache group and one window setting.
 
     Attributes:
         slot_mapping: ``[T]`` int64, the cache slot each new token's K/V goes to.
-        query_index: ``[B * Q]`` int64, for each padded query row the row of the
-            flattened ``[T, ...]`` tensors it is copied from (padding rows read row 0).
-        output_index: ``[T]`` int64, for each flattened token its row in the
-            padded ``[B * Q]`` output.
-        key_slots: ``[B, K]`` int64, the cache slot of each gathered key column.
-        key_blocks: ``[B, K / block_size]`` int64, the blocks gathered for each
-            sequence (padding repeats its newest block).
-        invalid_keys: ``[n]`` int64, flat indices into ``[B * K]`` of the columns
-            that are not visible positions of their sequence (masked and zeroed).
-        mask: ``[B, 1, Q, K]`` bool, True where the query may attend to the key.
-            Padding query rows see every column so that softmax stays finite.
-        num_seqs: ``B``.
-        max_query_len: ``Q``.
+        groups: The attention calls of the step, each over its own sequences.
+        num_tokens: ``T``.
         sliding_window: The window these indices were built for, or None.
     """
 
     slot_mapping: torch.Tensor
-    query_index: torch.Tensor
-    output_index: torch.Tensor
-    key_slots: torch.Tensor
-    key_blocks: torch.Tensor
-    invalid_keys: torch.Tensor
-    mask: torch.Tensor
-    num_seqs: int
-    max_query_len: int
+    groups: tuple[AttentionGroup, ...]
+    num_tokens: int
     sliding_window: int | None
 
 
@@ -103,46 +156,8 @@ def _labels(labels: Sequence[str] | None, count: int) -> Sequence[str]:
     return labels if labels is not None else [f"#{i}" for i in range(count)]
 
 
-def build_attention_metadata(
-    start_positions: Sequence[int],
-    query_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    *,
-    block_size: int,
-    num_blocks: int,
-    sliding_window: int | None = None,
-    device: torch.device | str = "cpu",
-    labels: Sequence[str] | None = None,
-) -> AttentionMetadata:
-    """Turn a batch's positions and block tables into gather/scatter indices.
-
-    Args:
-        start_positions: Per sequence, positions already in the cache (``s``).
-        query_lens: Per sequence, tokens computed this step (``>= 1``).
-        block_tables: Per sequence, the block table of this KV cache group.
-        block_size: Tokens per block.
-        num_blocks: Blocks in the cache, the null block included.
-        sliding_window: ``W`` for a sliding-window layer, None for full attention.
-        device: Where the index tensors go (the cache's device).
-        labels: Per sequence, a name used in error messages (the request ID).
-
-    Raises:
-        RequestStateError: a block table does not cover the chunk's positions,
-            holds a block ID outside the cache, puts the null block where a
-            position is still visible, or two tokens of the batch would be
-            written to the same slot.
-        ConfigError: the argument lists disagree in length, or a window < 1.
-    """
-    num_seqs = len(query_lens)
-    if not (len(start_positions) == num_seqs == len(block_tables)) or num_seqs == 0:
-        raise ConfigError(
-            f"need one start position, query length and block table per sequence; got "
-            f"{len(start_positions)}, {num_seqs}, {len(block_tables)}"
-        )
-    if sliding_window is not None and sliding_window < 1:
-        raise ConfigError(f"sliding_window must be >= 1 or None, got {sliding_window!r}")
-    names = _labels(labels, num_seqs)
-
+def _check_tables(names, start_positions, query_lens, block_tables, block_size, num_blocks, sliding_window):
+    """Per sequence, the first position it reads; raises on a table that cannot serve the chunk."""
     key_starts: list[int] = []
     for name, start, qlen, table in zip(names, start_positions, query_lens, block_tables):
         if qlen < 1:
@@ -170,69 +185,174 @@ def build_attention_metadata(
                     + ("" if sliding_window is None else f" with sliding window {sliding_window}")
                 )
         key_starts.append(key_start)
+    return key_starts
 
-    starts_t = torch.tensor(list(start_positions), dtype=torch.int64)
-    qlens_t = torch.tensor(list(query_lens), dtype=torch.int64)
-    key_starts_t = torch.tensor(key_starts, dtype=torch.int64)
-    ends_t = starts_t + qlens_t
-    first_block_t = key_starts_t // block_size
-    num_key_blocks_t = (ends_t - 1) // block_size - first_block_t + 1
-    max_q = int(qlens_t.max())
-    max_kb = int(num_key_blocks_t.max())
-    max_k = max_kb * block_size
-    max_blocks = max(len(t) for t in block_tables)
-    tables_t = torch.zeros((num_seqs, max_blocks), dtype=torch.int64)
-    for row, table in enumerate(block_tables):
-        tables_t[row, : len(table)] = torch.tensor(list(table), dtype=torch.int64)
 
-    last_pos = (ends_t - 1)[:, None]
+def _decode_groups(decodes: list[int], num_keys: Sequence[int]) -> list[list[int]]:
+    """Pack decodes (sequence indices) into groups, longest first; O(n log n).
 
-    def slots_of(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        # Padding entries take the slot of the sequence's newest token, which is
-        # always a real, freshly written block: padding never touches the null
-        # block or another sequence's blocks.
-        safe = torch.where(valid, positions, last_pos)
-        blocks = tables_t.gather(1, safe // block_size)
-        return blocks * block_size + safe % block_size
+    A decode joins the open group if padding it to the group's keys costs at most
+    :data:`GROUP_PADDING_KEYS` columns and the group's gather stays within
+    :data:`GROUP_KEY_LIMIT` keys; otherwise it opens the next group.
+    """
+    groups: list[list[int]] = []
+    width = 0
+    for seq in sorted(decodes, key=lambda i: -num_keys[i]):
+        if groups and width - num_keys[seq] <= GROUP_PADDING_KEYS and (len(groups[-1]) + 1) * width <= max(
+            GROUP_KEY_LIMIT, width
+        ):
+            groups[-1].append(seq)
+        else:
+            groups.append([seq])
+            width = num_keys[seq]
+    return groups
 
-    q_cols = torch.arange(max_q, dtype=torch.int64)
-    q_valid = q_cols[None, :] < qlens_t[:, None]  # [B, Q]
-    q_pos = starts_t[:, None] + q_cols[None, :]  # [B, Q]
-    k_cols = torch.arange(max_k, dtype=torch.int64)
-    k_pos = first_block_t[:, None] * block_size + k_cols[None, :]  # [B, K], block-aligned
-    k_valid = (k_pos >= key_starts_t[:, None]) & (k_pos < ends_t[:, None])  # padding lies past the end
-    kb_cols = torch.arange(max_kb, dtype=torch.int64)
-    kb_index = first_block_t[:, None] + torch.minimum(kb_cols[None, :], num_key_blocks_t[:, None] - 1)
-    key_blocks = tables_t.gather(1, kb_index)  # [B, K / block_size]
-    invalid_keys = torch.nonzero(~k_valid.reshape(-1)).reshape(-1)
 
-    slot_mapping = slots_of(q_pos, q_valid)[q_valid]  # [T], chunk order
-    if torch.unique(slot_mapping).numel() != slot_mapping.numel():
+def build_attention_metadata(
+    start_positions: Sequence[int],
+    query_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    *,
+    block_size: int,
+    num_blocks: int,
+    sliding_window: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    labels: Sequence[str] | None = None,
+) -> AttentionMetadata:
+    """Turn a batch's positions and block tables into attention groups and slots.
+
+    Cost: O(total block-table entries read) in Python, plus the groups' masks:
+    ``Q x K`` for a chunk that needs one, ``B x K`` for a padded decode group.
+
+    Args:
+        start_positions: Per sequence, positions already in the cache (``s``).
+        query_lens: Per sequence, tokens computed this step (``>= 1``).
+        block_tables: Per sequence, the block table of this KV cache group.
+        block_size: Tokens per block.
+        num_blocks: Blocks in the cache, the null block included.
+        sliding_window: ``W`` for a sliding-window layer, None for full attention.
+        device: Where the index tensors go (the cache's device).
+        dtype: The queries' dtype (the masks are additive in it).
+        labels: Per sequence, a name used in error messages (the request ID).
+
+    Raises:
+        RequestStateError: a block table does not cover the chunk's positions,
+            holds a block ID outside the cache, puts the null block where a
+            position is still visible, or two tokens of the batch would be
+            written to the same slot.
+        ConfigError: the argument lists disagree in length, or a window < 1.
+    """
+    num_seqs = len(query_lens)
+    if not (len(start_positions) == num_seqs == len(block_tables)) or num_seqs == 0:
+        raise ConfigError(
+            f"need one start position, query length and block table per sequence; got "
+            f"{len(start_positions)}, {num_seqs}, {len(block_tables)}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ConfigError(f"sliding_window must be >= 1 or None, got {sliding_window!r}")
+    names = _labels(labels, num_seqs)
+    key_starts = _check_tables(
+        names, start_positions, query_lens, block_tables, block_size, num_blocks, sliding_window
+    )
+
+    slots: list[int] = []
+    first_rows: list[int] = []
+    for start, qlen, table in zip(start_positions, query_lens, block_tables):
+        first_rows.append(len(slots))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + qlen))
+    if len(set(slots)) != len(slots):
         raise RequestStateError("two tokens of the batch would be written to the same KV cache slot")
-    key_slots = key_blocks.repeat_interleave(block_size, dim=1) * block_size + k_cols[None, :] % block_size
+    ends = [s + q for s, q in zip(start_positions, query_lens)]
+    num_keys = [end - key_start for end, key_start in zip(ends, key_starts)]
 
-    visible = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if sliding_window is not None:
-        visible &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-    # Padding query rows see everything: their output is dropped, but an all-False
-    # row would make softmax produce NaN.
-    visible |= ~q_valid[:, :, None]
+    def blocks_of(seq: int, count: int) -> list[int]:
+        # The blocks from the one holding the first visible position to the newest;
+        # padding repeats the newest, a real block of this very sequence.
+        first, last = key_starts[seq] // block_size, (ends[seq] - 1) // block_size
+        table = block_tables[seq]
+        return [table[min(first + i, last)] for i in range(count)]
 
-    offsets = torch.cumsum(qlens_t, 0) - qlens_t
-    query_index = torch.where(q_valid, offsets[:, None] + q_cols[None, :], 0).reshape(-1)
-    padded_rows = torch.arange(num_seqs * max_q, dtype=torch.int64).reshape(num_seqs, max_q)
-    output_index = padded_rows[q_valid]
-
+    groups: list[AttentionGroup] = []
+    chunks = [i for i in range(num_seqs) if query_lens[i] > 1]
+    for seq in chunks:
+        start, qlen, key_start = start_positions[seq], query_lens[seq], key_starts[seq]
+        first, last = key_start // block_size, (ends[seq] - 1) // block_size
+        keys = num_keys[seq]
+        # Keys exactly the chunk's own positions, none of them out of a window: the
+        # square causal mask, which needs no tensor.
+        causal = key_start == start and (sliding_window is None or sliding_window >= qlen)
+        mask = None
+        if not causal:
+            q_pos = torch.arange(start, ends[seq], dtype=torch.int64)[:, None]
+            k_pos = torch.arange(key_start, ends[seq], dtype=torch.int64)[None, :]
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            mask = torch.zeros((1, 1, qlen, keys), dtype=dtype)
+            mask.masked_fill_(~visible[None, None], float("-inf"))
+            mask = mask.to(device)
+        groups.append(
+            AttentionGroup(
+                token_rows=None,
+                first_row=first_rows[seq],
+                query_len=qlen,
+                key_blocks=torch.tensor(blocks_of(seq, last - first + 1), dtype=torch.int64, device=device),
+                key_offset=key_start % block_size,
+                num_keys=keys,
+                invalid_keys=None,
+                mask=mask,
+                is_causal=causal,
+            )
+        )
+    for members in _decode_groups([i for i in range(num_seqs) if query_lens[i] == 1], num_keys):
+        if len(members) == 1:
+            [seq] = members
+            first, last = key_starts[seq] // block_size, (ends[seq] - 1) // block_size
+            groups.append(
+                AttentionGroup(
+                    token_rows=None,
+                    first_row=first_rows[seq],
+                    query_len=1,
+                    key_blocks=torch.tensor(blocks_of(seq, last - first + 1), dtype=torch.int64, device=device),
+                    key_offset=key_starts[seq] % block_size,
+                    num_keys=num_keys[seq],
+                    invalid_keys=None,
+                    mask=None,
+                    is_causal=False,
+                )
+            )
+            continue
+        # Padded: every member gathers the same number of blocks, from its first
+        # visible one; columns outside [key_start, end) are masked and zeroed.
+        count = max((ends[s] - 1) // block_size - key_starts[s] // block_size + 1 for s in members)
+        width = count * block_size
+        cols = torch.arange(width, dtype=torch.int64)[None, :]
+        base = torch.tensor([key_starts[s] // block_size * block_size for s in members], dtype=torch.int64)[:, None]
+        lo = torch.tensor([key_starts[s] for s in members], dtype=torch.int64)[:, None]
+        hi = torch.tensor([ends[s] for s in members], dtype=torch.int64)[:, None]
+        valid = (base + cols >= lo) & (base + cols < hi)  # [B, width]
+        mask = torch.zeros((len(members), 1, 1, width), dtype=dtype)
+        mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        groups.append(
+            AttentionGroup(
+                token_rows=torch.tensor([first_rows[s] for s in members], dtype=torch.int64, device=device),
+                first_row=0,
+                query_len=1,
+                key_blocks=torch.tensor(
+                    [b for s in members for b in blocks_of(s, count)], dtype=torch.int64, device=device
+                ),
+                key_offset=0,
+                num_keys=width,
+                invalid_keys=torch.nonzero(~valid.reshape(-1)).reshape(-1).to(device),
+                mask=mask.to(device),
+                is_causal=False,
+            )
+        )
     return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_index=query_index.to(device),
-        output_index=output_index.to(device),
-        key_slots=key_slots.to(device),
-        key_blocks=key_blocks.to(device),
-        invalid_keys=invalid_keys.to(device),
-        mask=visible[:, None, :, :].to(device),
-        num_seqs=num_seqs,
-        max_query_len=max_q,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        groups=tuple(groups),
+        num_tokens=len(slots),
         sliding_window=sliding_window,
     )
 
@@ -258,6 +378,39 @@ def write_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
+def _gather(cache: torch.Tensor, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, Hkv, K, D]``: the group's keys (or values), whole blocks copied, then trimmed."""
+    num_kv_heads, head_dim = cache.shape[-2:]
+    rows = cache.index_select(0, group.key_blocks).view(group.num_seqs, -1, num_kv_heads, head_dim)
+    if group.invalid_keys is not None and group.invalid_keys.numel():
+        rows.view(-1, num_kv_heads, head_dim).index_fill_(0, group.invalid_keys, 0.0)
+    rows = rows[:, group.key_offset : group.key_offset + group.num_keys]
+    return rows.transpose(1, 2).to(dtype)
+
+
+def _attend(q, k, v, group: AttentionGroup, scale: float, logit_softcap: float | None) -> torch.Tensor:
+    """One group's attention: ``[B, H, Q, D]`` queries over ``[B, Hkv, K, D]`` keys/values."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=group.mask, is_causal=group.is_causal, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # fmt: skip
+    repeats = num_heads // num_kv_heads
+    k = k.repeat_interleave(repeats, dim=1)
+    v = v.repeat_interleave(repeats, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    if group.mask is not None:
+        scores = scores + group.mask
+    elif group.is_causal:
+        size = scores.shape[-1]
+        hidden = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -269,7 +422,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attend each sequence's queries to its cached keys and values.
 
-    The new tokens' K/V must already be in the cache (:func:`write_kv`).
+    The new tokens' K/V must already be in the cache (:func:`write_kv`). One
+    attention call per group of ``metadata``; memory beyond the output is one
+    group's gathered keys and values at a time (see :func:`attention_workspace_bytes`).
 
     Args:
         query: ``[T, H, D]`` (already rotated); ``H`` a multiple of ``Hkv``.
@@ -283,42 +438,64 @@ def paged_attention(
     Returns:
         ``[T, H, D]``, in the dtype of ``query``.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[-2]
-    batch, max_q = metadata.num_seqs, metadata.max_query_len
+    out = torch.empty_like(query)
+    for group in metadata.groups:
+        k = _gather(key_cache, group, query.dtype)
+        v = _gather(value_cache, group, query.dtype)
+        if group.token_rows is None:
+            rows = slice(group.first_row, group.first_row + group.query_len)
+            q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D], a view
+            out[rows] = _attend(q, k, v, group, scale, logit_softcap)[0].transpose(0, 1)
+        else:
+            q = query.index_select(0, group.token_rows).unsqueeze(2)  # [B, H, 1, D]
+            result = _attend(q, k, v, group, scale, logit_softcap)
+            out.index_copy_(0, group.token_rows, result.squeeze(2))
+    return out
 
-    # [B*Q, H, D] -> [B, H, Q, D]
-    q = query.index_select(0, metadata.query_index).view(batch, max_q, num_heads, head_dim).transpose(1, 2)
-    # Whole blocks with index_select (one row copy per block), then the columns that
-    # are no visible position are zeroed: a reused block may hold anything there.
-    flat_blocks = metadata.key_blocks.view(-1)
-    kv_shape = (batch, metadata.key_slots.shape[1], num_kv_heads, head_dim)
-    # [B, K, Hkv, D] -> [B, Hkv, K, D]
-    k = key_cache.index_select(0, flat_blocks).view(kv_shape)
-    v = value_cache.index_select(0, flat_blocks).view(kv_shape)
-    if metadata.invalid_keys.numel():
-        k.view(-1, num_kv_heads, head_dim).index_fill_(0, metadata.invalid_keys, 0.0)
-        v.view(-1, num_kv_heads, head_dim).index_fill_(0, metadata.invalid_keys, 0.0)
-    k = k.transpose(1, 2).to(query.dtype)
-    v = v.transpose(1, 2).to(query.dtype)
 
-    if logit_softcap is None:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=metadata.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
-    else:
-        repeats = num_heads // num_kv_heads
-        k = k.repeat_interleave(repeats, dim=1)
-        v = v.repeat_interleave(repeats, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / logit_softcap) * logit_softcap
-        scores = scores.masked_fill(~metadata.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v)
+def attention_workspace_bytes(
+    *,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype_bytes: int,
+    num_metadata_sets: int = 1,
+    logit_softcap: bool = False,
+) -> int:
+    """Most bytes attention holds at once, beyond its inputs, in any step within the limits.
 
-    # [B, H, Q, D] -> [B*Q, H, D] -> [T, H, D]
-    out = out.transpose(1, 2).reshape(batch * max_q, num_heads, head_dim)
-    return out.index_select(0, metadata.output_index)
+    What :func:`paged_attention` and :func:`build_attention_metadata` allocate,
+    bounded over every step of at most ``max_num_tokens`` tokens and
+    ``max_num_seqs`` sequences, each ending at most at ``max_model_len``:
+
+    * for the whole step, per metadata set (KV cache group and window): the
+      masks, at most ``T x L`` for chunks and ``S x (L + 2 block_size)`` for
+      padded decode groups, with the latter's int64 indices of masked columns;
+    * during one layer's call: its output ``[T, H, D]``, the attention output,
+      copied queries and float32 log-sum-exp of one group (``T`` rows at most), and one
+      group's gathered keys and values: one sequence's blocks (``L`` keys and a
+      block on each side) or a padded decode group (at most
+      :data:`GROUP_KEY_LIMIT` keys plus two blocks per member);
+    * with ``logit_softcap`` (the explicit matmul path): the float32 scores,
+      their capped, masked and softmaxed copies (``4 x H x T x L``), and keys and
+      values repeated to ``H`` heads.
+
+    Workspace inside a fused kernel (a few tiles per thread) is not counted.
+    O(1).
+    """
+    e, t, s, n = dtype_bytes, max_num_tokens, max_num_seqs, max_model_len
+    padded_width = n + 2 * block_size
+    masks = (t * n * e + s * padded_width * (e + 8)) * num_metadata_sets
+    gathered = max((-(-n // block_size) + 1) * block_size, GROUP_KEY_LIMIT + 2 * block_size * min(s, t))
+    # The output, one group's result and (decode groups) its copied queries; float32 log-sum-exp.
+    per_layer = 3 * t * num_heads * head_dim * e + t * num_heads * 4 + 2 * gathered * num_kv_heads * head_dim * e
+    if logit_softcap:
+        per_layer += 4 * num_heads * t * n * 4 + 2 * gathered * num_heads * head_dim * e
+    return masks + per_layer
 
 
 class AttentionBackendKind(enum.Enum):
@@ -343,6 +520,7 @@ class AttentionBackend(Protocol):
         num_blocks: int,
         sliding_window: int | None,
         device: torch.device,
+        dtype: torch.dtype,
         labels: Sequence[str] | None,
     ) -> AttentionMetadata: ...
 
@@ -366,6 +544,10 @@ class AttentionBackend(Protocol):
         logit_softcap: float | None,
     ) -> torch.Tensor: ...
 
+    def workspace_bytes(self, **limits: int | bool) -> int:
+        """The most memory one step within ``limits`` needs (see :func:`attention_workspace_bytes`)."""
+        ...
+
 
 class TorchAttentionBackend:
     """The always-available backend: the functions of this module."""
@@ -382,6 +564,7 @@ class TorchAttentionBackend:
         num_blocks: int,
         sliding_window: int | None,
         device: torch.device,
+        dtype: torch.dtype,
         labels: Sequence[str] | None,
     ) -> AttentionMetadata:
         return build_attention_metadata(
@@ -392,6 +575,7 @@ class TorchAttentionBackend:
             num_blocks=num_blocks,
             sliding_window=sliding_window,
             device=device,
+            dtype=dtype,
             labels=labels,
         )
 
@@ -418,6 +602,9 @@ class TorchAttentionBackend:
         return paged_attention(
             query, key_cache, value_cache, metadata, scale=scale, logit_softcap=logit_softcap
         )
+
+    def workspace_bytes(self, **limits: int | bool) -> int:
+        return attention_workspace_bytes(**limits)  # type: ignore[arg-type]
 
 
 _BACKENDS: dict[AttentionBackendKind, type] = {AttentionBackendKind.TORCH: TorchAttentionBackend}

@@ -9,7 +9,8 @@ The steps a serving engine takes before it accepts a request:
    Qwen2 and SmolLM2, one sliding-window group for Mistral, a sliding-window
    and a full-attention group for Gemma-2-style alternation.
 3. Profile: one forward pass over the biggest step a scheduler can plan
-   (``max_num_batched_tokens`` tokens as dummy prefill chunks) through a
+   (``max_num_batched_tokens`` tokens as dummy prefill chunks, one per
+   sequence a step may hold, each sampled) through a
    scratch KV cache just large enough for it, after a short warm-up pass
    (which pages in weights mapped from disk), and measure the peak as
    :mod:`kvpool.engine.memory` describes: with ``torch.cuda`` memory
@@ -199,12 +200,18 @@ def _layer_maps(groups: tuple[KVCacheGroup, ...], num_layers: int) -> tuple[list
 
 
 def _dummy_chunks(num_tokens: int, max_model_len: int, max_num_seqs: int, vocab: int, block_size: int):
-    """The profile step: ``num_tokens`` tokens as fresh prefill chunks, block tables from block 1 on."""
-    lengths: list[int] = []
-    left = num_tokens
-    while left > 0 and len(lengths) < max_num_seqs:
-        lengths.append(min(left, max_model_len))
-        left -= lengths[-1]
+    """The profile step: ``num_tokens`` tokens as fresh prefill chunks, block tables from block 1 on.
+
+    As many sequences as a step may hold, each sampled: besides attention (bounded
+    apart, :meth:`ModelRunner.attention_workspace_bytes`), a step's memory grows with
+    its tokens and with the logits of the sequences it samples.
+    """
+    lengths = [1] * min(max_num_seqs, num_tokens)
+    left = num_tokens - len(lengths)
+    for i in range(len(lengths)):
+        extra = min(left, max_model_len - 1)
+        lengths[i] += extra
+        left -= extra
     chunks, next_block = [], 1
     for i, n in enumerate(lengths):
         blocks = -(-n // block_size)
@@ -224,7 +231,11 @@ def _profile(
     max_model_len: int,
     device: torch.device,
 ) -> tuple[int | None, int, float]:
-    """Run the profile step; returns (peak activation bytes or None, tokens, seconds)."""
+    """Run the profile step; returns (peak activation bytes or None, attention's share, tokens, seconds).
+
+    The peak is the pass's measured peak plus the most attention may hold in any
+    step within the limits, which the pass (fresh, short contexts) does not show.
+    """
     chunks, num_blocks = _dummy_chunks(
         options.max_num_batched_tokens, max_model_len, options.max_num_seqs, model.config.vocab_size, spec.block_size
     )
@@ -243,10 +254,13 @@ def _profile(
     started = time.perf_counter()
     peak = measure_peak(device, functools.partial(runner.execute, batch))
     seconds = time.perf_counter() - started
+    attention = runner.attention_workspace_bytes(
+        max_num_tokens=options.max_num_batched_tokens, max_num_seqs=options.max_num_seqs, max_model_len=max_model_len
+    )
     del runner, scratch
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return peak, tokens, seconds
+    return None if peak is None else peak + attention, attention, tokens, seconds
 
 
 def _longest_fitting(groups: tuple[KVCacheGroup, ...], usable_blocks: int, upper: int) -> int:
@@ -359,11 +373,14 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
     to_group, to_slot = _layer_maps(groups, hf_config.num_hidden_layers)
     spec = KVCacheSpec.from_model_config(hf_config, block_size=options.block_size, dtype=dtype)
 
-    peak, profile_tokens, profile_seconds = _profile(model, spec, to_group, to_slot, options, max_model_len, device)
+    peak, attention, profile_tokens, profile_seconds = _profile(
+        model, spec, to_group, to_slot, options, max_model_len, device
+    )
     how = "torch.cuda peak" if device.type == "cuda" else "CPU estimate: peak resident-set growth"
     log(
         f"profile: one forward pass of {profile_tokens} tokens (max_num_batched_tokens) in {profile_seconds:.2f} s; "
-        f"peak activations {'not observable here' if peak is None else format_bytes(peak)} ({how})"
+        f"peak activations {'not observable here' if peak is None else format_bytes(peak)} ({how}, "
+        f"with {format_bytes(attention)} for attention over contexts up to {max_model_len} tokens)"
     )
     memory = kv_budget(
         baseline=baseline,
