@@ -26,6 +26,7 @@ and marked as estimates in the result.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from decimal import Decimal, InvalidOperation
 from enum import Enum
@@ -74,6 +75,7 @@ __all__ = [
     "estimate_activation_bytes",
     "estimate_parameters",
     "estimate_weight_bytes",
+    "longest_fitting_request",
     "parse_size",
     "plan_kv_cache",
 ]
@@ -247,13 +249,16 @@ def _given(name: str, value: int | str, basis: str) -> MemoryTerm:
     return MemoryTerm(bytes=parse_size(value, field=name), source=TermSource.GIVEN, basis=basis)
 
 
-def _blocks_per_request(groups: tuple[KVCacheGroup, ...], num_tokens: int) -> int:
+def _blocks_per_request(groups: Sequence[KVCacheGroup], num_tokens: int) -> int:
     return sum(g.spec.blocks_per_request(num_tokens) for g in groups)
 
 
-def _longest_fitting(groups: tuple[KVCacheGroup, ...], num_blocks: int, upper: int) -> int:
-    """The largest length in [1, upper] whose request fits in ``num_blocks`` (the need grows with length)."""
-    lo, hi = 1, upper
+def longest_fitting_request(groups: Sequence[KVCacheGroup], num_blocks: int, upper: int) -> int:
+    """The longest request, at most ``upper`` tokens, whose blocks over all groups fit in ``num_blocks``; 0 if none.
+
+    A binary search (the need grows with the length): O(groups * log upper).
+    """
+    lo, hi = 0, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _blocks_per_request(groups, mid) <= num_blocks:
@@ -362,7 +367,7 @@ def plan_kv_cache(
             f"{_blocks_per_request(groups, 1):,} (one per group)"
         )
     else:
-        longest = _longest_fitting(groups, num_blocks, max_model_len)
+        longest = longest_fitting_request(groups, num_blocks, max_model_len)
 
     group_plans = tuple(
         GroupPlan(
