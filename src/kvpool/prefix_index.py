@@ -11,13 +11,16 @@ Two variants, chosen once when the manager is built:
 
 * :class:`PrefixIndex` trusts the hash (SHA-256). Values are a block, or a
   ``{block_id: block}`` dict in insertion order when duplicates exist.
-* :class:`VerifiedPrefixIndex` (fast, non-cryptographic hashes) keeps, per
-  hash, an entry with the content bytes of the block (tokens and extra keys)
-  and the entry of its parent. A hit must match both, by content and by
-  identity of the parent entry, so equal hashes with different prefixes
-  (collisions) can only cause misses. An entry that loses its last block
-  leaves the index; children cached under it can no longer be reached and age
-  out. This can cost a hit that SHA-256 would have found, never the reverse.
+* :class:`VerifiedPrefixIndex` (fast, non-cryptographic hashes): the same
+  map, and every cached block sealed with its content bytes (tokens and extra
+  keys) and its parent's seal. A hit must match both, by content and by
+  identity of the parent seal, so equal hashes with different prefixes
+  (collisions) can only cause misses. A seal whose last block is evicted is
+  gone; children sealed under it can no longer be reached and age out. This
+  can cost a hit that SHA-256 would have found, never the reverse.
+
+Both insert and evict whole runs of blocks in one call (``insert_run``,
+``remove_run``), so the pool pays one call per run, not per block.
 """
 
 from __future__ import annotations
@@ -66,17 +69,6 @@ class PrefixIndex:
                 found = next(iter(found.values()))  # type: ignore[union-attr]
             hits.append(found)  # type: ignore[arg-type]
         return hits
-
-    def insert(self, block_hash: BlockHash, block: KVBlock, parent: KVBlock | None, content: bytes | None) -> bool:
-        """Cache ``block`` under ``block_hash``. Always succeeds for trusted hashes."""
-        found = self._map.get(block_hash)
-        if found is None:
-            self._map[block_hash] = block
-        elif found.__class__ is KVBlock:
-            self._map[block_hash] = {found.block_id: found, block.block_id: block}  # type: ignore[union-attr]
-        else:
-            found[block.block_id] = block  # type: ignore[index]
-        return True
 
     def insert_run(
         self, table: Sequence[KVBlock], start: int, stop: int, hashes: Sequence[BlockHash], contents: object, group_id: int
@@ -146,29 +138,28 @@ class PrefixIndex:
                     yield block_hash, block
 
 
-class _Entry:
-    """One verified hash: its content, its parent entry, the blocks that hold it."""
+class VerifiedPrefixIndex(PrefixIndex):
+    """Hash -> block index that verifies content and lineage on every hit.
 
-    __slots__ = ("parent", "content", "blocks")
+    Each cached block carries a *seal* in ``block.entry``: the tuple
+    ``(content, parent seal)``, where the parent seal is the seal of the block
+    before it in the table that cached it (None for a first block). Blocks
+    cached under the same hash with the same content and parent share one
+    seal, so lineage is checked by identity: a lookup accepts block ``k`` only
+    if its content equals the request's block ``k`` and its parent seal *is*
+    the seal of the hit it just accepted for block ``k - 1``. Equal hashes
+    with different content or a different prefix (collisions) therefore cost
+    a miss, never a false hit. When every block of a seal is evicted the seal
+    is gone; children sealed under it can no longer be reached and age out,
+    which can cost a hit SHA-256 would have found, never the reverse.
 
-    def __init__(self, parent: _Entry | None, content: bytes) -> None:
-        self.parent = parent
-        self.content = content
-        self.blocks: dict[int, KVBlock] = {}
+    Same map layout and costs as :class:`PrefixIndex`, plus one tuple per
+    newly sealed hash and one bytes comparison per hit.
+    """
 
-
-class VerifiedPrefixIndex:
-    """Hash -> entry index that verifies content and lineage on every hit."""
-
-    __slots__ = ("_map",)
+    __slots__ = ()
 
     verifies_content = True
-
-    def __init__(self) -> None:
-        self._map: dict[BlockHash, _Entry] = {}
-
-    def __len__(self) -> int:
-        return len(self._map)
 
     def longest_prefix(
         self, hashes: Sequence[BlockHash], contents: Sequence[bytes] | None, max_blocks: int
@@ -179,35 +170,17 @@ class VerifiedPrefixIndex:
         hits: list[KVBlock] = []
         parent = None
         for k in range(min(max_blocks, len(hashes))):
-            entry = get(hashes[k])
-            if entry is None or entry.parent is not parent or entry.content != contents[k]:
+            found = get(hashes[k])
+            if found is None:
                 break
-            hits.append(next(iter(entry.blocks.values())))
-            parent = entry
+            if found.__class__ is not KVBlock:
+                found = next(iter(found.values()))  # type: ignore[union-attr]  # duplicates share one seal
+            seal = found.entry  # type: ignore[union-attr]  # every indexed block is sealed
+            if seal[1] is not parent or seal[0] != contents[k]:  # type: ignore[index]
+                break
+            hits.append(found)  # type: ignore[arg-type]
+            parent = seal
         return hits
-
-    def insert(self, block_hash: BlockHash, block: KVBlock, parent: KVBlock | None, content: bytes | None) -> bool:
-        """Cache ``block`` unless its hash is taken by different content or lineage.
-
-        ``parent`` is the block before it in the same block table (None for the
-        first block); it must itself be cached here, or the chain is unverifiable
-        and the block stays uncached.
-        """
-        if content is None:
-            raise InvariantViolation("verified insert needs the block's content")
-        parent_entry = None
-        if parent is not None:
-            parent_entry = parent.entry
-            if parent_entry is None:
-                return False
-        entry = self._map.get(block_hash)
-        if entry is None:
-            entry = self._map[block_hash] = _Entry(parent_entry, content)  # type: ignore[arg-type]
-        elif entry.parent is not parent_entry or entry.content != content:
-            return False  # a collision, or a lineage that was evicted and rebuilt
-        entry.blocks[block.block_id] = block
-        block.entry = entry
-        return True
 
     def insert_run(
         self,
@@ -215,48 +188,57 @@ class VerifiedPrefixIndex:
         start: int,
         stop: int,
         hashes: Sequence[BlockHash],
-        contents: Sequence[bytes] | None,
+        contents: object,
         group_id: int,
     ) -> int:
-        """Cache ``table[start:stop]`` (null blocks skipped) until a block is refused; returns where it stopped."""
+        """Seal and cache ``table[start:stop]`` until a block is refused; returns where the run stopped.
+
+        A block is refused when the block before it is not sealed (its chain
+        cannot be verified), or when its hash is held by other content or
+        another lineage; the blocks after it then stay uncached too.
+        """
         if contents is None:
             raise InvariantViolation("verified insert needs the blocks' contents")
-        insert = self.insert
+        m = self._map
+        get = m.get
+        parent = table[start - 1].entry if start else None
+        if start and parent is None:
+            return start
         for k in range(start, stop):
             block = table[k]
-            if block.block_id == 0:
-                continue
             if block.block_hash is not None:
                 raise InvariantViolation(f"block {block.block_id} is cached twice")
             block_hash = hashes[k]
-            if not insert(block_hash, block, table[k - 1] if k else None, contents[k]):
-                return k
+            content = contents[k]  # type: ignore[index]
+            found = get(block_hash)
+            if found is None:
+                m[block_hash] = block
+                seal = (content, parent)
+            else:
+                first = found if found.__class__ is KVBlock else next(iter(found.values()))  # type: ignore[union-attr]
+                seal = first.entry  # type: ignore[union-attr]
+                if seal[1] is not parent or seal[0] != content:  # type: ignore[index]
+                    return k  # a collision, or a lineage that was evicted and rebuilt
+                if found.__class__ is KVBlock:
+                    m[block_hash] = {found.block_id: found, block.block_id: block}  # type: ignore[union-attr]
+                else:
+                    found[block.block_id] = block  # type: ignore[index]
+            block.entry = seal
             block.block_hash = block_hash
             block.group_id = group_id
+            parent = seal
         return stop
 
     def remove_run(self, blocks: Sequence[KVBlock]) -> None:
-        """Drop every block of ``blocks`` from the index and clear its hash."""
-        remove = self.remove
+        super().remove_run(blocks)
         for block in blocks:
-            remove(block)
-            block.block_hash = None
+            block.entry = None
 
     def remove(self, block: KVBlock) -> None:
-        entry = block.entry
-        if not isinstance(entry, _Entry) or entry.blocks.pop(block.block_id, None) is not block:
-            raise InvariantViolation(f"block {block.block_id} carries a hash the index does not map to it")
-        if not entry.blocks:
-            del self._map[block.block_hash]  # type: ignore[arg-type]
+        super().remove(block)
         block.entry = None
 
     def clear(self) -> None:
-        for entry in self._map.values():
-            for block in entry.blocks.values():
-                block.entry = None
+        for _, block in self.items():
+            block.entry = None
         self._map.clear()
-
-    def items(self) -> Iterator[tuple[BlockHash, KVBlock]]:
-        for block_hash, entry in self._map.items():
-            for block in entry.blocks.values():
-                yield block_hash, block
