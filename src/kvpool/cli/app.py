@@ -20,6 +20,9 @@ class _Commands(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:
+            # the reader went away (``kvpool simulate ... | head``): nothing left to say to it
+            ctx.exit(0)
         except ValueError as exc:
             click.echo(f"kvpool: error: {exc}", err=True)
             ctx.exit(BAD_INPUT)
