@@ -106,7 +106,7 @@ def test_no_memory_left_is_a_config_error(folders, monkeypatch):
 @pytest.mark.parametrize(
     ("options", "needle"),
     [
-        ({"block_size": -1}, "block_size must be an integer >= 1, got -1"),
+        ({"block_size": -1}, "block_size must be a positive integer, got -1"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_model_len": 1}, "max_model_len must be an integer >= 2, got 1"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),

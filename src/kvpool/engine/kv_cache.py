@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+import kvpool.model_config as model_config
+from kvpool.checks import check_int
 from kvpool.errors import ConfigError
 
 __all__ = [
@@ -38,12 +40,6 @@ __all__ = [
 
 #: Block 0 is never handed to a request; at least one usable block must follow it.
 MIN_NUM_BLOCKS = 2
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +61,10 @@ class KVCacheSpec:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        _positive_int("num_layers", self.num_layers)
-        _positive_int("num_kv_heads", self.num_kv_heads)
-        _positive_int("head_dim", self.head_dim)
-        _positive_int("block_size", self.block_size)
+        check_int("num_layers", self.num_layers)
+        check_int("num_kv_heads", self.num_kv_heads)
+        check_int("head_dim", self.head_dim)
+        check_int("block_size", self.block_size)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ConfigError(f"KV cache dtype must be a floating torch.dtype, got {self.dtype!r}")
 
@@ -76,19 +72,17 @@ class KVCacheSpec:
     def from_model_config(
         cls, config: Any, *, block_size: int = 16, dtype: torch.dtype = torch.float32
     ) -> KVCacheSpec:
-        """Read layer count and head geometry from a Hugging Face model config."""
-        try:
-            num_layers = config.num_hidden_layers
-            num_heads = config.num_attention_heads
-            hidden_size = config.hidden_size
-        except AttributeError as exc:
-            raise ConfigError(f"model config lacks attention geometry: {exc}") from None
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or hidden_size // num_heads
+        """Layer count and head geometry of a Hugging Face model config (an object or a dict).
+
+        The geometry is :mod:`kvpool.model_config`'s (:func:`~kvpool.model_config.num_kv_heads`,
+        :func:`~kvpool.model_config.head_dim`), the same the planner sizes the cache with.
+        """
+        fields = config if isinstance(config, dict) else config.to_dict()
+        view = model_config.text_config_view(fields)
         return cls(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            num_layers=model_config.int_field(view, "num_hidden_layers"),
+            num_kv_heads=model_config.num_kv_heads(view),
+            head_dim=model_config.head_dim(view),
             block_size=block_size,
             dtype=dtype,
         )

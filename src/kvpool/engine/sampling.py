@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvalidTokenError
 from kvpool.hashing import to_token_array
 
@@ -54,8 +55,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        check_int("max_tokens", self.max_tokens)
         if (
             isinstance(self.temperature, bool)
             or not isinstance(self.temperature, (int, float))

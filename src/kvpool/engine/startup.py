@@ -4,7 +4,7 @@ The steps a serving engine takes before it accepts a request:
 
 1. Load the weights and the tokenizer (:mod:`kvpool.engine.model_store`).
 2. Build the KV cache groups from the model's ``config.json`` with
-   :func:`kvpool.model_config.layer_specs_from_config` and
+   :func:`kvpool.model_layers.layer_specs_from_config` and
    :func:`kvpool.specs.group_layers`: one full-attention group for Llama,
    Qwen2 and SmolLM2, one sliding-window group for Mistral, a sliding-window
    and a full-attention group for Gemma-2-style alternation.
@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.engine.batch import SequenceChunk
 from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches
 from kvpool.engine.memory import (
@@ -58,28 +59,39 @@ from kvpool.engine.memory import (
 from kvpool.engine.model_runner import ModelRunner, layer_sliding_windows
 from kvpool.engine.model_store import load_model, pending_conversion, resolve_model
 from kvpool.errors import ConfigError
-from kvpool.model_config import max_position_embeddings
-from kvpool.planner import KVPlan, parse_size, plan_kv_cache
-from kvpool.specs import KVCacheGroup, KVDtype, LayerKind
+from kvpool.model_config import max_position_embeddings, serving_dtype
+from kvpool.model_layers import layer_specs_from_config
+from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_cache
+from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
 
 __all__ = ["EngineOptions", "EngineSetup", "start_engine"]
 
 _TORCH_DTYPES = {KVDtype.FP32: torch.float32, KVDtype.BF16: torch.bfloat16, KVDtype.FP16: torch.float16}
 
 
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineOptions:
-    """What the engine is asked to be; every field is checked before any loading.
+    """What the engine is asked to be: the one statement of the engine's options.
 
-    ``kv_cache_memory`` is bytes (an int or a size such as ``"512MiB"``) or None
-    for a measured budget; ``dtype`` and ``device`` None pick float32 on the
-    CPU, and the model's serving dtype on CUDA.
+    :class:`~kvpool.engine.LLM` and :class:`~kvpool.engine.LLMEngine` take these
+    fields as keywords (or one ``EngineOptions``) and the ``generate`` / ``chat``
+    commands map their flags onto them, so a new option is one field here.
+    Every field is checked before any loading.
+
+    Attributes:
+        model: a known model name (``"smollm2-135m"``) or a local model folder.
+        block_size: tokens per KV block.
+        max_num_batched_tokens: tokens one step computes at most (chunked prefill).
+        max_num_seqs: requests running at once at most.
+        max_model_len: prompt plus output tokens per request; None means the
+            model's ``max_position_embeddings``.
+        kv_cache_memory: KV cache bytes (an int or a size such as ``"512MiB"``);
+            None measures the budget (see :mod:`kvpool.engine.memory`).
+        gpu_memory_utilization: fraction of the memory the budget may use.
+        enable_prefix_caching: share cached prompt blocks between requests.
+        dtype: weight and cache dtype; None picks float32 on the CPU and the
+            model's serving dtype on CUDA.
+        device: ``"cpu"`` or ``"cuda"``; None picks CUDA when available.
     """
 
     model: str | os.PathLike[str]
@@ -96,11 +108,11 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
             raise ConfigError(f"model must be a model name or a folder path, got {self.model!r}")
-        _positive_int("block_size", self.block_size)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("max_num_seqs", self.max_num_seqs)
+        check_int("block_size", self.block_size)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:
-            _positive_int("max_model_len", self.max_model_len, minimum=2)
+            check_int("max_model_len", self.max_model_len, minimum=MIN_MODEL_LEN)
         if self.kv_cache_memory is not None:
             size = parse_size(self.kv_cache_memory, field="kv_cache_memory")
             if size <= 0:
@@ -164,8 +176,8 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, config
         if device.type == "cpu":
             return torch.float32
         declared = config.get("torch_dtype") or config.get("dtype") or "float32"
-        kv = KVDtype.parse(str(declared), field="config dtype")
-        return torch.bfloat16 if kv is KVDtype.FP32 else _TORCH_DTYPES.get(kv, torch.bfloat16)
+        served = serving_dtype(KVDtype.parse(str(declared), field="config dtype"))
+        return _TORCH_DTYPES.get(served, torch.bfloat16)
     kv = KVDtype.parse(dtype, field="dtype")
     if kv not in _TORCH_DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported for weights: use float32, bfloat16 or float16")
@@ -214,7 +226,7 @@ def _dummy_chunks(num_tokens: int, max_model_len: int, max_num_seqs: int, vocab:
         left -= extra
     chunks, next_block = [], 1
     for i, n in enumerate(lengths):
-        blocks = -(-n // block_size)
+        blocks = cdiv(n, block_size)
         table = tuple(range(next_block, next_block + blocks))
         next_block += blocks
         tokens = tuple((i * 7919 + p * 31) % vocab for p in range(n))
@@ -263,18 +275,6 @@ def _profile(
     return None if peak is None else peak + attention, attention, tokens, seconds
 
 
-def _longest_fitting(groups: tuple[KVCacheGroup, ...], usable_blocks: int, upper: int) -> int:
-    """The longest request (0 if none) whose blocks, summed over the groups, fit in ``usable_blocks``."""
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if sum(g.spec.blocks_per_request(mid) for g in groups) <= usable_blocks:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         if source is None:
@@ -306,9 +306,9 @@ def _load(options: EngineOptions, device: torch.device, log: Callable[[str], Non
     return path, config, model, tokenizer
 
 
-def _kv_groups(plan: KVPlan, hf_config: Any, block_size: int) -> tuple[KVCacheGroup, ...]:
-    """The planner's groups, checked against what the runner computes."""
-    groups = tuple(KVCacheGroup(spec=g.spec, layer_ids=g.layer_ids) for g in plan.groups)
+def _kv_groups(served: dict[str, Any], kv_dtype: KVDtype, hf_config: Any, block_size: int) -> tuple[KVCacheGroup, ...]:
+    """The core's layer groups of the served config, checked against what the runner computes."""
+    groups = group_layers(layer_specs_from_config(served, block_size=block_size, kv_dtype=kv_dtype))
     unsupported = {g.kind for g in groups} - {LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW}
     if unsupported:
         raise ConfigError(
@@ -362,14 +362,7 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
     served = {k: v for k, v in config.items() if k != "torch_dtype"}
     served["dtype"] = _kv_dtype(dtype).value
 
-    def plan_for(budget: int) -> KVPlan:
-        return plan_kv_cache(
-            served, gpu_memory_bytes=budget, gpu_memory_utilization=1, weights_bytes=0, activation_bytes=0,
-            other_overhead_bytes=0, kv_dtype=_kv_dtype(dtype), block_size=options.block_size,
-            max_model_len=max_model_len, name=name,
-        )  # fmt: skip
-
-    groups = _kv_groups(plan_for(2**62), hf_config, options.block_size)
+    groups = _kv_groups(served, _kv_dtype(dtype), hf_config, options.block_size)
     to_group, to_slot = _layer_maps(groups, hf_config.num_hidden_layers)
     spec = KVCacheSpec.from_model_config(hf_config, block_size=options.block_size, dtype=dtype)
 
@@ -391,12 +384,16 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
         profile_tokens=profile_tokens,
         profile_seconds=profile_seconds,
     )
-    plan = plan_for(memory.kv_budget_bytes)
+    plan = plan_kv_cache(
+        served, gpu_memory_bytes=memory.kv_budget_bytes, gpu_memory_utilization=1, weights_bytes=0,
+        activation_bytes=0, other_overhead_bytes=0, kv_dtype=_kv_dtype(dtype), block_size=options.block_size,
+        max_model_len=max_model_len, name=name,
+    )  # fmt: skip
     if plan.blocks_per_request > plan.num_blocks - 1:  # the null block never holds KV
         raise ConfigError(
             f"a KV cache of {format_bytes(memory.kv_budget_bytes)} holds {plan.num_blocks} blocks, not enough for "
             f"one request of max_model_len={max_model_len} tokens (the longest that fits is "
-            f"{_longest_fitting(groups, plan.num_blocks - 1, max_model_len)}); lower max_model_len or raise "
+            f"{longest_fitting_request(groups, plan.num_blocks - 1, max_model_len)}); lower max_model_len or raise "
             "kv_cache_memory"
         )
     kinds = ", ".join(f"{g.num_layers} {g.kind.value.replace('_', '-')}" for g in groups)
