@@ -83,11 +83,11 @@ def test_chat_ends_at_end_of_input(folder):
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--max-tokens", "0"], "max_tokens must be an int >= 1, got 0"),
+        (["--max-tokens", "0"], "max_tokens must be a positive integer, got 0"),
         (["--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
         (["--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
         (["--kv-cache-memory", "10XB"], "kv_cache_memory '10XB'"),
-        (["--block-size", "0"], "block_size must be an integer >= 1, got 0"),
+        (["--block-size", "0"], "block_size must be a positive integer, got 0"),
         (["--repeat", "0"], "--repeat must be >= 1, got 0"),
     ],
 )

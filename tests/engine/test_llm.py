@@ -243,7 +243,7 @@ def test_bad_requests_raise_before_queuing_and_the_engine_keeps_serving(tiny):
             llm.generate([good, prompt], greedy(5))  # the good one must not be queued either
         assert not engine.has_unfinished_requests()
         assert engine.manager.running_request_ids() == []
-    with pytest.raises(ConfigError, match="max_tokens must be an int >= 1, got 0"):
+    with pytest.raises(ConfigError, match="max_tokens must be a positive integer, got 0"):
         llm.generate(good, SamplingParams(max_tokens=0))
     with pytest.raises(RequestStateError, match="cache_salt"):
         llm.generate(good, greedy(5), cache_salt="")
@@ -264,7 +264,7 @@ def test_bad_engine_options_name_the_value(tiny, tmp_path):
         LLM("no-such-model-xyz", log=lambda line: None)
     with pytest.raises(ConfigError, match="no config.json"):
         LLM(tmp_path, log=lambda line: None)
-    with pytest.raises(ConfigError, match="block_size must be an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match="block_size must be a positive integer, got 0"):
         make_llm(folder, block_size=0)
     with pytest.raises(ConfigError, match="kv_cache_memory '12XB'"):
         make_llm(folder, kv_cache_memory="12XB")

@@ -24,6 +24,10 @@ __all__ = ["chat", "generate"]
 _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that module loads torch)
 
 
+#: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
+_ENGINE_FLAGS = ("model", "block_size", "max_model_len", "kv_cache_memory", "device")
+
+
 def _log(line: str) -> None:
     click.echo(f"INFO {time.strftime('%H:%M:%S')} {line}", err=True)
 
@@ -70,14 +74,9 @@ def _setup(command: str, kw: dict[str, Any]) -> tuple[Any, Any]:
     params = SamplingParams(**sampling)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    engine = LLMEngine(
-        kw["model"],
-        block_size=kw["block_size"],
-        max_model_len=kw["max_model_len"],
-        kv_cache_memory=None if memory.strip().lower() == "auto" else memory,
-        device=kw["device"],
-        log=_log,
-    )
+    options = {name: kw[name] for name in _ENGINE_FLAGS}  # the flags are EngineOptions fields, by name
+    options["kv_cache_memory"] = None if memory.strip().lower() == "auto" else memory
+    engine = LLMEngine(**options, log=_log)
     _log(f"ready in {engine.setup.startup_seconds:.1f} s")
     return engine, params
 

@@ -26,6 +26,7 @@ from kvpool.engine.batch import SequenceChunk
 
 __all__ = [
     "DEFAULT_MODEL",
+    "EngineOptions",
     "KVCacheSpec",
     "KVCaches",
     "LLM",
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "EngineOptions": "startup",
     "KVCacheSpec": "kv_cache",
     "KVCaches": "kv_cache",
     "allocate_kv_caches": "kv_cache",

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-
-import torch
+from typing import Any
 
 from kvpool.engine.llm_engine import LLMEngine, Prompt
 from kvpool.engine.model_store import DEFAULT_MODEL
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.startup import EngineOptions
 from kvpool.errors import ConfigError, RequestStateError
 
 __all__ = ["LLM"]
@@ -53,32 +53,12 @@ class LLM:
 
     def __init__(
         self,
-        model: str | os.PathLike[str] = DEFAULT_MODEL,
+        model: str | os.PathLike[str] | EngineOptions = DEFAULT_MODEL,
         *,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
         log: Callable[[str], None] | None = None,
+        **options: Any,
     ) -> None:
-        self.engine = LLMEngine(
-            model,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            dtype=dtype,
-            device=device,
-            log=log,
-        )
+        self.engine = LLMEngine(model, log=log, **options)
 
     @property
     def tokenizer(self):

@@ -94,20 +94,13 @@ class LLMEngine:
     """A paged-KV inference engine over one model (see the module docstring).
 
     Args:
-        model: a known model name (``"smollm2-135m"``) or a local model folder.
-        block_size: tokens per KV block.
-        max_num_batched_tokens: tokens one step computes at most (chunked prefill).
-        max_num_seqs: requests running at once at most.
-        max_model_len: prompt plus output tokens per request; None means the
-            model's ``max_position_embeddings``.
-        kv_cache_memory: KV cache bytes (int or ``"512MiB"``); None measures
-            the budget (see :mod:`kvpool.engine.memory`).
-        gpu_memory_utilization: fraction of the memory the budget may use.
-        enable_prefix_caching: share cached prompt blocks between requests.
-        dtype: weight and cache dtype; None picks float32 on the CPU.
-        device: ``"cpu"`` or ``"cuda"``; None picks CUDA when available.
+        model: a known model name (``"smollm2-135m"``), a local model folder,
+            or a whole :class:`~kvpool.engine.startup.EngineOptions`.
         log: receives the startup lines; None sends them to the
             ``kvpool.engine`` logger at INFO.
+        **options: the other fields of :class:`~kvpool.engine.startup.EngineOptions`
+            (``block_size``, ``max_model_len``, ``kv_cache_memory``, ...), where
+            each option is stated and documented once.
 
     Raises:
         KVPoolError: a bad option, an unknown model, or a KV budget too small
@@ -116,33 +109,16 @@ class LLMEngine:
 
     def __init__(
         self,
-        model: str | os.PathLike[str] = DEFAULT_MODEL,
+        model: str | os.PathLike[str] | EngineOptions = DEFAULT_MODEL,
         *,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
         log: Callable[[str], None] | None = None,
+        **options: Any,
     ) -> None:
         if log is not None and not callable(log):
             raise ConfigError(f"log must be callable or None, got {log!r}")
-        options = EngineOptions(
-            model=model,
-            block_size=block_size,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            dtype=dtype,
-            device=device,
-        )
+        if isinstance(model, EngineOptions) and options:
+            raise ConfigError(f"give an EngineOptions or option keywords, not both; got also {sorted(options)}")
+        chosen = model if isinstance(model, EngineOptions) else EngineOptions(model=model, **options)
         lines: list[str] = []
         sink = log if log is not None else _LOGGER.info
 
@@ -150,21 +126,21 @@ class LLMEngine:
             lines.append(line)
             sink(line)
 
-        self.setup: EngineSetup = start_engine(options, record)
+        self.setup: EngineSetup = start_engine(chosen, record)
         self.startup_log: tuple[str, ...] = tuple(lines)
         setup = self.setup
         self.manager = KVCacheManager(
             setup.plan.num_blocks,
-            options.block_size,
-            enable_caching=options.enable_prefix_caching,
+            chosen.block_size,
+            enable_caching=chosen.enable_prefix_caching,
             max_model_len=setup.max_model_len,
             groups=setup.groups,
         )
         self.scheduler = Scheduler(
             self.manager,
             SchedulerConfig(
-                max_num_batched_tokens=options.max_num_batched_tokens,
-                max_num_seqs=options.max_num_seqs,
+                max_num_batched_tokens=chosen.max_num_batched_tokens,
+                max_num_seqs=chosen.max_num_seqs,
                 max_model_len=setup.max_model_len,
             ),
         )
