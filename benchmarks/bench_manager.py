@@ -10,6 +10,32 @@ Run::
 
     python benchmarks/bench_manager.py                 # kvpool, with and without eviction
     python benchmarks/bench_manager.py --vs-vllm       # the same trace through vLLM's manager too
+    python benchmarks/bench_manager.py --workload production --vs-vllm
+    python benchmarks/bench_manager.py --workload long-prompts
+
+Workloads (``--workload``):
+
+* ``default``: the trace above, through pools of 12,000 and 400,000 blocks.
+* ``production``: the same kind of conversations, but 20% of them belong to
+  tenants with a cache salt (4 tenants; a salted prompt hashes its first block
+  with the salt, so tenants never share blocks), a tight pool of 3,000 blocks
+  and at most 64 running, so preemption happens. Prompt hashing is counted
+  where each system does it: kvpool when a request arrives
+  (``hash_request``), vLLM when its ``Request`` is built (its block hasher);
+  both hash the blocks that sampled tokens fill as they are appended. The
+  table gives the time per phase (hashing, lookup, allocate, free), summed
+  over the run, and the ratio of manager plus hashing.
+* ``long-prompts``: the first 2,000 requests of the Mooncake conversation
+  trace (``--trace``, by default ``../shared/traces/conversation_trace.jsonl``
+  from the repository root), about 13,700 prompt tokens each, expanded to
+  tokens as ``kvpool.sim.traces`` does (hash ID ``h`` at offset ``j`` is token
+  ``h * 512 + j``), replayed one at a time through a 512,000-token cache
+  (32,000 blocks of 16 tokens plus the null block), prefill only: hash,
+  lookup, allocate (evicting as needed), mark computed, free. kvpool with
+  SHA-256 and with xxh3_128 (the verified index). ``benchmarks/bench_radix.py``
+  runs the same replay beside SGLang's radix cache.
+
+Every run is seeded; times are medians of ``--repeats`` runs.
 
 ``--vs-vllm`` needs vLLM importable beside kvpool (never a kvpool dependency):
 ``pip install --no-deps vllm==0.33.0`` plus the modules ``vllm.v1.core`` imports.
@@ -46,9 +72,18 @@ MAX_RUNNING = 256
 class Conversation:
     system: list[int]
     turns: list[tuple[list[int], list[int]]]  # (user message, model output) per turn
+    salt: str | None = None  # the tenant's cache salt, or None (shared cache)
 
 
-def make_workload(num_requests: int = 2000, seed: int = 0) -> list[Conversation]:
+def make_workload(
+    num_requests: int = 2000, seed: int = 0, salted_fraction: float = 0.0, tenants: int = 4
+) -> list[Conversation]:
+    """Seeded conversations; ``salted_fraction`` of them get one of ``tenants`` cache salts.
+
+    Salts are drawn from a separate generator, so the tokens are the same
+    whatever the fraction (the default workload has none).
+    """
+    salt_rng = random.Random(seed + 1_000_003)
     rng = random.Random(seed)
     systems = [[rng.randrange(32000) for _ in range(rng.randint(500, 2000))] for _ in range(6)]
     conversations = []
@@ -61,6 +96,9 @@ def make_workload(num_requests: int = 2000, seed: int = 0) -> list[Conversation]
             turns.append((user, output))
             made += 1
         conversations.append(Conversation(rng.choice(systems), turns))
+    if salted_fraction > 0:
+        for conv in salt_rng.sample(conversations, round(salted_fraction * len(conversations))):
+            conv.salt = f"tenant-{salt_rng.randrange(tenants)}"
     return conversations
 
 
@@ -70,12 +108,12 @@ def make_workload(num_requests: int = 2000, seed: int = 0) -> list[Conversation]
 class KVPoolAdapter:
     name = "kvpool"
 
-    def __init__(self, num_blocks: int) -> None:
-        self.mgr = KVCacheManager(num_blocks, BLOCK_SIZE)
+    def __init__(self, num_blocks: int, hash_algo: str = "sha256") -> None:
+        self.mgr = KVCacheManager(num_blocks, BLOCK_SIZE, hash_algo=hash_algo)
 
-    def make_request(self, request_id: str, tokens: list[int]) -> tuple[Request, int]:
+    def make_request(self, request_id: str, tokens, cache_salt: str | None = None) -> tuple[Request, int]:
         """The request, and the nanoseconds spent hashing its prompt."""
-        request = Request(request_id, tokens)
+        request = Request(request_id, tokens, cache_salt=cache_salt)
         start = time.perf_counter_ns()
         self.mgr.hash_request(request)  # an engine's input thread does this on arrival
         return request, time.perf_counter_ns() - start
@@ -107,9 +145,25 @@ class VLLMAdapter:
 
         self.mgr = VLLMManager(num_blocks, BLOCK_SIZE)
 
-    def make_request(self, request_id: str, tokens: list[int]):
-        """The request, and the nanoseconds spent hashing its prompt."""
-        return self.mgr.make_request_timed(request_id, tokens)
+    def make_request(self, request_id: str, tokens, cache_salt: str | None = None):
+        """The request, and the nanoseconds spent hashing its prompt.
+
+        As ``VLLMManager.make_request_timed``, with the cache salt: vLLM's
+        ``Request`` hashes its prompt when built (its block hasher), so the
+        request is built without one, then the same hasher is timed alone.
+        """
+        if cache_salt is None:
+            return self.mgr.make_request_timed(request_id, tokens)
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request as VRequest
+
+        request = VRequest(
+            request_id, list(tokens), SamplingParams(max_tokens=1 << 20), None, cache_salt=cache_salt, block_hasher=None
+        )
+        request._block_hasher = self.mgr._hasher
+        start = time.perf_counter_ns()
+        request.update_block_hashes()
+        return request, time.perf_counter_ns() - start
 
     def lookup(self, request):
         return self.mgr.get_computed_blocks(request)
@@ -153,7 +207,9 @@ class Timings:
         return sum(sum(v) for v in self.ns.values()) / 1e9
 
 
-def replay(adapter, conversations: list[Conversation], record: bool = False) -> Timings:
+def replay(
+    adapter, conversations: list[Conversation], record: bool = False, max_running: int = MAX_RUNNING
+) -> Timings:
     t = Timings()
     clock = time.perf_counter_ns
     waiting: deque = deque()
@@ -167,7 +223,7 @@ def replay(adapter, conversations: list[Conversation], record: bool = False) -> 
             tokens += user + output
         tokens += conv.turns[turn][0]
         rid = f"c{ci}t{turn}"
-        request, hash_ns = adapter.make_request(rid, tokens)
+        request, hash_ns = adapter.make_request(rid, tokens, conv.salt)
         t.hash_ns += hash_ns
         t.hashed_tokens += len(tokens)
         state[rid] = (ci, turn)
@@ -219,7 +275,7 @@ def replay(adapter, conversations: list[Conversation], record: bool = False) -> 
                 preempt(victim)
                 if victim is request:
                     break
-        while waiting and len(running) < MAX_RUNNING:
+        while waiting and len(running) < max_running:
             request = waiting[0]
             start = clock()
             hit, num_hit = adapter.lookup(request)
@@ -297,14 +353,226 @@ def print_table(rows: list[tuple[str, dict]]) -> None:
         print(f"{label:28}" + "".join(f"{fmt.format(r[key]):>16}" for _, r in rows))
 
 
+# -- the production mix ----------------------------------------------------------------
+
+PRODUCTION_BLOCKS = 3_000
+PRODUCTION_RUNNING = 64
+PRODUCTION_SALTED = 0.2
+
+
+def phase_totals(t: Timings) -> dict[str, float]:
+    """Seconds per phase over the whole run; hashing = prompts on arrival + appended tokens."""
+    out = {
+        "hashing": (t.hash_ns + t.append_ns) / 1e9,
+        "prompt hashing": t.hash_ns / 1e9,
+        "append+hash": t.append_ns / 1e9,
+        "lookup": sum(t.ns["lookup"]) / 1e9,
+        "allocate": (sum(t.ns["prefill"]) + sum(t.ns["decode"])) / 1e9,
+        "free": sum(t.ns["free"]) / 1e9,
+    }
+    out["manager"] = out["lookup"] + out["allocate"] + out["free"]
+    out["total"] = out["manager"] + out["hashing"]
+    return out
+
+
+def run_production(args) -> None:
+    conversations = make_workload(args.requests, args.seed, salted_fraction=PRODUCTION_SALTED)
+    salted = sum(1 for c in conversations if c.salt is not None)
+    print(
+        f"\n== production mix: {args.requests:,} requests in {len(conversations):,} conversations "
+        f"({salted:,} salted, 4 tenants), {PRODUCTION_BLOCKS:,} blocks of {BLOCK_SIZE}, "
+        f"at most {PRODUCTION_RUNNING} running; medians of {args.repeats} runs"
+    )
+    adapters = [KVPoolAdapter] + ([VLLMAdapter] if args.vs_vllm else [])
+    rows = []
+    for adapter_type in adapters:
+        runs = []
+        for _ in range(args.repeats):
+            adapter = adapter_type(PRODUCTION_BLOCKS)
+            gc.collect()
+            t = replay(adapter, conversations, max_running=PRODUCTION_RUNNING)
+            runs.append({**phase_totals(t), **summarize(t)})
+        result = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        result["spread"] = (min(r["total"] for r in runs), max(r["total"] for r in runs))
+        rows.append((adapter_type.name, result))
+    fields = [
+        ("hashing s (prompt + append)", "hashing", "{:.3f}"),
+        ("  prompt hashing s", "prompt hashing", "{:.3f}"),
+        ("  append+hash s", "append+hash", "{:.3f}"),
+        ("lookup s", "lookup", "{:.3f}"),
+        ("allocate s (prefill + decode)", "allocate", "{:.3f}"),
+        ("free s", "free", "{:.3f}"),
+        ("manager s", "manager", "{:.3f}"),
+        ("manager + hashing s", "total", "{:.3f}"),
+        ("lookup us (median call)", "lookup_us_median", "{:.1f}"),
+        ("prefill alloc us (median)", "prefill_us_median", "{:.1f}"),
+        ("decode alloc us (median)", "decode_us_median", "{:.2f}"),
+        ("free us (median)", "free_us_median", "{:.1f}"),
+        ("calls", "calls", "{:,.0f}"),
+        ("token hit rate", "hit_rate", "{:.4f}"),
+        ("preemptions", "preemptions", "{:,.0f}"),
+    ]
+    names = [n for n, _ in rows]
+    print(f"{'':32}" + "".join(f"{n:>14}" for n in names) + ("       ratio" if len(rows) == 2 else ""))
+    for label, key, fmt in fields:
+        line = f"{label:32}" + "".join(f"{fmt.format(r[key]):>14}" for _, r in rows)
+        if len(rows) == 2 and key in ("hashing", "prompt hashing", "append+hash", "lookup", "allocate", "free", "manager", "total"):
+            a, b = rows[0][1][key], rows[1][1][key]
+            line += f"{b / a:>11.2f}x" if a else ""
+        print(line)
+    for name, r in rows:
+        lo, hi = r["spread"]
+        print(f"{name}: manager + hashing over the {args.repeats} runs: {lo:.3f} .. {hi:.3f} s")
+    if args.vs_vllm:
+        kv, vl = rows[0][1], rows[1][1]
+        print(f"kvpool / vLLM, manager + hashing: x{vl['total'] / kv['total']:.2f} (manager alone x{vl['manager'] / kv['manager']:.2f}, hashing x{vl['hashing'] / kv['hashing']:.2f})")
+        compare_decisions(
+            lambda: KVPoolAdapter(PRODUCTION_BLOCKS),
+            lambda: VLLMAdapter(PRODUCTION_BLOCKS),
+            conversations,
+            PRODUCTION_RUNNING,
+        )
+    if args.profile:
+        profile(lambda: replay(KVPoolAdapter(PRODUCTION_BLOCKS), conversations, max_running=PRODUCTION_RUNNING), args.profile)
+
+
+def compare_decisions(make_a, make_b, conversations, max_running: int = MAX_RUNNING) -> bool:
+    a = replay(make_a(), conversations, record=True, max_running=max_running).decisions
+    b = replay(make_b(), conversations, record=True, max_running=max_running).decisions
+    same = a == b
+    admissions = sum(1 for d in a if d[0] == "admit")
+    print(f"decisions identical: {same} ({admissions:,} admissions, {len(a):,} decisions compared)")
+    if not same:
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        print(f"first difference at decision {first}: kvpool {a[first] if first < len(a) else None} vs vLLM {b[first] if first < len(b) else None}")
+    return same
+
+
+def profile(fn, top: int) -> None:
+    """Run ``fn`` under cProfile and print the ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    gc.collect()
+    prof.enable()
+    fn()
+    prof.disable()
+    print(f"\n-- cProfile of one kvpool run: top {top} functions by own time (tottime)")
+    pstats.Stats(prof).strip_dirs().sort_stats("tottime").print_stats(top)
+
+
+# -- long prompts: the Mooncake conversation trace --------------------------------------
+
+DEFAULT_TRACE = (Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "conversation_trace.jsonl").resolve()
+LONG_PROMPT_CACHE_TOKENS = 512_000
+LONG_PROMPT_PHASES = ("hash", "lookup", "allocate", "free")
+
+
+def load_long_prompts(trace: Path, num_requests: int) -> list:
+    """The first ``num_requests`` prompts of a Mooncake trace, as ``array('I')`` token IDs.
+
+    Expanded as ``kvpool.sim.traces`` does: hash ID ``h`` at offset ``j`` of
+    its 512-token block is token ``h * 512 + j``.
+    """
+    from itertools import islice
+
+    from kvpool.sim.traces import iter_trace
+
+    return [req.prompt_token_ids() for req in islice(iter_trace(trace), num_requests)]
+
+
+def replay_long_prompts(prompts, hash_algo: str = "sha256", cache_tokens: int = LONG_PROMPT_CACHE_TOKENS) -> dict:
+    """One request at a time: hash, lookup, allocate (evicting), computed, free.
+
+    Returns nanoseconds per phase (summed), prefix-hit tokens and prompt tokens.
+    """
+    mgr = KVCacheManager(cache_tokens // BLOCK_SIZE + 1, BLOCK_SIZE, hash_algo=hash_algo)
+    clock = time.perf_counter_ns
+    ns = dict.fromkeys(LONG_PROMPT_PHASES, 0)
+    hits = tokens = 0
+    for i, prompt in enumerate(prompts):
+        request = Request(f"r{i}", prompt)
+        t0 = clock()
+        mgr.hash_request(request)
+        t1 = clock()
+        hit, num_hit = mgr.get_computed_blocks(request)
+        t2 = clock()
+        new = mgr.allocate_slots(request, len(prompt) - num_hit, num_hit, hit)
+        t3 = clock()
+        if new is None:
+            raise RuntimeError(f"request {i} ({len(prompt)} tokens) did not fit in {cache_tokens} tokens")
+        request.num_computed_tokens = len(prompt)
+        t4 = clock()
+        mgr.free(request)
+        t5 = clock()
+        ns["hash"] += t1 - t0
+        ns["lookup"] += t2 - t1
+        ns["allocate"] += t3 - t2
+        ns["free"] += t5 - t4
+        hits += num_hit
+        tokens += len(prompt)
+    return {"ns": ns, "hits": hits, "tokens": tokens, "requests": len(prompts)}
+
+
+def median_runs(runs: list[dict]) -> dict:
+    """Per-phase medians over runs of ``replay_long_prompts``-shaped results."""
+    out = dict(runs[0])
+    out["ns"] = {k: statistics.median(r["ns"][k] for r in runs) for k in runs[0]["ns"]}
+    totals = sorted(sum(r["ns"].values()) for r in runs)
+    out["total_ns"] = statistics.median(totals)
+    out["spread_ns"] = (totals[0], totals[-1])
+    return out
+
+
+def print_phase_table(rows: list[tuple[str, dict]]) -> None:
+    """One row per system: seconds per phase, us per request, hit rate."""
+    width = max(len(name) for name, _ in rows) + 2
+    print(f"{'':{width}}{'phase s (median of runs)':>52}{'us/request':>12}{'hit rate':>10}{'spread s':>16}")
+    for name, r in rows:
+        n = r["requests"]
+        phases = "  ".join(f"{k} {v / 1e9:.3f}" for k, v in r["ns"].items())
+        lo, hi = r["spread_ns"]
+        print(f"{name:{width}}{phases:>52}{r['total_ns'] / 1e3 / n:>12.1f}{r['hits'] / r['tokens']:>10.4f}{f'{lo / 1e9:.2f}..{hi / 1e9:.2f}':>16}")
+
+
+def run_long_prompts(args) -> None:
+    prompts = load_long_prompts(Path(args.trace), args.requests)
+    num_tokens = sum(len(p) for p in prompts)
+    print(
+        f"\n== long prompts: first {len(prompts):,} requests of {Path(args.trace).name} "
+        f"({num_tokens / len(prompts):,.0f} prompt tokens each on average), one at a time through "
+        f"{LONG_PROMPT_CACHE_TOKENS:,} tokens ({LONG_PROMPT_CACHE_TOKENS // BLOCK_SIZE:,} blocks of {BLOCK_SIZE}); "
+        f"medians of {args.repeats} runs"
+    )
+    rows = []
+    for algo in ("sha256", "xxh3_128"):
+        runs = []
+        for _ in range(args.repeats):
+            gc.collect()
+            runs.append(replay_long_prompts(prompts, algo))
+        rows.append((f"kvpool {algo}", median_runs(runs)))
+    print_phase_table(rows)
+    if args.profile:
+        profile(lambda: replay_long_prompts(prompts, "sha256"), args.profile)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("default", "production", "long-prompts"), default="default")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians are reported")
     parser.add_argument("--vs-vllm", action="store_true", help="also run vLLM's manager and compare decisions")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace for --workload long-prompts")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="also profile one kvpool run; print the top N functions")
     args = parser.parse_args()
-
+    if args.workload == "production":
+        return run_production(args)
+    if args.workload == "long-prompts":
+        if args.vs_vllm:
+            parser.error("--vs-vllm applies to the default and production workloads")
+        return run_long_prompts(args)
     conversations = make_workload(args.requests, args.seed)
     pools = {"with eviction (12,000 blocks)": 12_000, "no eviction (400,000 blocks)": 400_000}
     adapters = [KVPoolAdapter] + ([VLLMAdapter] if args.vs_vllm else [])
