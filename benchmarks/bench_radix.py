@@ -63,9 +63,13 @@ allocator's device kernels are used only when the platform supports Triton,
 which a CPU does not, so the allocators take their pure-torch paths. This
 file installs an import hook that answers those five module trees with empty
 stand-in modules (every attribute is an inert placeholder class) before
-SGLang is imported; no SGLang source is changed or copied. A real ``triton``
-package cannot be used instead: once ``import triton`` succeeds, torch's own
-compiler stack treats it as usable and fails on a CPU-only machine.
+SGLang is imported; no SGLang source is changed or copied. ``sglang.srt.layers``
+must be stood in as well as ``triton``: some of its modules call
+``torch.compile`` at import, which loads torch's compiler stack, and that
+stack finds the stand-in ``triton`` and rejects it. Installing the real
+``triton`` wheel instead would work for the import but adds hundreds of MB
+that nothing here calls. Torch runs with one intra-op thread (see
+``import_sglang``).
 
 Run::
 
