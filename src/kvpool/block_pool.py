@@ -21,7 +21,8 @@ cached.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.errors import InvariantViolation
@@ -30,6 +31,9 @@ from kvpool.free_queue import FreeBlockQueue
 from kvpool.hashing import BlockHash
 from kvpool.prefix_index import PrefixIndex, VerifiedPrefixIndex
 from kvpool.request import Request
+
+if TYPE_CHECKING:
+    from kvpool.eviction import FreeQueueFactory
 
 __all__ = ["BlockPool"]
 
@@ -59,6 +63,7 @@ class BlockPool:
         "num_evictions",
         "num_resets",
         "touch",
+        "_on_hit",
     )
 
     def __init__(
@@ -69,7 +74,7 @@ class BlockPool:
         enable_caching: bool = True,
         verify_content: bool = False,
         enable_events: bool = False,
-        free_queue_factory=FreeBlockQueue,
+        free_queue_factory: FreeQueueFactory = FreeBlockQueue,
     ) -> None:
         self.num_blocks = num_blocks
         self.null_block = KVBlock(NULL_BLOCK_ID)
@@ -85,8 +90,8 @@ class BlockPool:
         self.num_resets = 0
         # ``touch`` is chosen once: a policy with ``on_hit`` sees every prefix hit;
         # any other policy gets the plain loop and pays nothing for the option.
-        on_hit = getattr(self.free_queue, "on_hit", None)
-        self.touch = self._touch if on_hit is None else self._touch_reporting_hits
+        self._on_hit: Callable[[list[KVBlock]], None] | None = getattr(self.free_queue, "on_hit", None)
+        self.touch = self._touch if self._on_hit is None else self._touch_reporting_hits
 
     # -- sizes -------------------------------------------------------------------
 
@@ -153,7 +158,7 @@ class BlockPool:
         """``touch`` for policies with ``on_hit``: the same, then the policy sees the hits."""
         hits = blocks if isinstance(blocks, list) else list(blocks)
         self._touch(hits)
-        self.free_queue.on_hit(hits)
+        self._on_hit(hits)  # type: ignore[misc]  # chosen only when the policy has on_hit
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
         """Drop one owner from each block, given in eviction order (first = evicted first).

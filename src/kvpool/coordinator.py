@@ -53,7 +53,7 @@ __all__ = ["Coordinator", "make_group_managers"]
 
 
 def make_group_managers(
-    pool: BlockPool, group_specs: Sequence, block_size: int, enable_caching: bool
+    pool: BlockPool, group_specs: Sequence[KVCacheGroup], block_size: int, enable_caching: bool
 ) -> tuple[GroupManager, ...]:
     """One manager per layer group; no groups means a single full-attention group.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.hashing import BlockHash
+from kvpool.hashing import BlockHash, ExtraKey
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
 
@@ -29,7 +29,7 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     lora_name: str | None
-    extra_keys: tuple[tuple | None, ...]
+    extra_keys: tuple[tuple[ExtraKey, ...] | None, ...]
     group_id: int = 0
 
 

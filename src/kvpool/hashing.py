@@ -38,7 +38,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import NewType
+from typing import NewType, cast
 
 from kvpool.errors import ConfigError, InvalidTokenError
 
@@ -52,6 +52,10 @@ __all__ = [
 
 #: A block hash: the digest bytes of one full block and its whole prefix.
 BlockHash = NewType("BlockHash", bytes)
+
+#: One extra key of a block, readable: ``("lora", name)``, ``("cache_salt", salt)``
+#: or ``("mm", identifier, offset in the block)``.
+ExtraKey = tuple[str, str] | tuple[str, str, int]
 
 #: Seed of the chain's root when none is given. Changing it changes every hash.
 DEFAULT_HASH_SEED = b"kvpool/block-hash/v1"
@@ -198,15 +202,15 @@ class BlockHasher:
         extra keys) per block.
         """
         width = 4 * self.block_size
-        parent = self.root if parent is None else parent
-        hashes: list[BlockHash] = []
+        chained: bytes = self.root if parent is None else parent
+        hashes: list[bytes] = []
         contents: list[bytes] | None = [] if self.stores_contents else None
         if extras is not None:
             digest = self.digest
             for i, off in enumerate(range(0, len(token_bytes), width)):
                 content = token_bytes[off : off + width] + extras[i]
-                parent = digest(parent + content)
-                hashes.append(parent)
+                chained = digest(chained + content)
+                hashes.append(chained)
                 if contents is not None:
                     contents.append(content)
         elif self._xxh is not None:
@@ -214,20 +218,20 @@ class BlockHasher:
             append = contents.append  # type: ignore[union-attr]  # the fast hash always stores contents
             for off in range(0, len(token_bytes), width):
                 content = token_bytes[off : off + width] + suffix
-                parent = xxh(parent + content)
-                hashes.append(parent)
+                chained = xxh(chained + content)
+                hashes.append(chained)
                 append(content)
         elif suffix:
             sha = self._sha
             for off in range(0, len(token_bytes), width):
-                parent = sha(parent + token_bytes[off : off + width] + suffix).digest()
-                hashes.append(parent)
+                chained = sha(chained + token_bytes[off : off + width] + suffix).digest()
+                hashes.append(chained)
         else:
             sha = self._sha
             for off in range(0, len(token_bytes), width):
-                parent = sha(parent + token_bytes[off : off + width]).digest()
-                hashes.append(parent)
-        return hashes, contents
+                chained = sha(chained + token_bytes[off : off + width]).digest()
+                hashes.append(chained)
+        return cast(list[BlockHash], hashes), contents  # every digest is a block hash
 
     def chain_blocks(
         self,
@@ -295,7 +299,7 @@ class BlockHasher:
         )[0]
 
 
-def token_bytes(tokens: array) -> bytes:
+def token_bytes(tokens: array[int]) -> bytes:
     """Token IDs (an ``array`` of :data:`TOKEN_TYPECODE`) as little-endian uint32 bytes."""
     if _BIG_ENDIAN:  # pragma: no cover
         tokens = tokens[:]
@@ -325,9 +329,9 @@ def extra_keys_readable(
     mm_inputs: Sequence[MultiModalInput],
     start: int,
     end: int,
-) -> tuple[tuple[str, ...] | tuple[str, str, int], ...] | None:
+) -> tuple[ExtraKey, ...] | None:
     """The extra keys of one block in readable form, for KV events."""
-    keys: list = []
+    keys: list[ExtraKey] = []
     if lora_name is not None:
         keys.append(("lora", lora_name))
     for item in mm_inputs:
@@ -352,7 +356,7 @@ TOKEN_TYPECODE = _TOKEN_TYPECODE
 TOKEN_LIMIT = 2**32
 
 
-def to_token_array(token_ids: Iterable[int], what: str) -> array:
+def to_token_array(token_ids: Iterable[int], what: str) -> array[int]:
     """Token IDs as an ``array('I')``; anything else raises InvalidTokenError naming it."""
     if isinstance(token_ids, array) and token_ids.typecode == _TOKEN_TYPECODE:
         return array(_TOKEN_TYPECODE, token_ids)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from math import gcd
+from typing import TYPE_CHECKING, Any
 
 from kvpool.block import KVBlock
 from kvpool.block_pool import BlockPool
@@ -44,7 +45,11 @@ from kvpool.events import KVCacheEvent
 from kvpool.hashing import DEFAULT_HASH_SEED, BlockHasher, HashAlgo
 from kvpool.invariants import check_manager
 from kvpool.request import Request
+from kvpool.specs import KVCacheGroup
 from kvpool.stats import PrefixCacheStats, StatsCounter
+
+if TYPE_CHECKING:
+    from kvpool.eviction import FreeQueueFactory
 
 __all__ = ["HitBlocks", "KVCacheManager"]
 
@@ -160,8 +165,8 @@ class KVCacheManager:
         hash_seed: bytes = DEFAULT_HASH_SEED,
         enable_events: bool = False,
         max_model_len: int | None = None,
-        groups: Sequence | None = None,
-        eviction_policy=None,
+        groups: Sequence[KVCacheGroup] | None = None,
+        eviction_policy: FreeQueueFactory | None = None,
     ) -> None:
         if type(num_blocks) is not int or num_blocks < 2:
             raise ConfigError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {num_blocks!r}")
@@ -206,7 +211,7 @@ class KVCacheManager:
         self._stats = StatsCounter()
 
     @classmethod
-    def from_groups(cls, groups: Sequence, num_blocks: int, **kwargs) -> KVCacheManager:
+    def from_groups(cls, groups: Sequence[KVCacheGroup], num_blocks: int, **kwargs: Any) -> KVCacheManager:
         """A manager for a model's layer groups, hashing at the greatest common divisor of their block sizes.
 
         ``groups`` are ``KVCacheGroup`` objects, e.g. from
@@ -220,10 +225,9 @@ class KVCacheManager:
             raise ConfigError(
                 f"from_groups derives block_size from the groups; do not pass block_size={kwargs['block_size']!r}"
             )
-        sizes = [getattr(g, "block_size", None) for g in groups]
-        if not all(type(size) is int and size > 0 for size in sizes):
-            raise ConfigError(f"from_groups needs KVCacheGroup objects with positive block sizes, got {groups!r}")
-        return cls(num_blocks, gcd(*sizes), groups=groups, **kwargs)
+        if not all(isinstance(g, KVCacheGroup) for g in groups):
+            raise ConfigError(f"from_groups needs KVCacheGroup objects, got {groups!r}")
+        return cls(num_blocks, gcd(*(g.block_size for g in groups)), groups=groups, **kwargs)
 
     # -- sizes -------------------------------------------------------------------
 
@@ -274,7 +278,7 @@ class KVCacheManager:
             )
         pool = self.pool
         if not self.enable_caching:
-            empty = tuple([] for _ in self.groups)
+            empty: tuple[list[KVBlock], ...] = tuple([] for _ in self.groups)
             return HitBlocks(empty, 0, request, self, pool.num_evictions, pool.num_resets), 0
         request._bind(self.hasher)
         blocks, num_hit = self.coordinator.find_longest_cache_hit(request, request.num_tokens - 1)
@@ -353,7 +357,8 @@ class KVCacheManager:
                 held.computed = computed
                 new = single.grow(request.request_id, computed, total)
                 if new is None:
-                    return self._refuse(request, total, computed)
+                    self._refuse(request, total, computed)
+                    return None
                 if total > held.slots:
                     held.slots = total
                 if single.enable_caching:
@@ -417,7 +422,8 @@ class KVCacheManager:
             coordinator.remove_skipped_blocks(rid, computed)
             num_needed = coordinator.num_blocks_to_allocate(rid, need, None, total_computed, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:
-                return self._refuse(request, need, total_computed, num_encoder_tokens)
+                self._refuse(request, need, total_computed, num_encoder_tokens)
+                return None
             new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
             if need > held.slots:  # type: ignore[union-attr]
                 held.slots = need  # type: ignore[union-attr]
@@ -425,7 +431,8 @@ class KVCacheManager:
             hits = new_computed_blocks._blocks if new_computed_blocks is not None else None
             num_needed = coordinator.num_blocks_to_allocate(rid, need, hits, total_computed, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:
-                return self._refuse(request, need, total_computed, num_encoder_tokens)
+                self._refuse(request, need, total_computed, num_encoder_tokens)
+                return None
             coordinator.add_hit_blocks(rid, hits or tuple([] for _ in self.groups), total_computed)
             new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
             self._owners[rid] = _Held(request, total_computed, need)
@@ -505,7 +512,7 @@ class KVCacheManager:
             )
 
     def _refuse(self, request: Request, need: int, num_computed: int, num_encoder_tokens: int = 0) -> None:
-        """No room now. Raise instead if the step could never fit, even alone."""
+        """No room now (the caller answers None). Raise instead if the step could never fit, even alone."""
         most = self.coordinator.blocks_held_after(num_computed, need, num_encoder_tokens)
         if most > self.num_blocks - 1:
             encoder = f" and {num_encoder_tokens} encoder tokens" if num_encoder_tokens else ""
@@ -513,7 +520,6 @@ class KVCacheManager:
                 f"request {request.request_id!r} needs {most} blocks for {need} tokens{encoder}, "
                 f"but the pool has only {self.num_blocks - 1} usable blocks"
             )
-        return None
 
     # -- release ---------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ Both insert and evict whole runs of blocks in one call (``insert_run``,
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 from itertools import islice
 
 from kvpool.block import KVBlock
@@ -51,9 +52,9 @@ class PrefixIndex:
     def get(self, block_hash: BlockHash) -> KVBlock | None:
         """The earliest block cached under ``block_hash``, or None."""
         found = self._map.get(block_hash)
-        if found is None or found.__class__ is KVBlock:
-            return found  # type: ignore[return-value]
-        return next(iter(found.values()))  # type: ignore[union-attr]
+        if found is None or isinstance(found, KVBlock):
+            return found
+        return next(iter(found.values()))
 
     def longest_prefix(
         self, hashes: Sequence[BlockHash], contents: Sequence[bytes] | None, max_blocks: int
@@ -65,9 +66,9 @@ class PrefixIndex:
             found = get(block_hash)
             if found is None:
                 break
-            if found.__class__ is not KVBlock:
-                found = next(iter(found.values()))  # type: ignore[union-attr]
-            hits.append(found)  # type: ignore[arg-type]
+            if found.__class__ is not KVBlock:  # hot loop: cheaper than isinstance, invisible to mypy
+                found = next(iter(found.values()))  # type: ignore[union-attr]  # a dict of duplicates here
+            hits.append(found)  # type: ignore[arg-type]  # one block by now
         return hits
 
     def insert_run(
@@ -89,10 +90,10 @@ class PrefixIndex:
             block_hash = hashes[k]
             found = setdefault(block_hash, block)
             if found is not block:  # the hash is cached already: keep both, earliest first
-                if found.__class__ is KVBlock:
-                    m[block_hash] = {found.block_id: found, block.block_id: block}  # type: ignore[union-attr]
+                if isinstance(found, KVBlock):  # rare: a duplicate, so the clearer check
+                    m[block_hash] = {found.block_id: found, block.block_id: block}
                 else:
-                    found[block.block_id] = block  # type: ignore[index]
+                    found[block.block_id] = block
             block.block_hash = block_hash
             block.group_id = group_id
         return stop
@@ -103,27 +104,29 @@ class PrefixIndex:
         pop = m.pop
         for block in blocks:
             block_hash = block.block_hash
-            found = pop(block_hash, None)  # type: ignore[arg-type]
+            if block_hash is None:
+                raise InvariantViolation(f"block {block.block_id} is evicted but carries no hash")
+            found = pop(block_hash, None)
             if found is not block:
-                if found is None or found.__class__ is KVBlock or block.block_id not in found:  # type: ignore[operator]
-                    raise InvariantViolation(f"block {block.block_id} carries a hash the index does not map to it")
-                del found[block.block_id]  # type: ignore[union-attr]
-                if found:
-                    m[block_hash] = found  # type: ignore[index]
+                self._drop_duplicate(block, block_hash, found)
             block.block_hash = None
 
     def remove(self, block: KVBlock) -> None:
         """Drop ``block`` from the index (its hash stays on the block for the caller to clear)."""
         block_hash = block.block_hash
-        found = self._map.get(block_hash)  # type: ignore[arg-type]
-        if found is block:
-            del self._map[block_hash]  # type: ignore[arg-type]
-            return
-        if found is None or found.__class__ is KVBlock or block.block_id not in found:  # type: ignore[operator]
+        if block_hash is None:
+            raise InvariantViolation(f"block {block.block_id} is removed from the index but carries no hash")
+        found = self._map.pop(block_hash, None)
+        if found is not block:
+            self._drop_duplicate(block, block_hash, found)
+
+    def _drop_duplicate(self, block: KVBlock, block_hash: BlockHash, found: KVBlock | dict[int, KVBlock] | None) -> None:
+        """``block`` is one of several cached under ``block_hash`` (``found``, just popped): keep the others."""
+        if found is None or isinstance(found, KVBlock) or block.block_id not in found:
             raise InvariantViolation(f"block {block.block_id} carries a hash the index does not map to it")
-        del found[block.block_id]  # type: ignore[union-attr]
-        if not found:
-            del self._map[block_hash]  # type: ignore[arg-type]
+        del found[block.block_id]
+        if found:
+            self._map[block_hash] = found
 
     def clear(self) -> None:
         self._map.clear()
@@ -131,10 +134,10 @@ class PrefixIndex:
     def items(self) -> Iterator[tuple[BlockHash, KVBlock]]:
         """Every (hash, block) pair in the index."""
         for block_hash, found in self._map.items():
-            if found.__class__ is KVBlock:
-                yield block_hash, found  # type: ignore[misc]
+            if isinstance(found, KVBlock):
+                yield block_hash, found
             else:
-                for block in found.values():  # type: ignore[union-attr]
+                for block in found.values():
                     yield block_hash, block
 
 
@@ -168,7 +171,7 @@ class VerifiedPrefixIndex(PrefixIndex):
             raise InvariantViolation("verified lookup needs the request's block contents")
         get = self._map.get
         hits: list[KVBlock] = []
-        parent = None
+        parent: Any = None
         for k in range(min(max_blocks, len(hashes))):
             found = get(hashes[k])
             if found is None:
@@ -176,9 +179,9 @@ class VerifiedPrefixIndex(PrefixIndex):
             if found.__class__ is not KVBlock:
                 found = next(iter(found.values()))  # type: ignore[union-attr]  # duplicates share one seal
             seal = found.entry  # type: ignore[union-attr]  # every indexed block is sealed
-            if seal[1] is not parent or seal[0] != contents[k]:  # type: ignore[index]
+            if seal[1] is not parent or seal[0] != contents[k]:  # type: ignore[index]  # a seal is (content, parent seal)
                 break
-            hits.append(found)  # type: ignore[arg-type]
+            hits.append(found)  # type: ignore[arg-type]  # one block by now
             parent = seal
         return hits
 
@@ -209,20 +212,21 @@ class VerifiedPrefixIndex(PrefixIndex):
             if block.block_hash is not None:
                 raise InvariantViolation(f"block {block.block_id} is cached twice")
             block_hash = hashes[k]
-            content = contents[k]  # type: ignore[index]
+            content = contents[k]  # type: ignore[index]  # a sequence of bytes for the verified index
             found = get(block_hash)
+            seal: Any
             if found is None:
                 m[block_hash] = block
                 seal = (content, parent)
             else:
-                first = found if found.__class__ is KVBlock else next(iter(found.values()))  # type: ignore[union-attr]
-                seal = first.entry  # type: ignore[union-attr]
-                if seal[1] is not parent or seal[0] != content:  # type: ignore[index]
+                first = found if isinstance(found, KVBlock) else next(iter(found.values()))
+                seal = first.entry
+                if seal[1] is not parent or seal[0] != content:
                     return k  # a collision, or a lineage that was evicted and rebuilt
-                if found.__class__ is KVBlock:
-                    m[block_hash] = {found.block_id: found, block.block_id: block}  # type: ignore[union-attr]
+                if isinstance(found, KVBlock):  # rare: a duplicate, so the clearer check
+                    m[block_hash] = {found.block_id: found, block.block_id: block}
                 else:
-                    found[block.block_id] = block  # type: ignore[index]
+                    found[block.block_id] = block
             block.entry = seal
             block.block_hash = block_hash
             block.group_id = group_id

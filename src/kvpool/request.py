@@ -23,6 +23,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from kvpool.errors import InvalidTokenError, ReadOnlyFieldError, RequestStateError
 from kvpool.hashing import (
@@ -30,6 +31,7 @@ from kvpool.hashing import (
     TOKEN_TYPECODE,
     BlockHash,
     BlockHasher,
+    ExtraKey,
     MultiModalInput,
     extra_keys_readable,
     key_text_problem,
@@ -143,11 +145,25 @@ class Request:
 
     # -- fixed at construction ------------------------------------------------------
 
-    request_id = _fixed("request_id", "Unique among the requests that hold blocks.")
-    num_prompt_tokens = _fixed("num_prompt_tokens", "Length of the prompt.")
-    cache_salt = _fixed("cache_salt", "Tenant isolation key: enters the first block's hash.")
-    lora_name = _fixed("lora_name", "LoRA adapter: enters every block's hash.")
-    mm_inputs = _fixed("mm_inputs", "Multimodal items, sorted by offset: enter the blocks they overlap.")
+    if TYPE_CHECKING:  # what the read-only views below return, for the type checker
+
+        @property
+        def request_id(self) -> str: ...
+        @property
+        def num_prompt_tokens(self) -> int: ...
+        @property
+        def cache_salt(self) -> str | None: ...
+        @property
+        def lora_name(self) -> str | None: ...
+        @property
+        def mm_inputs(self) -> tuple[MultiModalInput, ...]: ...
+
+    else:  # C-level getters (``attrgetter``): these are read on every step
+        request_id = _fixed("request_id", "Unique among the requests that hold blocks.")
+        num_prompt_tokens = _fixed("num_prompt_tokens", "Length of the prompt.")
+        cache_salt = _fixed("cache_salt", "Tenant isolation key: enters the first block's hash.")
+        lora_name = _fixed("lora_name", "LoRA adapter: enters every block's hash.")
+        mm_inputs = _fixed("mm_inputs", "Multimodal items, sorted by offset: enter the blocks they overlap.")
 
     @property
     def block_hashes(self) -> list[BlockHash]:
@@ -165,16 +181,16 @@ class Request:
         return len(self._token_ids) - self.num_prompt_tokens
 
     @property
-    def all_token_ids(self) -> array:
+    def all_token_ids(self) -> array[int]:
         """Prompt and output token IDs (a copy, as an ``array('I')``)."""
         return self._token_ids[:]
 
     @property
-    def prompt_token_ids(self) -> array:
+    def prompt_token_ids(self) -> array[int]:
         return self._token_ids[: self.num_prompt_tokens]
 
     @property
-    def output_token_ids(self) -> array:
+    def output_token_ids(self) -> array[int]:
         return self._token_ids[self.num_prompt_tokens :]
 
     # -- growth --------------------------------------------------------------------
@@ -187,13 +203,13 @@ class Request:
                 raise InvalidTokenError(f"output token ID {token_ids} is out of range: token IDs must be in [0, 2**32)")
             tokens.append(token_ids)
         else:
-            tokens.extend(to_token_array(token_ids, "output token_ids"))
+            tokens.extend(to_token_array(token_ids, "output token_ids"))  # type: ignore[arg-type]  # a bool or other non-int is refused there
         if len(tokens) >= self._next_full:
             self._hash_new_blocks()
 
     # -- cache keys ---------------------------------------------------------------
 
-    def extra_keys(self, start: int, end: int) -> tuple | None:
+    def extra_keys(self, start: int, end: int) -> tuple[ExtraKey, ...] | None:
         """Readable extra keys of the block covering ``[start, end)`` (for KV events)."""
         return extra_keys_readable(self._lora_name, self._cache_salt, self._mm_inputs, start, end)
 
