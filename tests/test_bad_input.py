@@ -62,7 +62,7 @@ def test_bad_output_tokens_change_nothing(busy):
         ({"num_blocks": 8, "block_size": 0}, "block_size must be a positive integer, got 0"),
         ({"num_blocks": 8, "block_size": 2.0}, "block_size must be a positive integer, got 2.0"),
         ({"num_blocks": 8, "block_size": 4, "hash_algo": "crc32"}, "unknown hash algorithm 'crc32'"),
-        ({"num_blocks": 8, "block_size": 4, "max_model_len": 0}, "max_model_len must be a positive integer"),
+        ({"num_blocks": 8, "block_size": 4, "max_model_len": 0}, "max_model_len must be an integer >= 2, got 0"),
     ],
 )
 def test_bad_construction_is_named(kwargs, message):

@@ -178,7 +178,7 @@ def test_abort_frees_blocks():
 def test_bad_configuration_and_duplicates():
     with pytest.raises(ConfigError, match="max_num_batched_tokens must be a positive integer, got 0"):
         SchedulerConfig(max_num_batched_tokens=0)
-    with pytest.raises(ConfigError, match="max_tokens must be an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match="max_tokens must be a positive integer, got 0"):
         StopConditions(max_tokens=0)
     sched, _ = make()
     sched.add_request(Request("a", [1]), StopConditions())

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.block import KVBlock
 from kvpool.block_pool import BlockPool
+from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.coordinator import Coordinator, make_group_managers
 from kvpool.errors import CapacityError, ConfigError, RequestStateError
 from kvpool.events import KVCacheEvent
@@ -172,8 +173,8 @@ class KVCacheManager:
             raise ConfigError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {num_blocks!r}")
         if type(block_size) is not int or block_size < 1:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
-        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
-            raise ConfigError(f"max_model_len must be a positive integer or None, got {max_model_len!r}")
+        if max_model_len is not None:
+            check_int("max_model_len", max_model_len, minimum=MIN_MODEL_LEN)
         for name, flag in (("enable_caching", enable_caching), ("enable_events", enable_events)):
             if type(flag) is not bool:
                 raise ConfigError(f"{name} must be True or False, got {flag!r}")

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvpool.checks import MIN_MODEL_LEN
+from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.errors import CapacityError, ConfigError, InvalidTokenError, RequestStateError
 from kvpool.hashing import TOKEN_LIMIT, to_token_array
 from kvpool.manager import KVCacheManager
@@ -88,13 +88,10 @@ class SchedulerConfig:
     chunk_detail: ChunkDetail = ChunkDetail.FULL
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        max_model_len = self.max_model_len
-        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < MIN_MODEL_LEN):
-            raise ConfigError(f"max_model_len must be an integer >= {MIN_MODEL_LEN} or None, got {self.max_model_len!r}")
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, minimum=MIN_MODEL_LEN)
         if not isinstance(self.chunk_detail, ChunkDetail):
             raise ConfigError(f"chunk_detail must be a ChunkDetail, got {self.chunk_detail!r}")
 
@@ -109,8 +106,7 @@ class StopConditions:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_int("max_tokens", self.max_tokens)
         stops = self.stop_token_ids
         if isinstance(stops, Mapping):  # iterating a mapping would silently take its keys
             raise InvalidTokenError(f"stop_token_ids must be a collection of token IDs, got {stops!r}")
@@ -600,8 +596,7 @@ def run_to_completion(
     """Drive a scheduler until every request finished; ``sample`` plays the model."""
     if not callable(sample):
         raise ConfigError(f"sample must be callable, got {sample!r}")
-    if type(max_steps) is not int or max_steps < 1:
-        raise ConfigError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+    check_int("max_steps", max_steps)
     finished: list[RequestMetrics] = []
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
