@@ -126,7 +126,10 @@ def test_a_request_cannot_move_to_a_manager_with_other_hashing():
 def test_every_key_layout_hashes_like_the_per_block_definition(tokens, block_size, salt, lora, media, split, algo):
     """The fast paths (no keys, a LoRA suffix, a salted first block) equal the per-block definition."""
     items = tuple(
-        MultiModalInput(identifier=f"img{i}", offset=o, length=n) for i, (o, n) in enumerate(media) if o + n <= len(tokens)
+        sorted(
+            (MultiModalInput(identifier=f"img{i}", offset=o, length=n) for i, (o, n) in enumerate(media) if o + n <= len(tokens)),
+            key=lambda m: m.offset,
+        )
     )
     hasher = BlockHasher(block_size, algo)
     lk, sk = lora_key(lora), salt_key(salt)

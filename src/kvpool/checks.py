@@ -24,6 +24,6 @@ MIN_MODEL_LEN = 2
 def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     """``value`` when it is an ``int`` (not a ``bool``) of at least ``minimum``; ConfigError naming both otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        bound = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
         raise ConfigError(f"{name} must be {bound}, got {value!r}")
     return value

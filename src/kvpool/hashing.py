@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NewType, cast
 
+from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvalidTokenError
 
 __all__ = [
@@ -109,10 +110,8 @@ class MultiModalInput:
         problem = key_text_problem(self.identifier)
         if problem is not None:
             raise ConfigError(f"multimodal identifier must be {problem}")
-        if type(self.offset) is not int or self.offset < 0:
-            raise ConfigError(f"multimodal offset must be a non-negative integer, got {self.offset!r}")
-        if type(self.length) is not int or self.length < 1:
-            raise ConfigError(f"multimodal length must be a positive integer, got {self.length!r}")
+        check_int("multimodal offset", self.offset, minimum=0)
+        check_int("multimodal length", self.length)
 
 
 def key_text_problem(value: object) -> str | None:
@@ -153,8 +152,7 @@ class BlockHasher:
     def __init__(
         self, block_size: int, algo: HashAlgo | str = HashAlgo.SHA256, seed: bytes = DEFAULT_HASH_SEED
     ) -> None:
-        if type(block_size) is not int or block_size < 1:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        check_int("block_size", block_size)
         if not isinstance(seed, bytes | bytearray) or not seed:
             raise ConfigError(f"hash seed must be non-empty bytes, got {seed!r}")
         self.block_size = block_size

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from kvpool.checks import check_int
 from kvpool.errors import ConfigError
 from kvpool.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
@@ -113,8 +114,7 @@ class BlockTrace:
 
 
 def _check_block_size(block_size: object) -> int:
-    if type(block_size) is not int or block_size <= 0:
-        raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+    check_int("block_size", block_size)
     return block_size
 
 
@@ -222,8 +222,7 @@ def _as_block_trace(
 
 
 def _check_capacity(capacity_blocks: object) -> int:
-    if type(capacity_blocks) is not int or capacity_blocks < 0:
-        raise ConfigError(f"capacity_blocks must be a non-negative integer, got {capacity_blocks!r}")
+    check_int("capacity_blocks", capacity_blocks, minimum=0)
     return capacity_blocks
 
 

@@ -44,7 +44,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kvpool.errors import CapacityError, ConfigError
+from kvpool.checks import check_int
+from kvpool.errors import CapacityError
 from kvpool.eviction import FreeQueueFactory, resolve_policy
 from kvpool.hashing import HashAlgo
 from kvpool.manager import KVCacheManager
@@ -151,10 +152,8 @@ def replay_sequential(
     Cost: hashing every prompt block once, plus the manager's O(1) work per
     block looked up, allocated and freed (and the policy's per-block cost).
     """
-    if type(capacity_blocks) is not int or capacity_blocks < 1:
-        raise ConfigError(f"capacity_blocks must be a positive integer, got {capacity_blocks!r}")
-    if type(lookahead) is not int or lookahead < 0:
-        raise ConfigError(f"lookahead must be a non-negative integer, got {lookahead!r}")
+    check_int("capacity_blocks", capacity_blocks)
+    check_int("lookahead", lookahead, minimum=0)
     name, factory = resolve_policy(policy)
     manager = KVCacheManager(capacity_blocks + 1, block_size, hash_algo=hash_algo, eviction_policy=factory)
     algo = manager.hasher.algo.value

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from kvpool.checks import check_int
 from kvpool.errors import CapacityError, ConfigError
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
@@ -65,8 +66,7 @@ class SimulationConfig:
     usage_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if type(self.num_blocks) is not int or self.num_blocks < 2:
-            raise ConfigError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
+        check_int("num_blocks", self.num_blocks, minimum=2)
         interval = self.usage_interval_s
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 < interval < math.inf:
             raise ConfigError(f"usage_interval_s must be a finite number > 0, got {interval!r}")
