@@ -384,17 +384,20 @@ def run_production(args) -> None:
         f"at most {PRODUCTION_RUNNING} running; medians of {args.repeats} runs"
     )
     adapters = [KVPoolAdapter] + ([VLLMAdapter] if args.vs_vllm else [])
-    rows = []
-    for adapter_type in adapters:
-        runs = []
-        for _ in range(args.repeats):
+    # Each system once per round, rounds repeated, so load that comes and goes
+    # on a shared machine hits both alike.
+    runs: dict[str, list[dict]] = {a.name: [] for a in adapters}
+    for _ in range(args.repeats):
+        for adapter_type in adapters:
             adapter = adapter_type(PRODUCTION_BLOCKS)
             gc.collect()
             t = replay(adapter, conversations, max_running=PRODUCTION_RUNNING)
-            runs.append({**phase_totals(t), **summarize(t)})
-        result = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        result["spread"] = (min(r["total"] for r in runs), max(r["total"] for r in runs))
-        rows.append((adapter_type.name, result))
+            runs[adapter_type.name].append({**phase_totals(t), **summarize(t)})
+    rows = []
+    for name, results in runs.items():
+        result = {k: statistics.median(r[k] for r in results) for k in results[0]}
+        result["spread"] = (min(r["total"] for r in results), max(r["total"] for r in results))
+        rows.append((name, result))
     fields = [
         ("hashing s (prompt + append)", "hashing", "{:.3f}"),
         ("  prompt hashing s", "prompt hashing", "{:.3f}"),
@@ -459,7 +462,9 @@ def profile(fn, top: int) -> None:
     fn()
     prof.disable()
     print(f"\n-- cProfile of one kvpool run: top {top} functions by own time (tottime)")
-    pstats.Stats(prof).strip_dirs().sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    print(f"-- the same run, kvpool's own functions only: top {top} by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(r"src/kvpool/", top)
 
 
 # -- long prompts: the Mooncake conversation trace --------------------------------------
@@ -545,13 +550,12 @@ def run_long_prompts(args) -> None:
         f"{LONG_PROMPT_CACHE_TOKENS:,} tokens ({LONG_PROMPT_CACHE_TOKENS // BLOCK_SIZE:,} blocks of {BLOCK_SIZE}); "
         f"medians of {args.repeats} runs"
     )
-    rows = []
-    for algo in ("sha256", "xxh3_128"):
-        runs = []
-        for _ in range(args.repeats):
+    runs: dict[str, list[dict]] = {"sha256": [], "xxh3_128": []}
+    for _ in range(args.repeats):
+        for algo, results in runs.items():
             gc.collect()
-            runs.append(replay_long_prompts(prompts, algo))
-        rows.append((f"kvpool {algo}", median_runs(runs)))
+            results.append(replay_long_prompts(prompts, algo))
+    rows = [(f"kvpool {algo}", median_runs(results)) for algo, results in runs.items()]
     print_phase_table(rows)
     if args.profile:
         profile(lambda: replay_long_prompts(prompts, "sha256"), args.profile)

@@ -319,27 +319,27 @@ def main() -> None:
         f"tokens each on average), one at a time, prefill only, through {LONG_PROMPT_CACHE_TOKENS:,} tokens "
         f"of cache; medians of {args.repeats} runs"
     )
-    rows = []
-    for algo in ("sha256",) + (() if args.no_xxh3 else ("xxh3_128",)):
-        runs = []
-        for _ in range(args.repeats):
-            gc.collect()
-            runs.append(replay_long_prompts(prompts, algo))
-        rows.append((f"kvpool {algo} (block {BLOCK_SIZE})", median_runs(runs)))
+    # Every system once per round, rounds repeated: on a shared machine, load
+    # that comes and goes then hits every system alike.
+    systems = [(f"kvpool {algo} (block {BLOCK_SIZE})", lambda algo=algo: replay_long_prompts(prompts, algo))
+               for algo in ("sha256",) + (() if args.no_xxh3 else ("xxh3_128",))]
     if not args.no_sglang:
         sgl = import_sglang()
         import sglang
 
         q_prompts = [array("q", p) for p in prompts]  # SGLang keeps token IDs as array('q')
-        del prompts
         for page_size in (int(p) for p in args.page_sizes.split(",")):
             for page_alloc in (False, True) if page_size > 1 else (False,):
-                runs = []
-                for _ in range(args.repeats):
-                    gc.collect()
-                    runs.append(replay_sglang(sgl, q_prompts, page_size, page_alloc=page_alloc))
                 label = f"SGLang {sglang.__version__} page {page_size}" + (" (alloc)" if page_alloc else "")
-                rows.append((label, median_runs(runs)))
+                systems.append(
+                    (label, lambda ps=page_size, pa=page_alloc: replay_sglang(sgl, q_prompts, ps, page_alloc=pa))
+                )
+    runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
+    for _ in range(args.repeats):
+        for name, run in systems:
+            gc.collect()
+            runs[name].append(run())
+    rows = [(name, median_runs(runs[name])) for name, _ in systems]
     print_phase_table(rows)
     base = rows[0][1]["total_ns"]
     for name, r in rows[1:]:
