@@ -20,6 +20,11 @@ The batch runs ``--repeats`` times with new tokens; the table gives medians
 per request. Memory is the process's peak resident set so far (sizes run in
 increasing order, so the last column grows with the largest pool built yet).
 
+On a shared machine the load drifts over the minutes the large sizes take,
+so right after each size the same batch also runs on a fresh pool of 1,000
+cached blocks (the control); the "x control" column is the size's total over
+the control's, measured under the same load.
+
 Run::
 
     python benchmarks/bench_scaling.py                      # 10^3 .. 10^7 cached blocks
@@ -46,6 +51,7 @@ FILL_CHUNK_BLOCKS = 65_536
 REQUEST_BLOCKS = 128
 HIT_BLOCKS = 64
 PHASES = ("hash", "lookup", "allocate", "free")
+CONTROL_BLOCKS = 1_000
 
 
 def fill(mgr: KVCacheManager, num_blocks: int, token_base: int = 0) -> tuple[float, array]:
@@ -158,15 +164,21 @@ def main() -> None:
         f"kvpool, {REQUEST_BLOCKS}-block requests ({HIT_BLOCKS} hit, {REQUEST_BLOCKS - HIT_BLOCKS} new, each "
         f"evicting a cached block), {args.batch} per batch, medians of {args.repeats} batches; us per request"
     )
-    header = f"{'cached blocks':>14}" + "".join(f"{p:>10}" for p in (*PHASES, "total")) + f"{'fill s':>9}{'peak RSS MiB':>14}"
+    header = (
+        f"{'cached blocks':>14}" + "".join(f"{p:>10}" for p in (*PHASES, "total"))
+        + f"{'fill s':>9}{'peak RSS MiB':>14}{'control':>10}{'x control':>11}"
+    )
     print(header)
     rows = []
     for exp in range(args.min_exp, args.max_exp + 1):
         n = 10**exp
         r = measure(n, args.batch, args.repeats)
+        control = measure(CONTROL_BLOCKS, args.batch, args.repeats)
+        r["control"] = control["total"]
         rows.append((n, r))
         print(
-            f"{n:>14,}" + "".join(f"{r[p]:>10.1f}" for p in (*PHASES, "total")) + f"{r['fill_s']:>9.1f}{r['rss_mib']:>14,.0f}",
+            f"{n:>14,}" + "".join(f"{r[p]:>10.1f}" for p in (*PHASES, "total")) + f"{r['fill_s']:>9.1f}{r['rss_mib']:>14,.0f}"
+            f"{control['total']:>10.1f}{r['total'] / control['total']:>11.2f}",
             flush=True,
         )
     first, last = rows[0][1]["total"], rows[-1][1]["total"]
