@@ -20,6 +20,7 @@ LAYERS = {
     "events": 3,
     "model_config": 3,
     "request": 4,
+    "linked_blocks": 4,
     "recurrent_state": 4,
     "free_queue": 5,
     "prefix_index": 5,

@@ -1,4 +1,5 @@
-"""The linked free queue: order, O(1) removal, and the lazily created tail."""
+"""The linked free queue: order, O(1) removal, and the lazily created tail;
+the free list every policy is built on."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from kvpool.block import KVBlock
 from kvpool.errors import InvariantViolation
 from kvpool.free_queue import FreeBlockQueue
+from kvpool.linked_blocks import FreeList
 
 
 def make(num_blocks: int) -> tuple[FreeBlockQueue, list[KVBlock]]:
@@ -80,3 +82,58 @@ def test_a_million_block_queue_is_built_without_materialising_blocks():
     assert queue.num_free_blocks == 999_999
     assert len(blocks) == 1
     assert [b.block_id for b in queue.popleft_n(2)] == [1, 2]
+
+
+# -- the free list under every policy ----------------------------------------------
+
+
+def records(n: int) -> list[KVBlock]:
+    return [KVBlock(i) for i in range(n)]
+
+
+def test_a_list_without_a_range_starts_empty_and_keeps_insertion_order():
+    blocks = records(6)
+    free = FreeList(blocks, len(blocks))
+    assert free.num_free_blocks == 0 and free.num_never_used == 0 and list(free) == []
+    free.append(blocks[3])
+    free.append_n([blocks[1], blocks[4]])
+    free.prepend_n([blocks[5], blocks[2]])
+    assert [b.block_id for b in free] == list(free.block_ids()) == [5, 2, 3, 1, 4]
+    free.remove(blocks[3])
+    assert list(free.block_ids()) == [5, 2, 1, 4] and free.num_free_blocks == 4
+    free.check("test list")
+
+
+def test_iteration_skips_the_never_used_range_that_block_ids_spells_out():
+    blocks = records(3)
+    free = FreeList(blocks, 6)
+    free.prepend_n([blocks[2]])
+    free.append_n([blocks[1]])
+    assert list(free.block_ids()) == [2, 3, 4, 5, 1]
+    assert [b.block_id for b in free] == [2, 1]
+    assert free.num_free_blocks == 5 and free.num_never_used == 3
+
+
+def test_popleft_run_takes_the_front_up_to_a_key():
+    blocks = records(6)
+    free = FreeList(blocks, len(blocks))
+    free.append_n(blocks[1:])
+    keys = [0, 1, 1, 2, 5, 9]
+    out: list[KVBlock] = []
+    assert free.popleft_run(10, out, keys, 2) == 3
+    assert [b.block_id for b in out] == [1, 2, 3]
+    assert all(b.prev_free is None and b.next_free is None for b in out)
+    assert free.popleft_run(1, out, keys, 100) == 1  # n caps the run
+    assert free.popleft_run(5, out, keys, 100) == 1  # the tail ends it
+    assert free.popleft_run(5, out, keys, 100) == 0
+    assert [b.block_id for b in out] == [1, 2, 3, 4, 5] and free.num_free_blocks == 0
+    free.check()
+
+
+def test_check_names_the_broken_list():
+    blocks = records(4)
+    free = FreeList(blocks, len(blocks))
+    free.append_n(blocks[1:])
+    free.num_free_blocks += 1
+    with pytest.raises(InvariantViolation, match="class 2 holds 3 blocks, its count says 4"):
+        free.check("class 2")

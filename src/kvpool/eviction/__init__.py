@@ -17,6 +17,11 @@ rules with the default (vLLM's order, :class:`~kvpool.free_queue.FreeBlockQueue`
 Policies are deterministic (no wall-clock time, no randomness): their clocks
 count blocks handed out, so two identical replays give identical orders.
 
+Every policy keeps its free blocks in :class:`~kvpool.linked_blocks.FreeList`
+objects (linked through the block records, O(1) per block) and adds only its
+ordering rules: which list a released block joins, which list the next block
+comes from.
+
 Registry (:data:`POLICIES`, read-only):
 
 ========== ==================================================== ===============

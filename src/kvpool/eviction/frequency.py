@@ -66,6 +66,7 @@ from math import lcm
 from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.errors import ConfigError, InvariantViolation
 from kvpool.hashing import BlockHash
+from kvpool.linked_blocks import FreeList
 
 __all__ = ["DEFAULT_WEIGHTS", "FrequencyAgedQueue"]
 
@@ -87,20 +88,21 @@ class FrequencyAgedQueue:
         ghost_capacity: use counts remembered for evicted hashes (default:
             ``num_blocks``); 0 keeps no history.
 
-    Lists are threaded through the block records (``prev_free``/``next_free``)
-    between per-list sentinels, like the default queue. List ``K`` is reserved
-    for subclasses (kept after every class); list ``K + 1`` holds uncached blocks.
+    The free blocks sit in ``K + 2`` :class:`~kvpool.linked_blocks.FreeList`
+    objects: lists ``0 .. K-1`` are the classes, each in release order (the
+    release times along a list never decrease); list ``K`` is reserved for
+    subclasses (handed out after every class); list ``K + 1`` holds the
+    uncached blocks, newest first, with the never-used range behind them.
+    ``_where[block_id]`` names the list a free block is in.
     """
 
     __slots__ = (
         "num_free_blocks",
         "_blocks",
-        "_next_fresh",
-        "_end",
         "_k",
         "_mult",
-        "_heads",
-        "_tails",
+        "_lists",
+        "_uncached",
         "_where",
         "_stamp",
         "_uses",
@@ -108,7 +110,6 @@ class FrequencyAgedQueue:
         "_clock",
         "_ghost",
         "_ghost_capacity",
-        "_uncached",
     )
 
     def __init__(
@@ -131,22 +132,18 @@ class FrequencyAgedQueue:
         if type(ghost_capacity) is not int or ghost_capacity < 0:
             raise ConfigError(f"ghost_capacity must be a non-negative integer, got {ghost_capacity!r}")
         self._blocks = blocks
-        self._next_fresh = len(blocks)
-        self._end = num_blocks
-        self.num_free_blocks = max(0, num_blocks - self._next_fresh)
+        n = len(blocks)
+        self.num_free_blocks = max(0, num_blocks - n)
         k = len(weights)
         self._k = k
         scale = lcm(*weights)
         # Scaled ages compare as integers: age * (lcm / weight).
         self._mult = tuple(scale // w for w in weights)
-        num_lists = k + 2
-        self._heads = [KVBlock(-1) for _ in range(num_lists)]
-        self._tails = [KVBlock(-1) for _ in range(num_lists)]
-        for head, tail in zip(self._heads, self._tails, strict=True):
-            head.next_free = tail
-            tail.prev_free = head
+        # Classes and the reserved list start empty; the uncached list carries the
+        # never-used range, so prepended blocks go out before it and victims after.
+        self._lists = [FreeList(blocks, n) for _ in range(k + 1)]
+        self._lists.append(FreeList(blocks, max(num_blocks, n)))
         self._uncached = k + 1
-        n = len(blocks)
         self._where = [_NOWHERE] * n
         self._stamp = [0] * n
         self._uses = [0] * n
@@ -156,41 +153,38 @@ class FrequencyAgedQueue:
         self._ghost: OrderedDict[BlockHash, int] = OrderedDict()
         self._ghost_capacity = ghost_capacity
 
-    # -- list primitives (O(1)) --------------------------------------------------
+    # -- moves between lists (O(1)) ----------------------------------------------------
 
     def _append(self, block: KVBlock, where: int) -> None:
-        tail = self._tails[where]
-        prev = tail.prev_free
-        prev.next_free = block  # type: ignore[union-attr]
-        block.prev_free = prev
-        block.next_free = tail
-        tail.prev_free = block
-        self._where[block.block_id] = where
-        self._stamp[block.block_id] = self._clock
+        """Put a block at the back of list ``where``, released now."""
+        self._lists[where].append(block)
+        bid = block.block_id
+        self._where[bid] = where
+        self._stamp[bid] = self._clock
 
     def _unlink(self, block: KVBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        prev.next_free = nxt  # type: ignore[union-attr]
-        nxt.prev_free = prev  # type: ignore[union-attr]
-        block.prev_free = block.next_free = None
-        self._where[block.block_id] = _NOWHERE
+        """Take a free block out of its list (the free count is the caller's)."""
+        bid = block.block_id
+        self._lists[self._where[bid]].remove(block)
+        self._where[bid] = _NOWHERE
 
     # -- use counts ----------------------------------------------------------------
 
-    def _count_of(self, block: KVBlock) -> int:
-        """The block's use count, starting it (from the ghost table) if its content is new."""
-        bid = block.block_id
-        block_hash = block.block_hash
+    def _count_of(self, bid: int, block_hash: BlockHash) -> int:
+        """Block ``bid``'s use count, starting it (from the ghost table) if its content is new."""
         if self._owner[bid] != block_hash:
             self._owner[bid] = block_hash
-            self._uses[bid] = self._ghost.pop(block_hash, 0) + 1  # type: ignore[arg-type]
+            self._uses[bid] = self._ghost.pop(block_hash, 0) + 1
         return self._uses[bid]
 
     def _forget_all(self, blocks: list[KVBlock]) -> None:
-        """Blocks taken for new data: remember each count under its hash, then reset. O(k)."""
+        """Blocks handed out for new data: in no list now; remember each count under
+        its hash, then reset it. O(k)."""
         owner, uses, ghost, capacity = self._owner, self._uses, self._ghost, self._ghost_capacity
+        where = self._where
         for block in blocks:
             bid = block.block_id
+            where[bid] = _NOWHERE
             block_hash = owner[bid]
             if block_hash is None:
                 continue
@@ -206,9 +200,10 @@ class FrequencyAgedQueue:
         """Count one more use of each hit block (free or in use). O(len(blocks))."""
         uses = self._uses
         for block in blocks:
-            if block.block_id == NULL_BLOCK_ID or block.block_hash is None:
+            block_hash = block.block_hash
+            if block.block_id == NULL_BLOCK_ID or block_hash is None:
                 continue
-            self._count_of(block)
+            self._count_of(block.block_id, block_hash)
             uses[block.block_id] += 1
 
     def use_count(self, block: KVBlock) -> int:
@@ -222,16 +217,12 @@ class FrequencyAgedQueue:
 
     def _place_cached(self, blocks: list[KVBlock], classes: list[int]) -> None:
         """Append released cached blocks to their lists (subclasses may redirect some). O(k)."""
-        tails, where, stamp, clock = self._tails, self._where, self._stamp, self._clock
+        lists, where, stamp, clock = self._lists, self._where, self._stamp, self._clock
         for block, cls in zip(blocks, classes, strict=True):
-            tail = tails[cls]
-            prev = tail.prev_free
-            prev.next_free = block  # type: ignore[union-attr]
-            block.prev_free = prev
-            block.next_free = tail
-            tail.prev_free = block
-            where[block.block_id] = cls
-            stamp[block.block_id] = clock
+            lists[cls].append(block)
+            bid = block.block_id
+            where[bid] = cls
+            stamp[bid] = clock
 
     def release(self, reuse_first: list[KVBlock], reuse_last: list[KVBlock]) -> None:
         """Uncached blocks to the front (``reuse_first[0]`` reused first); cached ones to their class.
@@ -269,17 +260,10 @@ class FrequencyAgedQueue:
         if not blocks:
             return
         where = self._uncached
-        head = self._heads[where]
-        first = head.next_free
-        prev = head
+        self._lists[where].prepend_n(blocks)
         marks = self._where
         for block in blocks:
-            prev.next_free = block
-            block.prev_free = prev
             marks[block.block_id] = where
-            prev = block
-        prev.next_free = first
-        first.prev_free = prev  # type: ignore[union-attr]
         self.num_free_blocks += len(blocks)
 
     def append_n(self, blocks: list[KVBlock]) -> None:
@@ -289,34 +273,32 @@ class FrequencyAgedQueue:
     def remove(self, block: KVBlock) -> None:
         """Take a free block out of whichever list holds it (a prefix hit). O(1)."""
         bid = block.block_id
-        if bid >= len(self._where) or self._where[bid] == _NOWHERE or block.prev_free is None:
+        where = self._where
+        if bid >= len(where) or where[bid] == _NOWHERE:
             raise InvariantViolation(f"block {bid} is not in the free queue")
-        self._unlink(block)
+        self._lists[where[bid]].remove(block)
+        where[bid] = _NOWHERE
         self.num_free_blocks -= 1
 
-    def _materialise(self, n: int) -> list[KVBlock]:
-        start = self._next_fresh
-        stop = min(self._end, start + n)
-        new = [KVBlock(i) for i in range(start, stop)]
-        self._blocks.extend(new)
-        count = stop - start
+    def _grow(self) -> None:
+        """Per-block entries for records the uncached list just materialised (in no list)."""
+        count = len(self._blocks) - len(self._where)
         self._where.extend([_NOWHERE] * count)
         self._stamp.extend([0] * count)
         self._uses.extend([0] * count)
         self._owner.extend([None] * count)
-        self._next_fresh = stop
-        return new
 
     def _pick_class(self) -> tuple[int, int, int]:
         """``(class, runner-up scaled age, runner-up class)`` of the next victim; class -1 if none."""
-        clock, stamp, mult = self._clock, self._stamp, self._mult
+        clock, stamp, mult, lists = self._clock, self._stamp, self._mult, self._lists
         best = second_cls = -1
         best_v = second_v = -1
         for c in range(self._k):
-            head = self._heads[c].next_free
-            if head is self._tails[c]:
+            lst = lists[c]
+            head = lst.head.next_free
+            if head is lst.tail:
                 continue
-            v = (clock - stamp[head.block_id]) * mult[c]  # type: ignore[union-attr]
+            v = (clock - stamp[head.block_id]) * mult[c]
             if v > best_v:
                 second_v, second_cls = best_v, best
                 best_v, best = v, c
@@ -327,31 +309,18 @@ class FrequencyAgedQueue:
     def _take_victims(self, n: int, out: list[KVBlock]) -> int:
         """Move up to ``n`` cached victims into ``out``; return how many. O(n + K x runs)."""
         taken = 0
-        stamp, clock, where = self._stamp, self._clock, self._where
+        clock, stamp, mult, lists = self._clock, self._stamp, self._mult, self._lists
         while taken < n:
             cls, second_v, second_cls = self._pick_class()
             if cls < 0:
                 break
-            m = self._mult[cls]
-            head, tail = self._heads[cls], self._tails[cls]
-            node = head.next_free
-            run = 0
             # Consecutive blocks of one class keep winning while their scaled age
-            # beats the runner-up's head (ties go to the lower class).
-            while taken < n and node is not tail:
-                if run:
-                    v = (clock - stamp[node.block_id]) * m  # type: ignore[union-attr]
-                    if v < second_v or (v == second_v and second_cls < cls):
-                        break
-                nxt = node.next_free  # type: ignore[union-attr]
-                node.prev_free = node.next_free = None  # type: ignore[union-attr]
-                where[node.block_id] = _NOWHERE  # type: ignore[union-attr]
-                out.append(node)  # type: ignore[arg-type]
-                node = nxt
-                taken += 1
-                run += 1
-            head.next_free = node
-            node.prev_free = head  # type: ignore[union-attr]
+            # beats the runner-up's head, ties going to the lower class:
+            # (clock - released) * mult >= need. Release times grow along the list,
+            # so the winners are its front up to release time clock - ceil(need / mult);
+            # the head itself always qualifies (it won the pick).
+            need = second_v if cls < second_cls else second_v + 1
+            taken += lists[cls].popleft_run(n - taken, out, stamp, clock + (-need // mult[cls]))
         return taken
 
     def _take_last_resort(self, n: int, out: list[KVBlock]) -> int:
@@ -362,25 +331,12 @@ class FrequencyAgedQueue:
         """Hand out ``n`` blocks: uncached, then never used, then victims by scaled age."""
         if n > self.num_free_blocks or n < 0:
             raise InvariantViolation(f"asked the free queue for {n} blocks, it holds {self.num_free_blocks}")
-        out: list[KVBlock] = []
-        left = n
-        uncached = self._uncached
-        head, tail = self._heads[uncached], self._tails[uncached]
-        node = head.next_free
-        where = self._where
-        while left and node is not tail:
-            nxt = node.next_free  # type: ignore[union-attr]
-            node.prev_free = node.next_free = None  # type: ignore[union-attr]
-            where[node.block_id] = _NOWHERE  # type: ignore[union-attr]
-            out.append(node)  # type: ignore[arg-type]
-            node = nxt
-            left -= 1
-        head.next_free = node
-        node.prev_free = head  # type: ignore[union-attr]
-        if left and self._next_fresh < self._end:
-            fresh = self._materialise(left)
-            out.extend(fresh)
-            left -= len(fresh)
+        uncached = self._lists[self._uncached]
+        first = min(n, uncached.num_free_blocks)
+        out = uncached.popleft_n(first)
+        if len(self._blocks) > len(self._where):
+            self._grow()
+        left = n - first
         if left:
             left -= self._take_victims(left, out)
             if left:
@@ -397,39 +353,32 @@ class FrequencyAgedQueue:
     # -- inspection ------------------------------------------------------------------
 
     def _walk(self, where: int) -> Iterator[KVBlock]:
-        node = self._heads[where].next_free
-        tail = self._tails[where]
-        while node is not tail:
-            yield node  # type: ignore[misc]
-            node = node.next_free  # type: ignore[union-attr]
+        return iter(self._lists[where])
 
     def _victim_order(self) -> Iterator[KVBlock]:
         """The cached blocks in the order :meth:`popleft_n` would take them. O(n K)."""
         clock, stamp, mult = self._clock, self._stamp, self._mult
-        cursors = [self._heads[c].next_free for c in range(self._k)]
+        walks = [iter(self._lists[c]) for c in range(self._k)]
+        fronts = [next(walk, None) for walk in walks]
         while True:
-            best, best_v = -1, -1
-            for c in range(self._k):
-                node = cursors[c]
-                if node is self._tails[c]:
+            best, best_v, victim = -1, -1, None
+            for c, node in enumerate(fronts):
+                if node is None:
                     continue
-                v = (clock - stamp[node.block_id]) * mult[c]  # type: ignore[union-attr]
+                v = (clock - stamp[node.block_id]) * mult[c]
                 if v > best_v:
-                    best, best_v = c, v
-            if best < 0:
+                    best, best_v, victim = c, v, node
+            if victim is None:
                 return
-            node = cursors[best]
-            yield node  # type: ignore[misc]
-            cursors[best] = node.next_free  # type: ignore[union-attr]
+            yield victim
+            fronts[best] = next(walks[best], None)
 
     def _last_resort_order(self) -> Iterator[KVBlock]:
         return iter(())
 
     def block_ids(self) -> Iterator[int]:
         """Free block IDs in hand-out order, front to back (the merge is O(n K))."""
-        for block in self._walk(self._uncached):
-            yield block.block_id
-        yield from range(self._next_fresh, self._end)
+        yield from self._lists[self._uncached].block_ids()  # uncached, then never used
         for block in self._victim_order():
             yield block.block_id
         for block in self._last_resort_order():
@@ -437,12 +386,12 @@ class FrequencyAgedQueue:
 
     def materialised_free_blocks(self) -> Iterator[KVBlock]:
         """Every free block that has a record, list by list."""
-        for where in range(self._k + 2):
-            yield from self._walk(where)
+        for free_list in self._lists:
+            yield from free_list
 
     @property
     def num_never_used(self) -> int:
-        return self._end - self._next_fresh
+        return self._lists[self._uncached].num_never_used
 
     @property
     def clock(self) -> int:
@@ -450,32 +399,24 @@ class FrequencyAgedQueue:
         return self._clock
 
     def check(self) -> None:
-        """Verify every list in O(n): links agree both ways, membership marks match,
-        release times never decrease along a list, and the count adds up."""
+        """Verify every list in O(n): links agree both ways and match each list's
+        count, membership marks match, release times never decrease along a
+        class list, and the counts add up."""
         seen = 0
-        limit = self.num_free_blocks + 1
-        for where in range(self._k + 2):
-            node = self._heads[where]
-            tail = self._tails[where]
+        marks, stamps = self._where, self._stamp
+        for where, free_list in enumerate(self._lists):
+            free_list.check(f"free list {where}")
             last_stamp = -1
-            while node is not tail:
-                nxt = node.next_free
-                if nxt is None or nxt.prev_free is not node:
-                    raise InvariantViolation(f"free list {where} links broken after block {node.block_id}")
-                if nxt is not tail:
-                    bid = nxt.block_id
-                    if bid < 0 or bid >= len(self._where) or self._where[bid] != where:
-                        raise InvariantViolation(f"block {bid} is in free list {where} but marked otherwise")
-                    if where != self._uncached:
-                        if self._stamp[bid] < last_stamp:
-                            raise InvariantViolation(f"free list {where} is out of release order at block {bid}")
-                        last_stamp = self._stamp[bid]
-                    seen += 1
-                    limit -= 1
-                    if limit < 0:
-                        raise InvariantViolation("free lists are longer than the count (a cycle or a lost count)")
-                node = nxt
-        marked = sum(1 for w in self._where if w != _NOWHERE)
+            for block in free_list:
+                bid = block.block_id
+                if bid < 0 or bid >= len(marks) or marks[bid] != where:
+                    raise InvariantViolation(f"block {bid} is in free list {where} but marked otherwise")
+                if where != self._uncached:
+                    if stamps[bid] < last_stamp:
+                        raise InvariantViolation(f"free list {where} is out of release order at block {bid}")
+                    last_stamp = stamps[bid]
+                seen += 1
+        marked = sum(1 for w in marks if w != _NOWHERE)
         if marked != seen:
             raise InvariantViolation(f"{marked} blocks are marked free but the lists hold {seen}")
         if seen + self.num_never_used != self.num_free_blocks:

@@ -129,15 +129,17 @@ class WaitingAwareQueue(FrequencyAgedQueue):
     def _place_cached(self, blocks: list[KVBlock], classes: list[int]) -> None:
         """Released cached blocks: protected hashes to the protected list, the rest to their class."""
         protected, by_hash, last = self._protected, self._free_by_hash, self._k
+        lists, where, stamp, clock = self._lists, self._where, self._stamp, self._clock
         for block, cls in zip(blocks, classes, strict=True):
             block_hash = block.block_hash
-            if block_hash is None:
-                self._append(block, cls)
-                continue
-            tracked = by_hash.setdefault(block_hash, block) is block
             # Only the tracked copy of a hash is protected (a duplicate would stay
             # protected with no way to find it when protection ends).
-            self._append(block, last if tracked and block_hash in protected else cls)
+            if block_hash is not None and by_hash.setdefault(block_hash, block) is block and block_hash in protected:
+                cls = last
+            lists[cls].append(block)
+            bid = block.block_id
+            where[bid] = cls
+            stamp[bid] = clock
 
     def _untrack(self, block: KVBlock) -> None:
         owner = self._owner[block.block_id]
@@ -156,20 +158,10 @@ class WaitingAwareQueue(FrequencyAgedQueue):
 
     def _take_last_resort(self, n: int, out: list[KVBlock]) -> int:
         """Protected blocks, oldest protection first, once nothing else is left."""
-        where = self._k
-        head, tail = self._heads[where], self._tails[where]
-        node = head.next_free
-        taken = 0
-        marks = self._where
-        while taken < n and node is not tail:
-            nxt = node.next_free  # type: ignore[union-attr]
-            node.prev_free = node.next_free = None  # type: ignore[union-attr]
-            marks[node.block_id] = -1  # type: ignore[union-attr]
-            out.append(node)  # type: ignore[arg-type]
-            node = nxt
-            taken += 1
-        head.next_free = node
-        node.prev_free = head  # type: ignore[union-attr]
+        protected = self._lists[self._k]
+        taken = min(n, protected.num_free_blocks)
+        if taken:
+            out.extend(protected.popleft_n(taken))
         return taken
 
     def _last_resort_order(self) -> Iterator[KVBlock]:
