@@ -207,9 +207,7 @@ class Timings:
         return sum(sum(v) for v in self.ns.values()) / 1e9
 
 
-def replay(
-    adapter, conversations: list[Conversation], record: bool = False, max_running: int = MAX_RUNNING
-) -> Timings:
+def replay(adapter, conversations: list[Conversation], record: bool = False, max_running: int = MAX_RUNNING) -> Timings:
     t = Timings()
     clock = time.perf_counter_ns
     waiting: deque = deque()
@@ -419,7 +417,16 @@ def run_production(args) -> None:
     print(f"{'':32}" + "".join(f"{n:>14}" for n in names) + ("       ratio" if len(rows) == 2 else ""))
     for label, key, fmt in fields:
         line = f"{label:32}" + "".join(f"{fmt.format(r[key]):>14}" for _, r in rows)
-        if len(rows) == 2 and key in ("hashing", "prompt hashing", "append+hash", "lookup", "allocate", "free", "manager", "total"):
+        if len(rows) == 2 and key in (
+            "hashing",
+            "prompt hashing",
+            "append+hash",
+            "lookup",
+            "allocate",
+            "free",
+            "manager",
+            "total",
+        ):
             a, b = rows[0][1][key], rows[1][1][key]
             line += f"{b / a:>11.2f}x" if a else ""
         print(line)
@@ -428,7 +435,9 @@ def run_production(args) -> None:
         print(f"{name}: manager + hashing over the {args.repeats} runs: {lo:.3f} .. {hi:.3f} s")
     if args.vs_vllm:
         kv, vl = rows[0][1], rows[1][1]
-        print(f"kvpool / vLLM, manager + hashing: x{vl['total'] / kv['total']:.2f} (manager alone x{vl['manager'] / kv['manager']:.2f}, hashing x{vl['hashing'] / kv['hashing']:.2f})")
+        print(
+            f"kvpool / vLLM, manager + hashing: x{vl['total'] / kv['total']:.2f} (manager alone x{vl['manager'] / kv['manager']:.2f}, hashing x{vl['hashing'] / kv['hashing']:.2f})"
+        )
         compare_decisions(
             lambda: KVPoolAdapter(PRODUCTION_BLOCKS),
             lambda: VLLMAdapter(PRODUCTION_BLOCKS),
@@ -436,7 +445,10 @@ def run_production(args) -> None:
             PRODUCTION_RUNNING,
         )
     if args.profile:
-        profile(lambda: replay(KVPoolAdapter(PRODUCTION_BLOCKS), conversations, max_running=PRODUCTION_RUNNING), args.profile)
+        profile(
+            lambda: replay(KVPoolAdapter(PRODUCTION_BLOCKS), conversations, max_running=PRODUCTION_RUNNING),
+            args.profile,
+        )
 
 
 def compare_decisions(make_a, make_b, conversations, max_running: int = MAX_RUNNING) -> bool:
@@ -447,7 +459,9 @@ def compare_decisions(make_a, make_b, conversations, max_running: int = MAX_RUNN
     print(f"decisions identical: {same} ({admissions:,} admissions, {len(a):,} decisions compared)")
     if not same:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        print(f"first difference at decision {first}: kvpool {a[first] if first < len(a) else None} vs vLLM {b[first] if first < len(b) else None}")
+        print(
+            f"first difference at decision {first}: kvpool {a[first] if first < len(a) else None} vs vLLM {b[first] if first < len(b) else None}"
+        )
     return same
 
 
@@ -469,7 +483,9 @@ def profile(fn, top: int) -> None:
 
 # -- long prompts: the Mooncake conversation trace --------------------------------------
 
-DEFAULT_TRACE = (Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "conversation_trace.jsonl").resolve()
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
+).resolve()
 LONG_PROMPT_CACHE_TOKENS = 512_000
 LONG_PROMPT_PHASES = ("hash", "lookup", "allocate", "free")
 
@@ -538,7 +554,9 @@ def print_phase_table(rows: list[tuple[str, dict]]) -> None:
         n = r["requests"]
         phases = "  ".join(f"{k} {v / 1e9:.3f}" for k, v in r["ns"].items())
         lo, hi = r["spread_ns"]
-        print(f"{name:{width}}{phases:>52}{r['total_ns'] / 1e3 / n:>12.1f}{r['hits'] / r['tokens']:>10.4f}{f'{lo / 1e9:.2f}..{hi / 1e9:.2f}':>16}")
+        print(
+            f"{name:{width}}{phases:>52}{r['total_ns'] / 1e3 / n:>12.1f}{r['hits'] / r['tokens']:>10.4f}{f'{lo / 1e9:.2f}..{hi / 1e9:.2f}':>16}"
+        )
 
 
 def run_long_prompts(args) -> None:
@@ -569,7 +587,9 @@ def main() -> None:
     parser.add_argument("--vs-vllm", action="store_true", help="also run vLLM's manager and compare decisions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake trace for --workload long-prompts")
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="also profile one kvpool run; print the top N functions")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="also profile one kvpool run; print the top N functions"
+    )
     args = parser.parse_args()
     if args.workload == "production":
         return run_production(args)

@@ -240,7 +240,9 @@ def replay_sglang(
     else:
         allocator = sgl.PagedTokenToKVPoolAllocator(cache_tokens, page_size, torch.int64, "cpu", None, False)
     tree = sgl.RadixCache(
-        sgl.CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size)
+        sgl.CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size
+        )
     )
     RadixKey, MatchPrefixParams, InsertParams = sgl.RadixKey, sgl.MatchPrefixParams, sgl.InsertParams
     alloc_token_slots, alloc_paged = sgl.alloc_token_slots, sgl.alloc_paged_token_slots_extend
@@ -321,8 +323,10 @@ def main() -> None:
     )
     # Every system once per round, rounds repeated: on a shared machine, load
     # that comes and goes then hits every system alike.
-    systems = [(f"kvpool {algo} (block {BLOCK_SIZE})", lambda algo=algo: replay_long_prompts(prompts, algo))
-               for algo in ("sha256",) + (() if args.no_xxh3 else ("xxh3_128",))]
+    systems = [
+        (f"kvpool {algo} (block {BLOCK_SIZE})", lambda algo=algo: replay_long_prompts(prompts, algo))
+        for algo in ("sha256",) + (() if args.no_xxh3 else ("xxh3_128",))
+    ]
     if not args.no_sglang:
         sgl = import_sglang()
         import sglang

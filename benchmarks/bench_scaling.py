@@ -165,7 +165,8 @@ def main() -> None:
         f"evicting a cached block), {args.batch} per batch, medians of {args.repeats} batches; us per request"
     )
     header = (
-        f"{'cached blocks':>14}" + "".join(f"{p:>10}" for p in (*PHASES, "total"))
+        f"{'cached blocks':>14}"
+        + "".join(f"{p:>10}" for p in (*PHASES, "total"))
         + f"{'fill s':>9}{'peak RSS MiB':>14}{'control':>10}{'x control':>11}"
     )
     print(header)
@@ -177,7 +178,9 @@ def main() -> None:
         r["control"] = control["total"]
         rows.append((n, r))
         print(
-            f"{n:>14,}" + "".join(f"{r[p]:>10.1f}" for p in (*PHASES, "total")) + f"{r['fill_s']:>9.1f}{r['rss_mib']:>14,.0f}"
+            f"{n:>14,}"
+            + "".join(f"{r[p]:>10.1f}" for p in (*PHASES, "total"))
+            + f"{r['fill_s']:>9.1f}{r['rss_mib']:>14,.0f}"
             f"{control['total']:>10.1f}{r['total'] / control['total']:>11.2f}",
             flush=True,
         )

@@ -112,7 +112,9 @@ def main() -> None:
         size, counts = record(family, scenarios, args.out)
         total += size
         summary = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        print(f"{family}: {len(scenarios)} scenarios, {size / 1024:.0f} KiB, {time.perf_counter() - start:.1f} s; {summary}")
+        print(
+            f"{family}: {len(scenarios)} scenarios, {size / 1024:.0f} KiB, {time.perf_counter() - start:.1f} s; {summary}"
+        )
     print(f"total {total / 1024:.0f} KiB in {args.out}")
 
 

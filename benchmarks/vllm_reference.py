@@ -21,7 +21,9 @@ from collections.abc import Sequence
 GroupKind = tuple[str, int, int | None]  # ("full", block_size, None) | ("sw", bs, window) | ("cl", bs, chunk)
 
 
-def build_vllm_manager(num_blocks: int, kinds: Sequence[GroupKind], max_model_len: int = 1 << 20, log_stats: bool = False):
+def build_vllm_manager(
+    num_blocks: int, kinds: Sequence[GroupKind], max_model_len: int = 1 << 20, log_stats: bool = False
+):
     """vLLM's KVCacheManager for the given layer groups, and a factory of its requests.
 
     ``kinds`` holds one ``(kind, block_size, parameter)`` per group: ``("full",
@@ -88,7 +90,9 @@ class VLLMManager:
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.utils.hashing import get_hash_fn_by_name
 
-        self._mgr, self._make = build_vllm_manager(num_blocks, [("full", block_size, None)], max_model_len, log_stats=True)
+        self._mgr, self._make = build_vllm_manager(
+            num_blocks, [("full", block_size, None)], max_model_len, log_stats=True
+        )
         self._hasher = get_request_block_hasher(block_size, get_hash_fn_by_name("sha256"))
 
     def make_request(self, request_id: str, token_ids: Sequence[int]):

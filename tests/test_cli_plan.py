@@ -37,8 +37,15 @@ def test_table_shows_every_term_and_marks_estimates() -> None:
     result = run("--config", "llama-3.1-8b", "--gpu-memory", "80GB")
     assert result.exit_code == 0, result.output
     out = result.stdout
-    for label in ("GPU memory", "x gpu_memory_utilization 0.9", "- weights", "- activations", "- other overhead",
-                  "= KV cache budget", "/ pool block bytes"):
+    for label in (
+        "GPU memory",
+        "x gpu_memory_utilization 0.9",
+        "- weights",
+        "- activations",
+        "- other overhead",
+        "= KV cache budget",
+        "/ pool block bytes",
+    ):
         assert label in out
     assert "80,000,000,000" in out and "72,000,000,000" in out
     assert out.count("estimate:") == 3
@@ -46,8 +53,19 @@ def test_table_shows_every_term_and_marks_estimates() -> None:
 
 
 def test_fp8_tp_and_block_size_options() -> None:
-    result = run("--config", "llama-3.1-8b", *EXACT_40GIB, "--kv-cache-dtype", "fp8", "--tp", "2",
-                 "--block-size", "32", "--max-model-len", "8192")
+    result = run(
+        "--config",
+        "llama-3.1-8b",
+        *EXACT_40GIB,
+        "--kv-cache-dtype",
+        "fp8",
+        "--tp",
+        "2",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "8192",
+    )
     assert result.exit_code == 0, result.output
     # per GPU: 32 layers x 2 x 32 tokens x 4 heads x 128 x 1 byte = 1 MiB per block
     assert "= 40,960 blocks" in result.stdout
@@ -60,15 +78,32 @@ def test_json_output() -> None:
     result = run("--config", "gemma-3-12b", *EXACT_40GIB, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    for key in ("model", "groups", "budget", "num_blocks", "pool_block_bytes", "kv_cache_tokens",
-                "max_concurrency", "blocks_per_request", "fits_max_model_len", "max_fitting_model_len",
-                "capacity_line", "notes"):
+    for key in (
+        "model",
+        "groups",
+        "budget",
+        "num_blocks",
+        "pool_block_bytes",
+        "kv_cache_tokens",
+        "max_concurrency",
+        "blocks_per_request",
+        "fits_max_model_len",
+        "max_fitting_model_len",
+        "capacity_line",
+        "notes",
+    ):
         assert key in data
     assert data["num_blocks"] == 40 * 2**30 // (8 * 131_072)
     assert [g["kind"] for g in data["groups"]] == ["sliding_window"] * 5 + ["full_attention"]
     assert data["groups"][0]["spec"]["sliding_window"] == 1024
-    assert set(data["budget"]) >= {"gpu_memory_bytes", "usable_bytes", "weights", "activations", "other",
-                                   "kv_budget_bytes"}
+    assert set(data["budget"]) >= {
+        "gpu_memory_bytes",
+        "usable_bytes",
+        "weights",
+        "activations",
+        "other",
+        "kv_budget_bytes",
+    }
 
 
 def test_list_shipped_configs() -> None:
@@ -109,10 +144,14 @@ def _missing_field_config(tmp_path: Path) -> str:
         (["--config", "llama-3.1-8b", "--gpu-memory", "eighty"], "--gpu-memory 'eighty'"),
         (["--config", "llama-3.1-8b", "--gpu-memory", "-80GB"], "must not be negative"),
         (["--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--weights-memory", "100GB"], "weights"),
-        (["--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--gpu-memory-utilization", "1.5"],
-         "gpu_memory_utilization must be in (0, 1], got 1.5"),
-        (["--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--gpu-memory-utilization", "0"],
-         "gpu_memory_utilization"),
+        (
+            ["--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--gpu-memory-utilization", "1.5"],
+            "gpu_memory_utilization must be in (0, 1], got 1.5",
+        ),
+        (
+            ["--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--gpu-memory-utilization", "0"],
+            "gpu_memory_utilization",
+        ),
         (["--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--tp", "3"], "3 does not divide num_key_value_heads 8"),
         (["--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--kv-cache-dtype", "int4"], "kv_cache_dtype"),
         (["--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--other-memory", "5XB"], "--other-memory"),

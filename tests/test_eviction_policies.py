@@ -244,7 +244,9 @@ def _random_replay(name: str, seed: int) -> list[list[int]]:
             mgr.note_waiting(waiting)
         else:
             source = waiting.pop(0) if waiting and roll < 0.6 else None
-            tokens = list(source.prompt_token_ids) if source else [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+            tokens = (
+                list(source.prompt_token_ids) if source else [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+            )
             req = Request(f"r{i}", tokens)
             if admit(mgr, req) is not None:
                 running.append(req)

@@ -127,7 +127,11 @@ def test_every_key_layout_hashes_like_the_per_block_definition(tokens, block_siz
     """The fast paths (no keys, a LoRA suffix, a salted first block) equal the per-block definition."""
     items = tuple(
         sorted(
-            (MultiModalInput(identifier=f"img{i}", offset=o, length=n) for i, (o, n) in enumerate(media) if o + n <= len(tokens)),
+            (
+                MultiModalInput(identifier=f"img{i}", offset=o, length=n)
+                for i, (o, n) in enumerate(media)
+                if o + n <= len(tokens)
+            ),
             key=lambda m: m.offset,
         )
     )
@@ -141,7 +145,13 @@ def test_every_key_layout_hashes_like_the_per_block_definition(tokens, block_siz
     # the same, grown token by token after a prompt of `split` tokens, as a request is
     if tokens:
         cut = max(1, min(split, len(tokens)))
-        request = Request("r", tokens[:cut], cache_salt=salt, lora_name=lora, mm_inputs=[m for m in items if m.offset + m.length <= cut])
+        request = Request(
+            "r",
+            tokens[:cut],
+            cache_salt=salt,
+            lora_name=lora,
+            mm_inputs=[m for m in items if m.offset + m.length <= cut],
+        )
         if len(request.mm_inputs) == len(items):
             request._bind(hasher)
             for t in tokens[cut:]:

@@ -395,8 +395,10 @@ def test_parse_size(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize(("text", "match"), [("80G", "ambiguous"), ("eighty", "not a size"), ("-5GB", "negative"),
-                                             ("5XB", "unknown unit"), ("", "not a size")])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("80G", "ambiguous"), ("eighty", "not a size"), ("-5GB", "negative"), ("5XB", "unknown unit"), ("", "not a size")],
+)
 def test_parse_size_errors_name_the_field(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match) as info:
         parse_size(text, field="gpu_memory")
@@ -421,8 +423,13 @@ def test_budget_smaller_than_one_block() -> None:
 
 @pytest.mark.parametrize(
     ("kw", "field"),
-    [({"tp_size": 0}, "tp_size"), ({"block_size": -16}, "block_size"), ({"max_model_len": 0}, "max_model_len"),
-     ({"kv_dtype": "int4"}, "kv_cache_dtype"), ({"gpu_memory_bytes": -1}, "gpu_memory_bytes")],
+    [
+        ({"tp_size": 0}, "tp_size"),
+        ({"block_size": -16}, "block_size"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"kv_dtype": "int4"}, "kv_cache_dtype"),
+        ({"gpu_memory_bytes": -1}, "gpu_memory_bytes"),
+    ],
 )
 def test_invalid_arguments_name_the_field(kw: dict, field: str) -> None:
     args = {"gpu_memory_bytes": "80GB", **kw}

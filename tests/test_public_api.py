@@ -49,8 +49,17 @@ def test_the_documented_request_and_manager_api():
         assert hasattr(request, attribute)
     manager = kvpool.KVCacheManager(num_blocks=12, block_size=4)
     assert manager.enable_caching and manager.hasher.algo is kvpool.HashAlgo.SHA256
-    for method in ("get_computed_blocks", "allocate_slots", "free", "get_block_ids", "free_queue_block_ids",
-                   "reset_prefix_cache", "take_events", "check_invariants", "hash_request"):
+    for method in (
+        "get_computed_blocks",
+        "allocate_slots",
+        "free",
+        "get_block_ids",
+        "free_queue_block_ids",
+        "reset_prefix_cache",
+        "take_events",
+        "check_invariants",
+        "hash_request",
+    ):
         assert callable(getattr(manager, method))
 
 

@@ -68,7 +68,9 @@ class Rule:
 
 RULES = (
     Rule("core example", "python", r"\Afrom kvpool import ", "executed, comment claims asserted"),
-    Rule("engine example", "python", r"\Afrom kvpool\.engine import ", "executed with SmolLM2, comment claims asserted"),
+    Rule(
+        "engine example", "python", r"\Afrom kvpool\.engine import ", "executed with SmolLM2, comment claims asserted"
+    ),
     Rule("set-up", "bash", r"^pip install ", "not run; extras, model pin, commands and CI checked"),
     Rule("test command", "bash", r"\Apython -m pytest -q\n?\Z", "not run; must be the command CI runs"),
 )

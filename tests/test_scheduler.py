@@ -227,7 +227,9 @@ def test_counts_only_chunks_make_the_same_decisions():
         plan = []
         while sched.has_unfinished_requests():
             out = sched.schedule()
-            plan.append([(c.request_id, c.start_position, c.num_tokens, c.sample) for c in out.chunks] + list(out.preempted))
+            plan.append(
+                [(c.request_id, c.start_position, c.num_tokens, c.sample) for c in out.chunks] + list(out.preempted)
+            )
             sched.update(out, {c.request_id: 3 for c in out.chunks if c.sample})
             if detail is ChunkDetail.COUNTS:
                 assert all(c.token_ids == () and c.block_tables == () for c in out.chunks)

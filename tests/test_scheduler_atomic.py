@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from tests.helpers import snapshot as manager_snapshot
 
-from kvpool import CapacityError, ConfigError, InvalidTokenError, KVCacheManager, KVPoolError, Request, RequestStateError
+from kvpool import (
+    CapacityError,
+    ConfigError,
+    InvalidTokenError,
+    KVCacheManager,
+    KVPoolError,
+    Request,
+    RequestStateError,
+)
 from kvpool.scheduler import (
     ChunkDetail,
     FinishReason,

@@ -47,8 +47,11 @@ def test_identical_decisions_checked_after_every_operation(scenario):
     assert replayer.decisions > live.steps
 
 
-@pytest.mark.parametrize("scenario", [dataclasses.replace(s, seed=s.seed + 1, name=s.name + "-b") for s in SCENARIOS[::3]],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "scenario",
+    [dataclasses.replace(s, seed=s.seed + 1, name=s.name + "-b") for s in SCENARIOS[::3]],
+    ids=lambda s: s.name,
+)
 def test_identical_decisions_on_unrecorded_seeds(scenario):
     replayer = Replayer(scenario)
     replayer.replay(generate(scenario, _reference(scenario)))

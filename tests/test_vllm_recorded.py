@@ -101,9 +101,24 @@ def test_fixtures_cover_the_behaviours_they_claim():
                     bump(f"reset {'accepted' if op['ok'] else 'refused'}")
                 if kind == "step" and op["lookahead"]:
                     bump("lookahead")
-    for key in ("admit with a hit", "readmit with a hit", "salted hit", "admit refused", "step refused",
-                "readmit", "preempt", "free", "drop", "reset accepted", "reset refused", "lookahead",
-                "hybrid", "hybrid multiple block sizes", "chunked local", "sliding window"):
+    for key in (
+        "admit with a hit",
+        "readmit with a hit",
+        "salted hit",
+        "admit refused",
+        "step refused",
+        "readmit",
+        "preempt",
+        "free",
+        "drop",
+        "reset accepted",
+        "reset refused",
+        "lookahead",
+        "hybrid",
+        "hybrid multiple block sizes",
+        "chunked local",
+        "sliding window",
+    ):
         assert seen.get(key, 0) > 0, f"no {key!r} in the fixtures: {seen}"
 
 

@@ -41,6 +41,7 @@ ACTIVATION_BATCH_TOKENS = 8192
 #: Sequences whose logits the activation estimate assumes at once.
 ACTIVATION_NUM_SEQS = 256
 
+
 class TermSource(Enum):
     """Whether a memory term was given by the caller or estimated here."""
 

@@ -164,7 +164,9 @@ class BlockHasher:
             try:
                 import xxhash
             except ImportError:
-                raise ConfigError("hash algorithm 'xxh3_128' needs the xxhash package: pip install 'kvpool[fast]'") from None
+                raise ConfigError(
+                    "hash algorithm 'xxh3_128' needs the xxhash package: pip install 'kvpool[fast]'"
+                ) from None
             self._xxh = xxhash.xxh3_128_digest
         # The verified index compares each hit block's content bytes.
         self.stores_contents = not self.algo.is_cryptographic

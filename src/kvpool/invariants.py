@@ -81,7 +81,9 @@ def check_pool(pool: BlockPool, tables: Iterable[Mapping[str, list[KVBlock]]]) -
         for block_hash, block in index.items():
             num_indexed += 1
             if block.block_hash != block_hash or block.group_id != group_id:
-                raise InvariantViolation(f"index of group {group_id} maps a hash to block {block.block_id}, which disagrees")
+                raise InvariantViolation(
+                    f"index of group {group_id} maps a hash to block {block.block_id}, which disagrees"
+                )
     if num_indexed != num_hashed:
         raise InvariantViolation(f"{num_hashed} blocks carry a hash but the indexes hold {num_indexed}")
 
@@ -164,6 +166,5 @@ def check_table(group: GroupManager, request_id: str, table: list[KVBlock], num_
     for k in range(nulls, len(table)):
         if table[k].block_id == NULL_BLOCK_ID:
             raise InvariantViolation(
-                f"request {request_id!r} group {group.group_id} has a null block at position {k}, "
-                "after a real one"
+                f"request {request_id!r} group {group.group_id} has a null block at position {k}, after a real one"
             )

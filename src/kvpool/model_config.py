@@ -153,8 +153,7 @@ _SHAPES: dict[_Rule, Callable[[Any], bool]] = {
     _Rule.FLAG: lambda v: isinstance(v, bool),
     _Rule.OBJECT: lambda v: isinstance(v, dict),
     _Rule.NAMES: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    _Rule.INDICES: lambda v: isinstance(v, list)
-    and all(type(x) is int and 0 <= x <= MAX_FIELD_VALUE for x in v),
+    _Rule.INDICES: lambda v: isinstance(v, list) and all(type(x) is int and 0 <= x <= MAX_FIELD_VALUE for x in v),
 }
 
 
@@ -219,8 +218,7 @@ def load_model_config(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
         if not path.is_file():
             names = ", ".join(shipped_config_names())
             raise ConfigError(
-                f"unknown model config {text!r}: not a shipped name ({names}) "
-                f"and no such config.json file or folder"
+                f"unknown model config {text!r}: not a shipped name ({names}) and no such config.json file or folder"
             )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -328,7 +326,6 @@ def max_position_embeddings(config: dict[str, Any]) -> int:
     return int_field(text_config_view(config), "max_position_embeddings")
 
 
-
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """KV heads each tensor-parallel rank caches.
 
@@ -369,4 +366,3 @@ def num_kv_heads(config: dict[str, Any]) -> int:
     if cfg.get("num_attention_heads") is None:
         raise ConfigError("config.json field 'num_key_value_heads' is missing (and so is 'num_attention_heads')")
     return int_field(cfg, "num_attention_heads")  # absent num_key_value_heads means multi-head attention
-

@@ -73,6 +73,7 @@ __all__ = [
     "layer_specs_from_config",
 ]
 
+
 class MlpKind(Enum):
     """The feed-forward part of a decoder layer (for parameter estimates)."""
 
@@ -227,7 +228,6 @@ def cache_layer_indices(config: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(layer_kinds(config)) if kind is not None)
 
 
-
 def layer_sliding_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
     """Per decoder layer, the window ``W`` of a sliding-window layer (a query sees ``W`` positions), else None."""
     cfg = text_config_view(config)
@@ -279,7 +279,9 @@ def layer_specs_from_config(
         elif layer.kind is LayerKind.SLIDING_WINDOW:
             specs.append(SlidingWindowSpec(**heads, sliding_window=int_field(cfg, "sliding_window")))
         elif layer.kind is LayerKind.CHUNKED_LOCAL:
-            specs.append(ChunkedLocalAttentionSpec(**heads, attention_chunk_size=int_field(cfg, "attention_chunk_size")))
+            specs.append(
+                ChunkedLocalAttentionSpec(**heads, attention_chunk_size=int_field(cfg, "attention_chunk_size"))
+            )
         elif layer.kind is LayerKind.MLA:
             specs.append(
                 MLASpec(

@@ -455,9 +455,7 @@ def _notes(
     width = layers_per_pool_block(groups)
     padded = [g for g in groups if g.num_layers < width]
     if padded:
-        notes.append(
-            f"{len(padded)} group(s) have fewer than {width} layers; their unused page slots are padding"
-        )
+        notes.append(f"{len(padded)} group(s) have fewer than {width} layers; their unused page slots are padding")
     heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     per_head_kinds = (LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL)
     if isinstance(heads, int) and tp_size > heads and any(g.kind in per_head_kinds for g in groups):
@@ -465,7 +463,5 @@ def _notes(
     if any(g.kind is LayerKind.MLA for g in groups) and tp_size > 1:
         notes.append("the MLA latent is replicated on every tp rank")
     if not fits:
-        notes.append(
-            f"one {max_model_len:,}-token request does not fit; the longest that does is {longest:,} tokens"
-        )
+        notes.append(f"one {max_model_len:,}-token request does not fit; the longest that does is {longest:,} tokens")
     return tuple(notes)

@@ -72,7 +72,13 @@ class PrefixIndex:
         return hits
 
     def insert_run(
-        self, table: Sequence[KVBlock], start: int, stop: int, hashes: Sequence[BlockHash], contents: object, group_id: int
+        self,
+        table: Sequence[KVBlock],
+        start: int,
+        stop: int,
+        hashes: Sequence[BlockHash],
+        contents: object,
+        group_id: int,
     ) -> int:
         """Cache ``table[k]`` under ``hashes[k]`` for ``k`` in ``start..stop-1``, null blocks skipped.
 
@@ -120,7 +126,9 @@ class PrefixIndex:
         if found is not block:
             self._drop_duplicate(block, block_hash, found)
 
-    def _drop_duplicate(self, block: KVBlock, block_hash: BlockHash, found: KVBlock | dict[int, KVBlock] | None) -> None:
+    def _drop_duplicate(
+        self, block: KVBlock, block_hash: BlockHash, found: KVBlock | dict[int, KVBlock] | None
+    ) -> None:
         """``block`` is one of several cached under ``block_hash`` (``found``, just popped): keep the others."""
         if found is None or isinstance(found, KVBlock) or block.block_id not in found:
             raise InvariantViolation(f"block {block.block_id} carries a hash the index does not map to it")

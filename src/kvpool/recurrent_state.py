@@ -35,6 +35,7 @@ from kvpool.specs import KVDtype
 
 __all__ = ["StateDims", "StateFamily", "StateSize", "state_dims", "state_size"]
 
+
 class StateFamily(Enum):
     """Which recurrent mixer a Mamba-style layer is."""
 

@@ -113,11 +113,15 @@ class Request:
             raise RequestStateError(f"request_id must be {problem}")
         tokens = to_token_array(prompt_token_ids, "prompt_token_ids")
         if len(tokens) == 0:
-            raise RequestStateError(f"request {request_id!r}: prompt_token_ids is empty; a prompt needs at least one token")
+            raise RequestStateError(
+                f"request {request_id!r}: prompt_token_ids is empty; a prompt needs at least one token"
+            )
         _text_field(request_id, "cache_salt", cache_salt)
         _text_field(request_id, "lora_name", lora_name)
         if isinstance(mm_inputs, str | bytes) or not isinstance(mm_inputs, Iterable):
-            raise RequestStateError(f"request {request_id!r}: mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
+            raise RequestStateError(
+                f"request {request_id!r}: mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}"
+            )
         items = tuple(mm_inputs)
         for item in items:
             if not isinstance(item, MultiModalInput):

@@ -255,9 +255,7 @@ class Scheduler:
             raise ConfigError(f"clock must be callable, got {clock!r}")
         max_len = config.max_model_len
         if max_len is not None and manager.max_model_len not in (None, max_len):
-            raise ConfigError(
-                f"scheduler max_model_len={max_len} differs from the manager's {manager.max_model_len}"
-            )
+            raise ConfigError(f"scheduler max_model_len={max_len} differs from the manager's {manager.max_model_len}")
         self.manager = manager
         self.config = config
         self.clock = clock
@@ -289,7 +287,9 @@ class Scheduler:
         if any(self.manager.get_block_ids(rid)):
             raise RequestStateError(f"request {rid!r} already holds blocks in the manager")
         if request.num_computed_tokens != 0:
-            raise RequestStateError(f"request {rid!r} has num_computed_tokens={request.num_computed_tokens}, expected 0")
+            raise RequestStateError(
+                f"request {rid!r} has num_computed_tokens={request.num_computed_tokens}, expected 0"
+            )
         max_len = self.max_model_len
         if max_len is not None and request.num_tokens >= max_len:
             raise RequestStateError(
@@ -308,9 +308,7 @@ class Scheduler:
     def add_request(self, request: Request, stop: StopConditions, *, arrival_time: float | None = None) -> None:
         """Queue a request. Raises if it could never be served, even alone."""
         self.check_request(request, stop)
-        if arrival_time is not None and (
-            type(arrival_time) not in (int, float) or not math.isfinite(arrival_time)
-        ):
+        if arrival_time is not None and (type(arrival_time) not in (int, float) or not math.isfinite(arrival_time)):
             raise ConfigError(f"arrival_time must be a finite number or None, got {arrival_time!r}")
         arrival = self.clock() if arrival_time is None else arrival_time
         # Refuses a request hashed under another block size or algorithm, and then binds nothing.

@@ -605,4 +605,3 @@ def pool_block_bytes(groups: Sequence[KVCacheGroup]) -> int:
     if len(pages) != 1:
         raise ConfigError(f"groups sharing one pool must have equal page bytes, got {sorted(pages)}")
     return layers_per_pool_block(groups) * pages.pop()
-

@@ -82,9 +82,7 @@ class GreedyDriver:
     block ``0``; ``num_nulled`` counts them.
     """
 
-    def __init__(
-        self, runner, allocator: BlockAllocator, group_windows: list[int | None] | None = None
-    ) -> None:
+    def __init__(self, runner, allocator: BlockAllocator, group_windows: list[int | None] | None = None) -> None:
         self.runner = runner
         self.allocator = allocator
         self.group_windows = group_windows or [None] * runner.num_groups

@@ -58,9 +58,7 @@ def test_known_names():
 
 
 def test_missing_package_is_a_config_error():
-    ghost = BundledModel(
-        name="ghost", package="kvpool_no_such_package", gguf_file="x.gguf", folder_name="ghost"
-    )
+    ghost = BundledModel(name="ghost", package="kvpool_no_such_package", gguf_file="x.gguf", folder_name="ghost")
     with pytest.raises(ConfigError, match="kvpool_no_such_package"):
         ghost.gguf_path()
 
@@ -78,8 +76,14 @@ def _tiny_tokenizer():
 def test_local_folder_resolves_and_loads_offline(tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     _tiny_tokenizer().save_pretrained(tmp_path)

@@ -54,7 +54,9 @@ def test_deep_nesting_is_malformed_json(tmp_path: Path, depth: int, open_: bytes
     assert info.value.line == 1
 
 
-@pytest.mark.parametrize("raw", [b"\xff\xfe\x80\x81", b'{"id": "caf\xe9"}', b"\x80" * 9, b'{"a": ' + b"7" * 5000 + b"}"])
+@pytest.mark.parametrize(
+    "raw", [b"\xff\xfe\x80\x81", b'{"id": "caf\xe9"}', b"\x80" * 9, b'{"a": ' + b"7" * 5000 + b"}"]
+)
 def test_undecodable_lines_are_malformed_json(tmp_path: Path, raw: bytes) -> None:
     with pytest.raises(TraceError, match="t.jsonl line 2: malformed JSON"):
         load_trace(_write(tmp_path, b'{"id": "a", "arrival_ms": 0, "output_length": 1, "token_ids": [1]}\n' + raw))
@@ -76,7 +78,9 @@ def test_a_request_over_the_token_limit_is_refused() -> None:
         TraceRequest.create("r", 0, [UniqueSegment(half), UniqueSegment(half)], 1)
     with pytest.raises(TraceError, match="output"):
         TraceRequest.create("r", 0, [UniqueSegment(MAX_REQUEST_TOKENS)], 1)
-    assert TraceRequest.create("r", 0, [UniqueSegment(MAX_REQUEST_TOKENS - 1)], 1).prompt_length == MAX_REQUEST_TOKENS - 1
+    assert (
+        TraceRequest.create("r", 0, [UniqueSegment(MAX_REQUEST_TOKENS - 1)], 1).prompt_length == MAX_REQUEST_TOKENS - 1
+    )
 
 
 @pytest.mark.parametrize(

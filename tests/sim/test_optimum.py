@@ -248,8 +248,12 @@ def test_16_token_blocks_at_32x_capacity(conversation_requests: list[TraceReques
     # Caching only the 16-token sub-blocks of full 512-token blocks reproduces the README's
     # full-blocks-only list through the 16-token machinery.
     whole = [
-        TraceRequest(r.request_id, r.arrival_ms, (HashBlockSegment(r.hash_ids[: r.prompt_length // 512],
-                     512 * (r.prompt_length // 512)),), r.output_length)
+        TraceRequest(
+            r.request_id,
+            r.arrival_ms,
+            (HashBlockSegment(r.hash_ids[: r.prompt_length // 512], 512 * (r.prompt_length // 512)),),
+            r.output_length,
+        )
         for r in conversation_requests
     ]
     total = sum(r.prompt_length for r in conversation_requests)

@@ -87,7 +87,10 @@ def test_lookahead_hints_protect_the_next_requests_prefix():
     """A document evicted under LRU survives when its next reader is announced as waiting."""
     doc = TokenSegment.of(range(1000, 1064))  # 4 blocks
     reqs = [TraceRequest("doc", 0.0, (doc, TokenSegment.of([1])), 1)]
-    reqs += [TraceRequest(f"x{i}", 1.0 + i, (TokenSegment.of(range(5000 + 100 * i, 5000 + 100 * i + 80)),), 1) for i in range(3)]
+    reqs += [
+        TraceRequest(f"x{i}", 1.0 + i, (TokenSegment.of(range(5000 + 100 * i, 5000 + 100 * i + 80)),), 1)
+        for i in range(3)
+    ]
     reqs.append(TraceRequest("reader", 9.0, (doc, TokenSegment.of([2])), 1))
     without = replay_sequential(reqs, 10, policy="waiting")
     with_hints = replay_sequential(reqs, 10, policy="waiting", lookahead=4)

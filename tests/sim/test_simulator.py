@@ -60,14 +60,35 @@ def test_simulate_command_json(tmp_path):
     runner = CliRunner()
     result = runner.invoke(
         cli,
-        ["simulate", "synthetic:shared_prefix", "--requests", "60", "--kv-blocks", "600", "--json",
-         "--curve", "100,400", "--curve-policies", "lru,frequency", "--plot-dir", str(tmp_path)],
+        [
+            "simulate",
+            "synthetic:shared_prefix",
+            "--requests",
+            "60",
+            "--kv-blocks",
+            "600",
+            "--json",
+            "--curve",
+            "100,400",
+            "--curve-policies",
+            "lru,frequency",
+            "--plot-dir",
+            str(tmp_path),
+        ],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     sim = data["simulation"]
-    for key in ("token_hit_rate", "block_hit_rate", "prefill_tokens_saved", "evictions", "preemptions",
-                "ttft_p50_s", "output_tokens_per_s", "usage_timeline"):
+    for key in (
+        "token_hit_rate",
+        "block_hit_rate",
+        "prefill_tokens_saved",
+        "evictions",
+        "preemptions",
+        "ttft_p50_s",
+        "output_tokens_per_s",
+        "usage_timeline",
+    ):
         assert key in sim
     assert data["requests"] == 60
     curve = data["curve"]
@@ -80,7 +101,9 @@ def test_simulate_command_json(tmp_path):
 
 
 def test_simulate_command_sequential_table():
-    result = CliRunner().invoke(cli, ["simulate", "synthetic:multi_turn", "--requests", "40", "--kv-blocks", "300", "--sequential"])
+    result = CliRunner().invoke(
+        cli, ["simulate", "synthetic:multi_turn", "--requests", "40", "--kv-blocks", "300", "--sequential"]
+    )
     assert result.exit_code == 0, result.output
     assert "token_hit_rate" in result.stdout and "(sequential)" in result.stdout
 
@@ -120,8 +143,19 @@ def test_bad_options_exit_2(args, message):
 def test_curve_alone_skips_the_single_run_and_passes_the_lookahead():
     result = CliRunner().invoke(
         cli,
-        ["simulate", "synthetic:agent", "--requests", "80", "--curve", "200,800",
-         "--curve-policies", "lru,waiting", "--lookahead", "8", "--json"],
+        [
+            "simulate",
+            "synthetic:agent",
+            "--requests",
+            "80",
+            "--curve",
+            "200,800",
+            "--curve-policies",
+            "lru,waiting",
+            "--lookahead",
+            "8",
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

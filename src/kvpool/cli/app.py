@@ -39,9 +39,12 @@ def cli() -> None:
 
 # Subcommands register themselves below, one import per module.
 from kvpool.cli.plan import plan  # noqa: E402
+
 cli.add_command(plan)
 from kvpool.cli.simulate import simulate  # noqa: E402
+
 cli.add_command(simulate)
 from kvpool.cli.generate import chat, generate  # noqa: E402
+
 cli.add_command(generate)
 cli.add_command(chat)

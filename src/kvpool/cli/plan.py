@@ -101,18 +101,31 @@ def _list_configs() -> str:
 
 @click.command("plan")
 @click.option(
-    "--config", "config_name", metavar="NAME_OR_PATH", help="Shipped config name (see --list), config.json or its folder."
+    "--config",
+    "config_name",
+    metavar="NAME_OR_PATH",
+    help="Shipped config name (see --list), config.json or its folder.",
 )
 @click.option("--gpu-memory", metavar="SIZE", help="Memory of one GPU: 80GB (10^9 B), 80GiB (2^30 B) or bytes.")
 @click.option(
-    "--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="Fraction of GPU memory to use, in (0, 1]."
+    "--gpu-memory-utilization",
+    type=float,
+    default=0.9,
+    show_default=True,
+    help="Fraction of GPU memory to use, in (0, 1].",
 )
 @click.option("--tp", "tp_size", type=int, default=1, show_default=True, help="Tensor parallel size.")
-@click.option("--kv-cache-dtype", default="auto", show_default=True, help="auto (the model dtype), bf16, fp16, fp32 or fp8.")
+@click.option(
+    "--kv-cache-dtype", default="auto", show_default=True, help="auto (the model dtype), bf16, fp16, fp32 or fp8."
+)
 @click.option("--max-model-len", type=int, default=None, help="Tokens per request [default: max_position_embeddings].")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
-@click.option("--weights-memory", metavar="SIZE", default=None, help="All weights, split over --tp GPUs [default: estimated].")
-@click.option("--activation-memory", metavar="SIZE", default=None, help="Peak activations per GPU [default: estimated].")
+@click.option(
+    "--weights-memory", metavar="SIZE", default=None, help="All weights, split over --tp GPUs [default: estimated]."
+)
+@click.option(
+    "--activation-memory", metavar="SIZE", default=None, help="Peak activations per GPU [default: estimated]."
+)
 @click.option("--other-memory", metavar="SIZE", default=None, help="Other overhead per GPU [default: 1GiB].")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON.")
 @click.option("--list", "list_configs", is_flag=True, help="List the shipped configs and exit.")

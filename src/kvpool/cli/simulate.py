@@ -82,9 +82,15 @@ def _print_table(result, label: str) -> None:
         ("evictions", f"{result.evictions:,}"),
         ("preemptions", f"{result.preemptions:,}"),
         ("peak KV usage", _percent(result.peak_usage)),
-        ("time to first token", f"p50 {result.ttft_p50_s:.3f} s, p90 {result.ttft_p90_s:.3f} s, p99 {result.ttft_p99_s:.3f} s"),
+        (
+            "time to first token",
+            f"p50 {result.ttft_p50_s:.3f} s, p90 {result.ttft_p90_s:.3f} s, p99 {result.ttft_p99_s:.3f} s",
+        ),
         ("queue time", f"p50 {result.queue_p50_s:.3f} s, p90 {result.queue_p90_s:.3f} s"),
-        ("throughput", f"{result.output_tokens_per_s:,.0f} output tok/s, {result.prompt_tokens_per_s:,.0f} prompt tok/s"),
+        (
+            "throughput",
+            f"{result.output_tokens_per_s:,.0f} output tok/s, {result.prompt_tokens_per_s:,.0f} prompt tok/s",
+        ),
         ("simulated time", f"{result.simulated_seconds:,.1f} s (replayed in {result.wall_seconds:.1f} s)"),
     ]
     click.echo(label)
@@ -101,28 +107,75 @@ def _print_table(result, label: str) -> None:
 @click.option("--block-size", type=POSITIVE_INT, default=16, show_default=True)
 @click.option("--policy", default="lru", show_default=True, help="Eviction policy (lru is vLLM's order).")
 @click.option("--sequential", is_flag=True, help="One request at a time in file order, freed before the next.")
-@click.option("--requests", "max_requests", type=POSITIVE_INT, help="Replay only the first N requests (synthetic: how many).")
+@click.option(
+    "--requests", "max_requests", type=POSITIVE_INT, help="Replay only the first N requests (synthetic: how many)."
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of synthetic workloads.")
 @click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=8192, show_default=True)
 @click.option("--max-num-seqs", type=POSITIVE_INT, default=256, show_default=True)
-@click.option("--step-overhead-ms", type=NON_NEGATIVE_FLOAT, default=10.0, show_default=True,
-              help="Cost model: fixed time per step.")
-@click.option("--prefill-us-per-token", type=NON_NEGATIVE_FLOAT, default=50.0, show_default=True,
-              help="Cost model: prefill time per token.")
-@click.option("--decode-us-per-seq", type=NON_NEGATIVE_FLOAT, default=100.0, show_default=True,
-              help="Cost model: decode time per sequence per step.")
-@click.option("--hash", "hash_algo", type=click.Choice(["sha256", "xxh3_128"]), default="xxh3_128", show_default=True,
-              help="Block hash; xxh3_128 verifies every hit, so hit rates are the same, only faster.")
-@click.option("--curve", help="Comma-separated cache sizes in blocks: also compute the hit-rate curve (sequential model).")
+@click.option(
+    "--step-overhead-ms",
+    type=NON_NEGATIVE_FLOAT,
+    default=10.0,
+    show_default=True,
+    help="Cost model: fixed time per step.",
+)
+@click.option(
+    "--prefill-us-per-token",
+    type=NON_NEGATIVE_FLOAT,
+    default=50.0,
+    show_default=True,
+    help="Cost model: prefill time per token.",
+)
+@click.option(
+    "--decode-us-per-seq",
+    type=NON_NEGATIVE_FLOAT,
+    default=100.0,
+    show_default=True,
+    help="Cost model: decode time per sequence per step.",
+)
+@click.option(
+    "--hash",
+    "hash_algo",
+    type=click.Choice(["sha256", "xxh3_128"]),
+    default="xxh3_128",
+    show_default=True,
+    help="Block hash; xxh3_128 verifies every hit, so hit rates are the same, only faster.",
+)
+@click.option(
+    "--curve", help="Comma-separated cache sizes in blocks: also compute the hit-rate curve (sequential model)."
+)
 @click.option("--curve-policies", default="lru", show_default=True, help="Comma-separated policies for --curve.")
-@click.option("--lookahead", type=NON_NEGATIVE_INT, default=0, show_default=True,
-              help="Sequential runs: announce the next N requests as waiting (for the 'waiting' policy).")
+@click.option(
+    "--lookahead",
+    type=NON_NEGATIVE_INT,
+    default=0,
+    show_default=True,
+    help="Sequential runs: announce the next N requests as waiting (for the 'waiting' policy).",
+)
 @click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def simulate(
-    trace, kv_blocks, kv_memory, model, block_size, policy, sequential, max_requests, seed,
-    max_num_batched_tokens, max_num_seqs, step_overhead_ms, prefill_us_per_token, decode_us_per_seq,
-    hash_algo, curve, curve_policies, lookahead, plot_dir, as_json,
+    trace,
+    kv_blocks,
+    kv_memory,
+    model,
+    block_size,
+    policy,
+    sequential,
+    max_requests,
+    seed,
+    max_num_batched_tokens,
+    max_num_seqs,
+    step_overhead_ms,
+    prefill_us_per_token,
+    decode_us_per_seq,
+    hash_algo,
+    curve,
+    curve_policies,
+    lookahead,
+    plot_dir,
+    as_json,
 ):
     """Replay TRACE (a trace file, or synthetic:KIND) through kvpool's manager and scheduler.
 
@@ -140,9 +193,26 @@ def simulate(
 
 
 def _run(
-    trace, kv_blocks, kv_memory, model, block_size, policy, sequential, max_requests, seed,
-    max_num_batched_tokens, max_num_seqs, step_overhead_ms, prefill_us_per_token, decode_us_per_seq,
-    hash_algo, curve, curve_policies, lookahead, plot_dir, as_json,
+    trace,
+    kv_blocks,
+    kv_memory,
+    model,
+    block_size,
+    policy,
+    sequential,
+    max_requests,
+    seed,
+    max_num_batched_tokens,
+    max_num_seqs,
+    step_overhead_ms,
+    prefill_us_per_token,
+    decode_us_per_seq,
+    hash_algo,
+    curve,
+    curve_policies,
+    lookahead,
+    plot_dir,
+    as_json,
 ):
     from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory, simulate as run_simulation
 
@@ -167,8 +237,13 @@ def _run(
 
         with click.progressbar(length=len(requests), label="replaying", file=sys.stderr, hidden=not show) as bar:
             result = replay_sequential(
-                requests, num_blocks - 1, block_size=block_size, policy=policy, hash_algo=hash_algo,
-                lookahead=lookahead, progress=_deltas(bar.update),
+                requests,
+                num_blocks - 1,
+                block_size=block_size,
+                policy=policy,
+                hash_algo=hash_algo,
+                lookahead=lookahead,
+                progress=_deltas(bar.update),
             )
         from dataclasses import asdict
 
@@ -209,7 +284,9 @@ def _run(
                 click.echo(f"  usage plot             {path}")
 
     if curve:
-        output["curve"] = _curve(requests, curve, curve_policies, block_size, hash_algo, lookahead, plot_dir, label, show)
+        output["curve"] = _curve(
+            requests, curve, curve_policies, block_size, hash_algo, lookahead, plot_dir, label, show
+        )
 
     if as_json:
         click.echo(json.dumps(output, indent=2))
@@ -249,7 +326,9 @@ def _curve(requests, curve, curve_policies, block_size, hash_algo, lookahead, pl
     if plot_dir is not None:
         from kvpool.sim.plots import plot_hit_rate_curve
 
-        path = plot_hit_rate_curve(sizes, rates, plot_dir / "hit_rate_curve.png", title=f"Hit rate vs cache size, {label}")
+        path = plot_hit_rate_curve(
+            sizes, rates, plot_dir / "hit_rate_curve.png", title=f"Hit rate vs cache size, {label}"
+        )
         result["plot"] = str(path)
         if show:
             click.echo(f"  curve plot             {path}")

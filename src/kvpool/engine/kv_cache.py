@@ -69,9 +69,7 @@ class KVCacheSpec:
             raise ConfigError(f"KV cache dtype must be a floating torch.dtype, got {self.dtype!r}")
 
     @classmethod
-    def from_model_config(
-        cls, config: Any, *, block_size: int = 16, dtype: torch.dtype = torch.float32
-    ) -> KVCacheSpec:
+    def from_model_config(cls, config: Any, *, block_size: int = 16, dtype: torch.dtype = torch.float32) -> KVCacheSpec:
         """Layer count and head geometry of a Hugging Face model config (an object or a dict).
 
         The geometry is :mod:`kvpool.model_config`'s (:func:`~kvpool.model_config.num_kv_heads`,

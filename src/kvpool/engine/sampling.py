@@ -63,11 +63,7 @@ class SamplingParams:
             or self.temperature < 0
         ):
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if (
-            isinstance(self.top_p, bool)
-            or not isinstance(self.top_p, (int, float))
-            or not 0 < self.top_p <= 1
-        ):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")

@@ -22,14 +22,16 @@ __all__ = [
     "manager_class_for",
 ]
 
-_MANAGERS: MappingProxyType[str, type[GroupManager]] = MappingProxyType({
-    "FULL_ATTENTION": FullAttentionManager,
-    "MLA": FullAttentionManager,
-    "SLIDING_WINDOW": SlidingWindowManager,
-    "CHUNKED_LOCAL": ChunkedLocalAttentionManager,
-    "MAMBA": MambaManager,
-    "CROSS_ATTENTION": CrossAttentionManager,
-})
+_MANAGERS: MappingProxyType[str, type[GroupManager]] = MappingProxyType(
+    {
+        "FULL_ATTENTION": FullAttentionManager,
+        "MLA": FullAttentionManager,
+        "SLIDING_WINDOW": SlidingWindowManager,
+        "CHUNKED_LOCAL": ChunkedLocalAttentionManager,
+        "MAMBA": MambaManager,
+        "CROSS_ATTENTION": CrossAttentionManager,
+    }
+)
 
 
 def manager_class_for(spec: object) -> type[GroupManager]:

@@ -268,8 +268,14 @@ class GroupManager:
             full = (num_tokens if num_tokens < hashed else hashed) // self.block_size
             if full > done:
                 self.pool.cache_full_blocks(
-                    request, self.tables[rid], done, full, self.group_id, self.block_size,
-                    request._block_hashes, request._block_contents,
+                    request,
+                    self.tables[rid],
+                    done,
+                    full,
+                    self.group_id,
+                    self.block_size,
+                    request._block_hashes,
+                    request._block_contents,
                 )
                 self.num_cached[rid] = full
             return
@@ -281,8 +287,14 @@ class GroupManager:
     def _cache_range(self, request: Request, table: list[KVBlock], start: int, stop: int) -> None:
         """Enter ``table[start:stop]`` into this group's index under the hashes at this group's block size."""
         self.pool.cache_full_blocks(
-            request, table, start, stop, self.group_id, self.block_size,
-            self.hashes_of(request), self.contents_of(request),
+            request,
+            table,
+            start,
+            stop,
+            self.group_id,
+            self.block_size,
+            self.hashes_of(request),
+            self.contents_of(request),
         )
 
     def free(self, request_id: str) -> None:

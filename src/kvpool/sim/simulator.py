@@ -204,7 +204,9 @@ def simulate(
             continue
         output = scheduler.schedule()
         if output.is_empty:
-            raise CapacityError("the simulated engine cannot make progress: the pool is too small for any waiting request")
+            raise CapacityError(
+                "the simulated engine cannot make progress: the pool is too small for any waiting request"
+            )
         prefill_tokens = decode_seqs = 0
         sampled = {}
         for chunk in output.chunks:

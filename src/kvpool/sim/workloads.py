@@ -199,7 +199,12 @@ class _SessionSource:
             new = _draw(rng, later)
             if prev.prompt_length + prev.output_length + new + output <= cfg.max_context_tokens:
                 req = TraceRequest.create(
-                    rid, arrival_ms, [UniqueSegment(new)], output, follows=prev, cache_salt=self._salt,
+                    rid,
+                    arrival_ms,
+                    [UniqueSegment(new)],
+                    output,
+                    follows=prev,
+                    cache_salt=self._salt,
                     lora_name=self._lora,
                 )
                 self._slots[slot] = (req, left - 1)
