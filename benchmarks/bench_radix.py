@@ -251,7 +251,7 @@ def replay_sglang(
     ns = dict.fromkeys(SGLANG_PHASES, 0)
     hits = tokens = 0
     no_prefix = torch.full((1,), -1, dtype=torch.int64)
-    for i, prompt in enumerate(prompts):
+    for prompt in prompts:
         n = len(prompt)
         t0 = clock()
         # match: the longest cached prefix, never the last token; lock it while the request runs

@@ -53,8 +53,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from tests.parity_traffic import MAX_MODEL_LEN, family_of, generate, recorded_scenarios  # noqa: E402
 from vllm_reference import VLLMReference  # noqa: E402
+
+from tests.parity_traffic import MAX_MODEL_LEN, family_of, generate, recorded_scenarios  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "vllm"
 

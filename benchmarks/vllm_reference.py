@@ -87,8 +87,8 @@ class VLLMManager:
     """vLLM's single-group KVCacheManager behind kvpool's call shapes (for the benchmark)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 1 << 20) -> None:
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 
         self._mgr, self._make = build_vllm_manager(
             num_blocks, [("full", block_size, None)], max_model_len, log_stats=True

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from tests.helpers import admit, snapshot
 
 from kvpool import (
     CapacityError,
@@ -14,6 +13,7 @@ from kvpool import (
     Request,
     RequestStateError,
 )
+from tests.helpers import admit, snapshot
 
 
 @pytest.fixture

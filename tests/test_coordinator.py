@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from tests.group_helpers import cached_ids, chunked, cross, full, mamba, sliding, step
-from tests.helpers import admit, snapshot
 
 from kvpool import ConfigError, KVCacheManager, Request
 from kvpool.model_config import load_model_config
 from kvpool.model_layers import layer_specs_from_config
 from kvpool.specs import LayerKind, group_layers
+from tests.group_helpers import cached_ids, chunked, cross, full, mamba, sliding, step
+from tests.helpers import admit, snapshot
 
 
 def _hit_lengths(mgr: KVCacheManager, hit) -> list[int]:

@@ -7,12 +7,12 @@ import shlex
 from pathlib import Path
 
 import pytest
-from tests.group_helpers import full, sliding, step
 
 from kvpool import KVCacheManager, Request
 from kvpool.model_config import load_model_config
 from kvpool.planner import GiB, plan_kv_cache
 from kvpool.specs import LayerKind, MambaSpec
+from tests.group_helpers import full, sliding, step
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 HYBRID = (DOCS / "hybrid.md").read_text()

@@ -7,8 +7,6 @@ import random
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
-from tests.helpers import admit, snapshot
-from tests.test_properties import SETTINGS, ManagerMachine
 
 from kvpool import BlockRemoved, KVCacheManager, Request
 from kvpool.block import KVBlock
@@ -23,6 +21,8 @@ from kvpool.eviction import (
 from kvpool.eviction.frequency import FrequencyAgedQueue
 from kvpool.eviction.waiting import WaitingAwareQueue
 from kvpool.free_queue import FreeBlockQueue
+from tests.helpers import admit, snapshot
+from tests.test_properties import SETTINGS, ManagerMachine
 
 NAMES = sorted(POLICIES)
 

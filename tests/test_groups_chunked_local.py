@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from tests.group_helpers import chunked, decode, full, step
-from tests.helpers import admit
 
 from kvpool import KVCacheManager, Request
 from kvpool.groups import ChunkedLocalAttentionManager
+from tests.group_helpers import chunked, decode, full, step
+from tests.helpers import admit
 
 
 @pytest.mark.parametrize(("computed", "skipped"), [(13, 8), (8, 8), (7, 0), (16, 16), (0, 0)])

@@ -6,12 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from tests.group_helpers import chunked, cross, full, mamba, mla, sliding
-from tests.helpers import snapshot
 
 from kvpool import CapacityError, KVCacheManager, Request
-from kvpool.specs import cdiv
-from kvpool.specs import KVCacheGroup
+from kvpool.specs import KVCacheGroup, cdiv
+from tests.group_helpers import chunked, cross, full, mamba, mla, sliding
+from tests.helpers import snapshot
 
 
 @dataclass(frozen=True)

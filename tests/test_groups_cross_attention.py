@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests.group_helpers import cached_ids, cross, decode, full
 
 from kvpool import KVCacheManager, Request, RequestStateError
 from kvpool.groups import CrossAttentionManager
+from tests.group_helpers import cached_ids, cross, decode, full
 
 
 def _encdec() -> KVCacheManager:

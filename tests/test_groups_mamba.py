@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from tests.group_helpers import cached_ids, decode, full, mamba, step
-from tests.helpers import admit, snapshot
 
 from kvpool import CapacityError, InvariantViolation, KVCacheManager, Request
 from kvpool.groups import MambaManager
 from kvpool.model_config import load_model_config
 from kvpool.model_layers import layer_specs_from_config
 from kvpool.specs import LayerKind, group_layers
+from tests.group_helpers import cached_ids, decode, full, mamba, step
+from tests.helpers import admit, snapshot
 
 
 def test_one_state_block_at_the_last_position_and_nulls_before_it():

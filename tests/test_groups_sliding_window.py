@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from tests.group_helpers import cached_ids, decode, full, sliding, step
-from tests.helpers import admit
 
 from kvpool import InvariantViolation, KVCacheManager, Request
 from kvpool.groups import SlidingWindowManager
+from tests.group_helpers import cached_ids, decode, full, sliding, step
+from tests.helpers import admit
 
 
 def test_skipped_tokens_follow_the_window():

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tests.group_helpers import chunked, full, mamba, sliding
-from tests.helpers import snapshot
 
 from kvpool import CapacityError, KVCacheManager, KVPoolError, Request
 from kvpool.groups.base import cdiv
 from kvpool.specs import LayerKind
+from tests.group_helpers import chunked, full, mamba, sliding
+from tests.helpers import snapshot
 
 PREFIXES = [list(range(100, 140)), list(range(200, 224)), [7] * 17, []]
 KINDS = ("full", "sliding", "chunked", "mamba")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tests.helpers import admit, snapshot
 
 from kvpool import AllBlocksCleared, KVCacheManager, Request
+from tests.helpers import admit, snapshot
 
 
 def test_lookup_stops_at_the_first_miss_and_changes_nothing():

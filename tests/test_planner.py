@@ -18,7 +18,6 @@ from kvpool.model_config import (
     text_config_view,
 )
 from kvpool.model_layers import cache_layer_indices, layer_kinds, layer_specs_from_config
-from kvpool.recurrent_state import state_size
 from kvpool.planner import (
     GB,
     GiB,
@@ -30,6 +29,7 @@ from kvpool.planner import (
     parse_size,
     plan_kv_cache,
 )
+from kvpool.recurrent_state import state_size
 from kvpool.specs import KVDtype, LayerKind, MambaSpec, MLASpec, cdiv, group_layers, pool_block_bytes
 
 KiB, MiB = 2**10, 2**20

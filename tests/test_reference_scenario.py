@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from tests.helpers import admit
-
 from kvpool import BlockRemoved, BlockStored, KVCacheManager, Request
+from tests.helpers import admit
 
 
 def test_reference_scenario_block_for_block(system_prompt):

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tests.helpers import snapshot as manager_snapshot
 
 from kvpool import (
     CapacityError,
@@ -36,6 +35,7 @@ from kvpool.scheduler import (
     run_to_completion,
     sample_from,
 )
+from tests.helpers import snapshot as manager_snapshot
 
 
 def token_for(rid: str, n: int) -> int:
@@ -284,7 +284,7 @@ def test_max_model_len_comes_from_the_manager_when_the_config_has_none():
 def test_ids_of_the_wrong_type_are_refused_everywhere(busy, bad):
     sched, out = busy
     for call in (sched.abort, sched.metrics, sched.request, sched.forget):
-        refused(sched, lambda: call(bad), RequestStateError, "string|unknown")
+        refused(sched, lambda call=call: call(bad), RequestStateError, "string|unknown")
     finish_all(sched, out)
 
 

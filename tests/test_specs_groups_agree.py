@@ -11,13 +11,13 @@ caching.
 from __future__ import annotations
 
 import pytest
-from tests.group_helpers import chunked, cross, decode, full, mamba, mla, sliding, step
 
 from kvpool import CapacityError, KVCacheManager, Request
 from kvpool.model_config import load_model_config
 from kvpool.planner import plan_kv_cache
 from kvpool.scheduler import Scheduler, SchedulerConfig, StopConditions
 from kvpool.specs import KVCacheGroup, LayerKind, MambaSpec
+from tests.group_helpers import chunked, cross, decode, full, mamba, mla, sliding, step
 
 BS = 4
 LENGTHS = range(0, 64)

@@ -8,7 +8,6 @@ the invariants), and that honest traffic still works afterwards.
 from __future__ import annotations
 
 import pytest
-from tests.helpers import admit, snapshot
 
 from kvpool import (
     CapacityError,
@@ -22,6 +21,7 @@ from kvpool import (
     RequestStateError,
 )
 from kvpool.hashing import BlockHasher
+from tests.helpers import admit, snapshot
 
 PROMPT = list(range(100, 108)) + [1]  # two full blocks of 4, then one token
 

@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from tests.helpers import snapshot
 
 from kvpool import CapacityError, KVCacheManager, KVPoolError, Request
+from tests.helpers import snapshot
 
 PREFIXES = [list(range(100, 120)), list(range(200, 209)), [7] * 13, []]
 SALTS = [None, None, "tenant-a", "tenant-b"]

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kvpool.errors import ConfigError
 from kvpool.model_config import first_int_field, head_dim, model_dtype, num_kv_heads, text_config_view
 from kvpool.model_layers import MlpKind, decoder_layers
 from kvpool.recurrent_state import StateFamily, state_dims

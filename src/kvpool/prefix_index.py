@@ -26,8 +26,8 @@ Both insert and evict whole runs of blocks in one call (``insert_run``,
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
 from itertools import islice
+from typing import Any
 
 from kvpool.block import KVBlock
 from kvpool.errors import InvariantViolation

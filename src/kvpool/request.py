@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 from kvpool.errors import InvalidTokenError, ReadOnlyFieldError, RequestStateError
 from kvpool.hashing import (
     TOKEN_LIMIT,
-    TOKEN_TYPECODE,
     BlockHash,
     BlockHasher,
     ExtraKey,

@@ -14,13 +14,13 @@ import math
 
 import pytest
 import torch
-from tests.test_scheduler_atomic import scheduler_snapshot
 
 from kvpool.engine.llm import LLM
 from kvpool.engine.llm_engine import LLMEngine
 from kvpool.engine.sampling import SamplingParams
 from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
 from tests.engine.tiny_models import VOCAB, build_model, random_prompt, reference_tokens, save_model
+from tests.test_scheduler_atomic import scheduler_snapshot
 
 pytestmark = pytest.mark.engine
 

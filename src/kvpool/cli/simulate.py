@@ -214,7 +214,8 @@ def _run(
     plot_dir,
     as_json,
 ):
-    from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory, simulate as run_simulation
+    from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory
+    from kvpool.sim.simulator import simulate as run_simulation
 
     if curve is not None:
         require_extra("simulate", "sim", "numpy")
