@@ -140,7 +140,7 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         self.indexes[block.group_id].remove(block)
         if self.events is not None:
-            self.events.append(BlockRemoved(block_hashes=(block.block_hash,), group_id=block.group_id))  # type: ignore[arg-type]
+            self.events.append(BlockRemoved(block_hashes=(block.block_hash,), group_id=block.group_id))  # type: ignore[arg-type]  # evicted blocks are cached: hash set
         block.block_hash = None
         self.num_evictions += 1
 
@@ -214,7 +214,7 @@ class BlockPool:
     ) -> None:
         tokens = request.all_token_ids
         first = stored[0]
-        self.events.append(  # type: ignore[union-attr]
+        self.events.append(  # type: ignore[union-attr]  # called only when events are on
             BlockStored(
                 block_hashes=tuple(hashes[k] for k in stored),
                 parent_block_hash=hashes[first - 1] if first else None,

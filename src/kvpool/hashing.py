@@ -263,7 +263,7 @@ class BlockHasher:
             width = 4 * bs
             head, head_contents = self.chain(parent, token_bytes[:width], [lora_key + salt_key])
             rest, rest_contents = self.chain(head[0], token_bytes[width:], suffix=lora_key)
-            contents = head_contents + rest_contents if head_contents is not None else None  # type: ignore[operator]
+            contents = head_contents + rest_contents if head_contents is not None else None  # type: ignore[operator]  # one hasher: both chains store contents or neither
             return head + rest, contents
         return self.chain(parent, token_bytes, suffix=lora_key)
 

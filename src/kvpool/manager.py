@@ -394,7 +394,7 @@ class KVCacheManager:
                 )
             if new_computed_blocks is not None and new_computed_blocks._issuer is not self:
                 raise RequestStateError(f"request {rid!r}: the HitBlocks was issued by another KVCacheManager")
-            self._check_progress(rid, held, computed)  # type: ignore[arg-type]
+            self._check_progress(rid, held, computed)  # type: ignore[arg-type]  # running: held is not None
         else:
             self._check_admission(request, held, computed, num_new_computed_tokens, new_computed_blocks)
         total_computed = computed + num_new_computed_tokens
@@ -419,15 +419,15 @@ class KVCacheManager:
         if running:
             # Blocks that left the window go back first, even if the step is
             # then refused: no later step reads them (vLLM does the same).
-            held.computed = computed  # type: ignore[union-attr]
+            held.computed = computed  # type: ignore[union-attr]  # running: held is not None
             coordinator.remove_skipped_blocks(rid, computed)
             num_needed = coordinator.num_blocks_to_allocate(rid, need, None, total_computed, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:
                 self._refuse(request, need, total_computed, num_encoder_tokens)
                 return None
             new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
-            if need > held.slots:  # type: ignore[union-attr]
-                held.slots = need  # type: ignore[union-attr]
+            if need > held.slots:  # type: ignore[union-attr]  # running: held is not None
+                held.slots = need  # type: ignore[union-attr]  # running: held is not None
         else:
             hits = new_computed_blocks._blocks if new_computed_blocks is not None else None
             num_needed = coordinator.num_blocks_to_allocate(rid, need, hits, total_computed, num_encoder_tokens)

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from kvpool.errors import ConfigError
 from kvpool.specs import KVDtype
@@ -232,7 +232,7 @@ def load_model_config(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
     return config
 
 
-class TextConfig(dict):
+class TextConfig(dict[str, Any]):
     """A config flattened and checked by :func:`text_config_view`; readers take it as it is."""
 
     __slots__ = ()
@@ -279,7 +279,7 @@ def int_field(cfg: dict[str, Any], field: str, default: int | None = None) -> in
     value = _checked(field, value, _FIELD_RULES.get(field, _Rule.COUNT))
     if value == "auto":
         raise ConfigError(f"config.json field {field!r} must be {_Rule.COUNT.value} here, got 'auto'")
-    return value
+    return cast(int, value)  # a counting rule passed and 'auto' is refused: an int
 
 
 def first_int_field(cfg: dict[str, Any], *fields: str) -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError
@@ -236,6 +236,15 @@ def layer_sliding_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
     return tuple(window if kind is LayerKind.SLIDING_WINDOW else None for kind in kinds)
 
 
+class _HeadFields(TypedDict):
+    """The fields every attention spec with K/V heads shares."""
+
+    block_size: int
+    dtype: KVDtype
+    head_dim: int
+    num_kv_heads: int
+
+
 def layer_specs_from_config(
     config: dict[str, Any],
     *,
@@ -266,10 +275,10 @@ def layer_specs_from_config(
     if not kinds - {None}:
         raise ConfigError("the model config describes no layer that keeps a KV cache or state")
     heads = (
-        {"block_size": block_size, "dtype": dtype, "head_dim": head_dim(cfg),
-         "num_kv_heads": kv_heads_per_rank(num_kv_heads(cfg), tp_size)}
+        _HeadFields(block_size=block_size, dtype=dtype, head_dim=head_dim(cfg),
+                    num_kv_heads=kv_heads_per_rank(num_kv_heads(cfg), tp_size))
         if kinds & {LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW, LayerKind.CHUNKED_LOCAL}
-        else {}
+        else cast(_HeadFields, {})  # never unpacked: no layer of those kinds
     )  # fmt: skip
     for layer in layers:
         if layer.kind is None:

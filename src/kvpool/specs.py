@@ -548,12 +548,12 @@ def unify_page_sizes(layer_specs: Sequence[LayerSpec]) -> tuple[LayerSpec, ...]:
     adjusted_attention = {spec: adjust(spec) for spec in factor}
     state_block_size = min(s.block_size for s in adjusted_attention.values())
     result: list[LayerSpec] = []
-    for spec in layer_specs:
-        if isinstance(spec, MambaSpec):
-            padded = None if spec.state_bytes == page else page
-            result.append(dataclasses.replace(spec, block_size=state_block_size, padded_page_bytes=padded))
+    for layer in layer_specs:
+        if isinstance(layer, MambaSpec):
+            padded = None if layer.state_bytes == page else page
+            result.append(dataclasses.replace(layer, block_size=state_block_size, padded_page_bytes=padded))
         else:
-            result.append(adjusted_attention[spec])
+            result.append(adjusted_attention[layer])
     return tuple(result)
 
 

@@ -38,6 +38,6 @@ def manager_class_for(spec: object) -> type[GroupManager]:
     """The group manager class that applies the rules of ``spec``'s layer type (by ``spec.kind``)."""
     kind = getattr(getattr(spec, "kind", None), "name", None)
     try:
-        return _MANAGERS[kind]  # type: ignore[index]
+        return _MANAGERS[kind]  # type: ignore[index]  # kind may be None: the KeyError below reports it
     except KeyError:
         raise ConfigError(f"no group manager for layer kind {kind!r} (spec {spec!r})") from None

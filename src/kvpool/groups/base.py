@@ -25,29 +25,36 @@ which covers the whole prefix up to there::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar, overload
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.block_pool import BlockPool
+from kvpool.hashing import BlockHash
 from kvpool.request import Request
 from kvpool.specs import FullAttentionSpec, KVDtype, LayerSpec, cdiv
 
 __all__ = ["GroupManager"]
 
+_T = TypeVar("_T")
 
-class _StridedHashes(Sequence):
+
+class _StridedHashes(Sequence[_T]):
     """Every ``stride``-th hash of a request: item ``k`` is ``hashes[(k + 1) * stride - 1]``."""
 
     __slots__ = ("_hashes", "_stride")
 
-    def __init__(self, hashes: Sequence, stride: int) -> None:
+    def __init__(self, hashes: Sequence[_T], stride: int) -> None:
         self._hashes = hashes
         self._stride = stride
 
     def __len__(self) -> int:
         return len(self._hashes) // self._stride
 
-    def __getitem__(self, k):  # type: ignore[override]
+    @overload
+    def __getitem__(self, k: int) -> _T: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[_T]: ...
+    def __getitem__(self, k: int | slice) -> _T | list[_T]:
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         n = len(self)
@@ -58,12 +65,16 @@ class _StridedHashes(Sequence):
         return self._hashes[(k + 1) * self._stride - 1]
 
 
-class _JoinedContents(_StridedHashes):
+class _JoinedContents(_StridedHashes[bytes]):
     """Block contents at a coarser block size: item ``k`` joins ``stride`` fine contents."""
 
     __slots__ = ()
 
-    def __getitem__(self, k):  # type: ignore[override]
+    @overload
+    def __getitem__(self, k: int) -> bytes: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[bytes]: ...
+    def __getitem__(self, k: int | slice) -> bytes | list[bytes]:
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
         n = len(self)
@@ -132,7 +143,7 @@ class GroupManager:
 
     # -- hashes at this group's block size ------------------------------------------
 
-    def hashes_of(self, request: Request) -> Sequence:
+    def hashes_of(self, request: Request) -> Sequence[BlockHash]:
         """The request's block hashes at this group's block size (``hashes[k]`` names block ``k``)."""
         if self.hash_stride == 1:
             return request._block_hashes

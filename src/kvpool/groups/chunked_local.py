@@ -38,8 +38,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import KVBlock
+from kvpool.block_pool import BlockPool
 from kvpool.groups.base import GroupManager
 from kvpool.request import Request
+from kvpool.specs import ChunkedLocalAttentionSpec, LayerSpec
 
 __all__ = ["ChunkedLocalAttentionManager"]
 
@@ -50,9 +52,20 @@ class ChunkedLocalAttentionManager(GroupManager):
     downward_closed: ClassVar[bool] = False
     supports_verified_index: ClassVar[bool] = False
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.attention_chunk_size: int = self.spec.attention_chunk_size  # type: ignore[union-attr]
+    spec: ChunkedLocalAttentionSpec
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        group_id: int,
+        block_size: int,
+        enable_caching: bool,
+        *,
+        spec: LayerSpec | None = None,
+        hash_block_size: int | None = None,
+    ) -> None:
+        super().__init__(pool, group_id, block_size, enable_caching, spec=spec, hash_block_size=hash_block_size)
+        self.attention_chunk_size: int = self.spec.attention_chunk_size
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         chunk = self.attention_chunk_size

@@ -50,9 +50,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
+from kvpool.block_pool import BlockPool
 from kvpool.groups.base import GroupManager
 from kvpool.request import Request
-from kvpool.specs import MambaSpec, cdiv
+from kvpool.specs import LayerSpec, MambaSpec, cdiv
 
 __all__ = ["MambaManager"]
 
@@ -67,8 +68,17 @@ class MambaManager(GroupManager):
 
     spec: MambaSpec
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        pool: BlockPool,
+        group_id: int,
+        block_size: int,
+        enable_caching: bool,
+        *,
+        spec: LayerSpec | None = None,
+        hash_block_size: int | None = None,
+    ) -> None:
+        super().__init__(pool, group_id, block_size, enable_caching, spec=spec, hash_block_size=hash_block_size)
         # request ID -> positions of the real blocks in its table, ascending (at most two)
         self._live: dict[str, list[int]] = {}
 

@@ -49,9 +49,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import KVBlock
+from kvpool.block_pool import BlockPool
 from kvpool.groups.base import GroupManager
 from kvpool.request import Request
-from kvpool.specs import cdiv
+from kvpool.specs import LayerSpec, SlidingWindowSpec, cdiv
 
 __all__ = ["SlidingWindowManager"]
 
@@ -62,9 +63,20 @@ class SlidingWindowManager(GroupManager):
     downward_closed: ClassVar[bool] = False
     supports_verified_index: ClassVar[bool] = False
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sliding_window: int = self.spec.sliding_window  # type: ignore[union-attr]
+    spec: SlidingWindowSpec
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        group_id: int,
+        block_size: int,
+        enable_caching: bool,
+        *,
+        spec: LayerSpec | None = None,
+        hash_block_size: int | None = None,
+    ) -> None:
+        super().__init__(pool, group_id, block_size, enable_caching, spec=spec, hash_block_size=hash_block_size)
+        self.sliding_window: int = self.spec.sliding_window
         #: Contiguous cached blocks a hit needs before its end.
         self.blocks_for_hit = cdiv(self.sliding_window - 1, self.block_size)
 
