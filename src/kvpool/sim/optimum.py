@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -114,8 +114,7 @@ class BlockTrace:
 
 
 def _check_block_size(block_size: object) -> int:
-    check_int("block_size", block_size)
-    return block_size
+    return check_int("block_size", block_size)
 
 
 def _hash_fast_path_ok(requests: Sequence[TraceRequest], block_size: int) -> bool:
@@ -154,7 +153,7 @@ def _hash_id_keys(requests: Sequence[TraceRequest], block_size: int, partial: bo
         full = r.prompt_length // block_size
         keys = (ids[:, None] * per_block + sub).ravel()[:full]
         if partial and r.prompt_length % block_size:
-            tail = (r.hash_ids[-1], r.prompt_length - MOONCAKE_BLOCK_TOKENS * (len(ids) - 1))  # type: ignore[index]
+            tail = (r.hash_ids[-1], r.prompt_length - MOONCAKE_BLOCK_TOKENS * (len(ids) - 1))  # type: ignore[index]  # hash-ID keys: every request has hash IDs
             keys = np.append(keys, base + partial_keys.setdefault(tail, len(partial_keys)))
         chunks.append(keys)
     return chunks, base + len(partial_keys)
@@ -222,8 +221,7 @@ def _as_block_trace(
 
 
 def _check_capacity(capacity_blocks: object) -> int:
-    check_int("capacity_blocks", capacity_blocks, minimum=0)
-    return capacity_blocks
+    return check_int("capacity_blocks", capacity_blocks, minimum=0)
 
 
 def _result(policy: Policy, trace: BlockTrace, capacity: int, hits_per_request: list[int]) -> HitRateResult:
@@ -242,7 +240,7 @@ def _result(policy: Policy, trace: BlockTrace, capacity: int, hits_per_request: 
     )
 
 
-def _prefix_hits(keys: list[int], cache) -> int:
+def _prefix_hits(keys: list[int], cache: Container[int]) -> int:
     """How many of ``keys`` hit, from the first, before the first miss (the prefix rule)."""
     hits = 0
     for key in keys:
@@ -307,7 +305,8 @@ def _priorities(trace: BlockTrace) -> np.ndarray:
     same = keys[order[1:]] == keys[order[:-1]]
     rank = np.arange(n, dtype=np.int64) - np.repeat(trace.offsets[:-1], np.diff(trace.offsets)) + n
     rank[order[:-1][same]] = order[1:][same]
-    return rank * trace.key_space + keys
+    priorities: np.ndarray = rank * trace.key_space + keys
+    return priorities
 
 
 def optimal_hit_rate(

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["plot_hit_rate_curve", "plot_usage"]
 
 
-def _pyplot():
+def _pyplot() -> Any:  # matplotlib.pyplot (matplotlib is untyped here)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvpool.checks import check_int
 from kvpool.errors import CapacityError, ConfigError
@@ -26,6 +27,9 @@ from kvpool.manager import KVCacheManager
 from kvpool.request import Request
 from kvpool.scheduler import ChunkDetail, Scheduler, SchedulerConfig, StopConditions
 from kvpool.sim.traces import TraceRequest
+
+if TYPE_CHECKING:
+    from kvpool.eviction import FreeQueueFactory
 
 __all__ = ["CostModel", "SimulationConfig", "SimulationResult", "policy_factory", "simulate"]
 
@@ -102,13 +106,13 @@ class SimulationResult:
     usage_timeline: tuple[tuple[float, float], ...]
     wall_seconds: float
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["usage_timeline"] = [list(p) for p in self.usage_timeline]
         return out
 
 
-def policy_factory(name: str):
+def policy_factory(name: str) -> FreeQueueFactory:
     """The free-block structure of an eviction policy, by name (see ``kvpool.eviction``)."""
     from kvpool.eviction import resolve_policy
 
@@ -128,7 +132,7 @@ class _Live:
 
     __slots__ = ("request", "outputs", "first_hit")
 
-    def __init__(self, request: Request, outputs) -> None:
+    def __init__(self, request: Request, outputs: Sequence[int]) -> None:
         self.request = request
         self.outputs = outputs
         self.first_hit: int | None = None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from os import PathLike
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 from kvpool.errors import KVPoolError
 from kvpool.hashing import TOKEN_LIMIT, TOKEN_TYPECODE
@@ -89,7 +89,7 @@ class TraceFormat(Enum):
     TOKENS = "tokens"
 
 
-def _derived_tokens(tag: str, parts: tuple[str, ...], count: int) -> array:
+def _derived_tokens(tag: str, parts: tuple[str, ...], count: int) -> array[int]:
     """``count`` pseudo-random uint32 tokens from SHAKE-128 of (tag, parts).
 
     Every string is length-prefixed, so distinct inputs never feed the same
@@ -116,7 +116,7 @@ def _bad_count(value: object) -> str | None:
 
 
 def _bad_arrival(a: object) -> str | None:
-    ok = type(a) in (int, float) and math.isfinite(a) and a >= 0  # type: ignore[arg-type,operator]
+    ok = type(a) in (int, float) and math.isfinite(cast(float, a)) and cast(float, a) >= 0  # an int or a float by now
     return None if ok else f"must be a finite number >= 0, got {a!r}"
 
 
@@ -159,7 +159,7 @@ class SharedSegment:
             raise TraceError(f"must be a string, got {self.name!r}", field="shared")
         _require_count(self.length, "length")
 
-    def token_ids(self) -> array:
+    def token_ids(self) -> array[int]:
         """The tokens; O(length)."""
         return _derived_tokens("shared", (self.name,), self.length)
 
@@ -183,7 +183,7 @@ class UniqueSegment:
         if self.owner is not None and not isinstance(self.owner, str):
             raise TraceError(f"must be a string, got {self.owner!r}", field="owner")
 
-    def token_ids(self) -> array:
+    def token_ids(self) -> array[int]:
         """The tokens; O(length). Raises TraceError for an unowned placeholder."""
         if self.owner is None:
             raise TraceError("is unset: build the request with TraceRequest.create", field="owner")
@@ -209,7 +209,7 @@ class TokenSegment:
     def length(self) -> int:
         return len(self.data) // 4
 
-    def token_ids(self) -> array:
+    def token_ids(self) -> array[int]:
         out = array(TOKEN_TYPECODE)
         out.frombytes(self.data)
         if _BIG_ENDIAN:
@@ -237,7 +237,7 @@ class HashBlockSegment:
         if (problem := _bad_hash_ids(self.hash_ids, self.length)) is not None:
             raise TraceError(problem, field="hash_ids")
 
-    def token_ids(self) -> array:
+    def token_ids(self) -> array[int]:
         """The tokens; O(length)."""
         out = array(TOKEN_TYPECODE)
         for i, h in enumerate(self.hash_ids):
@@ -268,7 +268,7 @@ class OutputSegment:
     def __post_init__(self) -> None:
         _require_count(self.length, "length")
 
-    def token_ids(self) -> array:
+    def token_ids(self) -> array[int]:
         return _derived_tokens("output", (self.request_id,), self.length)
 
 
@@ -366,14 +366,14 @@ class TraceRequest:
             return self.segments[0].hash_ids
         return None
 
-    def prompt_token_ids(self) -> array:
+    def prompt_token_ids(self) -> array[int]:
         """The prompt as a fresh ``array('I')`` of ``prompt_length`` tokens; O(prompt_length)."""
         out = array(TOKEN_TYPECODE)
         for seg in self.segments:
             out.extend(seg.token_ids())
         return out
 
-    def output_token_ids(self) -> array:
+    def output_token_ids(self) -> array[int]:
         """The ``output_length`` tokens the simulated model generates; O(output_length).
 
         Deterministic and derived from ``request_id``, so two requests' outputs
@@ -395,7 +395,8 @@ class _Where:
             raise self.fail(name or key, "is missing")
         if (problem := _bad_count(obj[key])) is not None:
             raise self.fail(name or key, problem)
-        return obj[key]
+        count: int = obj[key]  # _bad_count passed: an int
+        return count
 
     def arrival(self, obj: dict[str, Any], key: str) -> float:
         if key not in obj:

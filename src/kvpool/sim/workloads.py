@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol, cast
 
 from kvpool.errors import ConfigError
-from kvpool.sim.traces import SharedSegment, TraceRequest, UniqueSegment
+from kvpool.sim.traces import Segment, SharedSegment, TraceRequest, UniqueSegment
 
 __all__ = ["MAX_WORKLOAD_REQUESTS", "WorkloadConfig", "WorkloadKind", "generate_workload"]
 
@@ -116,7 +117,7 @@ class WorkloadConfig:
 
 
 def _is_number(value: object) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
+    return type(value) in (int, float) and math.isfinite(cast(float, value))  # an int or a float by now
 
 
 def _check_range(name: str, value: object, low_bound: int) -> None:
@@ -155,6 +156,12 @@ class _Prompts:
         return rng.choices(self.segments, self.weights)[0]
 
 
+class _Source(Protocol):
+    """Where a workload's requests come from: one ``next`` per request."""
+
+    def next(self, rng: random.Random, rid: str, arrival_ms: float) -> TraceRequest: ...
+
+
 class _SharedPrefixSource:
     """One-shot requests: shared system prompt + unique user message."""
 
@@ -162,7 +169,7 @@ class _SharedPrefixSource:
         self._cfg, self._prompts, self._salt, self._lora = cfg, prompts, salt, lora
 
     def next(self, rng: random.Random, rid: str, arrival_ms: float) -> TraceRequest:
-        segments = [self._prompts.pick(rng), UniqueSegment(_draw(rng, self._cfg.user_tokens))]
+        segments: list[Segment] = [self._prompts.pick(rng), UniqueSegment(_draw(rng, self._cfg.user_tokens))]
         return TraceRequest.create(
             rid, arrival_ms, segments, _draw(rng, self._cfg.output_tokens), cache_salt=self._salt, lora_name=self._lora
         )
@@ -209,7 +216,7 @@ class _SessionSource:
                 )
                 self._slots[slot] = (req, left - 1)
         if req is None:
-            segments = [self._prompts.pick(rng), UniqueSegment(_draw(rng, first))]
+            segments: list[Segment] = [self._prompts.pick(rng), UniqueSegment(_draw(rng, first))]
             req = TraceRequest.create(rid, arrival_ms, segments, output, cache_salt=self._salt, lora_name=self._lora)
             self._slots[slot] = (req, _draw(rng, steps) - 1)
         return req
@@ -272,14 +279,14 @@ def generate_workload(
     tag = f"s{seed}"
     system = _Prompts.make(content, f"{tag}/system", cfg.num_system_prompts, cfg.system_prompt_tokens, cfg.prompt_skew)
     agent = _Prompts.make(content, f"{tag}/agent", cfg.num_agent_prompts, cfg.agent_prompt_tokens, cfg.prompt_skew)
-    builders = {
+    builders: dict[WorkloadKind, Callable[[], _Source]] = {
         WorkloadKind.SHARED_PREFIX: lambda: _SharedPrefixSource(cfg, system, None, None),
         WorkloadKind.MULTI_TURN: lambda: _SessionSource(cfg, system, None, None, agent=False),
         WorkloadKind.AGENT: lambda: _SessionSource(cfg, agent, None, None, agent=True),
         WorkloadKind.MULTI_TENANT: lambda: _TenantSource(cfg, system, tag),
     }
     if kind is WorkloadKind.MIXED:
-        sources = [builders[k]() for k, _ in cfg.mixed_weights]
+        sources: list[_Source] = [builders[k]() for k, _ in cfg.mixed_weights]
         weights = [w for _, w in cfg.mixed_weights]
     else:
         sources, weights = [builders[kind]()], [1.0]
