@@ -72,8 +72,9 @@ def _setup(command: str, kw: dict[str, Any]) -> tuple[Any, Any]:
             sampling[name] = kw[name]
     memory = kw["kv_cache_memory"]
     params = SamplingParams(**sampling)
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    hf_logging: Any = transformers.utils.logging  # its functions carry no annotations
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     options = {name: kw[name] for name in _ENGINE_FLAGS}  # the flags are EngineOptions fields, by name
     options["kv_cache_memory"] = None if memory.strip().lower() == "auto" else memory
     engine = LLMEngine(**options, log=_log)

@@ -157,10 +157,10 @@ def plan(
     if gpu_memory is None:
         fail("plan", "missing option '--gpu-memory' (e.g. 80GB or 80GiB)")
     try:
+        gpu_bytes = parse_size(gpu_memory, field="--gpu-memory")
         sizes = {
             flag: None if text is None else parse_size(text, field=flag)
             for flag, text in (
-                ("--gpu-memory", gpu_memory),
                 ("--weights-memory", weights_memory),
                 ("--activation-memory", activation_memory),
                 ("--other-memory", other_memory),
@@ -170,7 +170,7 @@ def plan(
         arch = (config.get("architectures") or [config.get("model_type", "model")])[0]
         result = plan_kv_cache(
             config,
-            gpu_memory_bytes=sizes["--gpu-memory"],
+            gpu_memory_bytes=gpu_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             weights_bytes=sizes["--weights-memory"],
             activation_bytes=sizes["--activation-memory"],

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvpool.cli.params import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, fail, require_extra
 from kvpool.errors import KVPoolError
 
+if TYPE_CHECKING:
+    from kvpool.sim.simulator import SimulationResult
+    from kvpool.sim.traces import TraceRequest
+
 SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_REQUESTS = 500
 
 
-def _load(trace: str, requests: int | None, seed: int):
+def _load(trace: str, requests: int | None, seed: int) -> list[TraceRequest]:
     if trace.startswith(SYNTHETIC_PREFIX):
         from kvpool.sim.workloads import generate_workload
 
@@ -55,7 +61,7 @@ def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None,
     return blocks
 
 
-def _deltas(update):
+def _deltas(update: Callable[[int], object]) -> Callable[[int], None]:
     """Turn a running count into the increments a progress bar wants."""
     done = [0]
 
@@ -70,7 +76,7 @@ def _percent(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def _print_table(result, label: str) -> None:
+def _print_table(result: SimulationResult, label: str) -> None:
     rows = [
         ("requests", f"{result.requests:,}"),
         ("rejected", f"{result.rejected:,} (larger than the whole pool, never admitted)"),
@@ -156,27 +162,27 @@ def _print_table(result, label: str) -> None:
 @click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def simulate(
-    trace,
-    kv_blocks,
-    kv_memory,
-    model,
-    block_size,
-    policy,
-    sequential,
-    max_requests,
-    seed,
-    max_num_batched_tokens,
-    max_num_seqs,
-    step_overhead_ms,
-    prefill_us_per_token,
-    decode_us_per_seq,
-    hash_algo,
-    curve,
-    curve_policies,
-    lookahead,
-    plot_dir,
-    as_json,
-):
+    trace: str,
+    kv_blocks: int | None,
+    kv_memory: str | None,
+    model: str | None,
+    block_size: int,
+    policy: str,
+    sequential: bool,
+    max_requests: int | None,
+    seed: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    step_overhead_ms: float,
+    prefill_us_per_token: float,
+    decode_us_per_seq: float,
+    hash_algo: str,
+    curve: str | None,
+    curve_policies: str,
+    lookahead: int,
+    plot_dir: Path | None,
+    as_json: bool,
+) -> None:
     """Replay TRACE (a trace file, or synthetic:KIND) through kvpool's manager and scheduler.
 
     TRACE is a Mooncake JSONL trace, kvpool's token-level JSONL format, or
@@ -193,27 +199,27 @@ def simulate(
 
 
 def _run(
-    trace,
-    kv_blocks,
-    kv_memory,
-    model,
-    block_size,
-    policy,
-    sequential,
-    max_requests,
-    seed,
-    max_num_batched_tokens,
-    max_num_seqs,
-    step_overhead_ms,
-    prefill_us_per_token,
-    decode_us_per_seq,
-    hash_algo,
-    curve,
-    curve_policies,
-    lookahead,
-    plot_dir,
-    as_json,
-):
+    trace: str,
+    kv_blocks: int | None,
+    kv_memory: str | None,
+    model: str | None,
+    block_size: int,
+    policy: str,
+    sequential: bool,
+    max_requests: int | None,
+    seed: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    step_overhead_ms: float,
+    prefill_us_per_token: float,
+    decode_us_per_seq: float,
+    hash_algo: str,
+    curve: str | None,
+    curve_policies: str,
+    lookahead: int,
+    plot_dir: Path | None,
+    as_json: bool,
+) -> None:
     from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory
     from kvpool.sim.simulator import simulate as run_simulation
 
@@ -229,7 +235,7 @@ def _run(
     policy_factory(policy)  # an unknown name fails before any work
     label = f"{trace}: {len(requests):,} requests"
     show = not as_json
-    output: dict = {"trace": trace, "requests": len(requests)}
+    output: dict[str, Any] = {"trace": trace, "requests": len(requests)}
 
     if curve_only:
         pass
@@ -237,7 +243,7 @@ def _run(
         from kvpool.sim.sequential import replay_sequential
 
         with click.progressbar(length=len(requests), label="replaying", file=sys.stderr, hidden=not show) as bar:
-            result = replay_sequential(
+            seq_result = replay_sequential(
                 requests,
                 num_blocks - 1,
                 block_size=block_size,
@@ -249,9 +255,9 @@ def _run(
         from dataclasses import asdict
 
         output["sequential"] = {
-            **asdict(result),
-            "token_hit_rate": result.token_hit_rate,
-            "block_hit_rate": result.block_hit_rate,
+            **asdict(seq_result),
+            "token_hit_rate": seq_result.token_hit_rate,
+            "block_hit_rate": seq_result.block_hit_rate,
         }
         if show:
             click.echo(f"{label} (sequential)")
@@ -293,7 +299,17 @@ def _run(
         click.echo(json.dumps(output, indent=2))
 
 
-def _curve(requests, curve, curve_policies, block_size, hash_algo, lookahead, plot_dir, label, show) -> dict:
+def _curve(
+    requests: list[TraceRequest],
+    curve: str,
+    curve_policies: str,
+    block_size: int,
+    hash_algo: str,
+    lookahead: int,
+    plot_dir: Path | None,
+    label: str,
+    show: bool,
+) -> dict[str, Any]:
     from kvpool.sim.optimum import optimal_hit_rate
     from kvpool.sim.sequential import replay_sequential
 
@@ -323,7 +339,7 @@ def _curve(requests, curve, curve_policies, block_size, hash_algo, lookahead, pl
         click.echo("  " + f"{'blocks':>10}" + "".join(f"{name:>12}" for name in rates))
         for i, size in enumerate(sizes):
             click.echo("  " + f"{size:>10,}" + "".join(f"{_percent(r[i]):>12}" for r in rates.values()))
-    result = {"sizes": sizes, "lookahead": lookahead, "token_hit_rate": rates}
+    result: dict[str, Any] = {"sizes": sizes, "lookahead": lookahead, "token_hit_rate": rates}
     if plot_dir is not None:
         from kvpool.sim.plots import plot_hit_rate_curve
 
