@@ -254,7 +254,7 @@ def _mix_chunks(parts, block_size: int, vocab: int, seed: int):
     return chunks
 
 
-def bench_mixed_steps(repeats: int) -> list[tuple[str, float, float, list[float]]]:
+def bench_mixed_steps(repeats: int, which: list[int] | None = None) -> list[tuple[str, float, float, list[float]]]:
     """Per mix: median s of the mixed step, sum of the parts' median s, per-part medians.
 
     Every repetition times the mixed step and then each part as a step of its own, so
@@ -265,11 +265,12 @@ def bench_mixed_steps(repeats: int) -> list[tuple[str, float, float, list[float]
 
     model, _ = load_model(resolve_model(), require_tokenizer=False)
     block_size = 16
-    most = max(sum(-(-(s + n) // block_size) for s, n in parts) for _, parts in MIXES)
+    mixes = MIXES if which is None else [MIXES[i - 1] for i in which]
+    most = max(sum(-(-(s + n) // block_size) for s, n in parts) for _, parts in mixes)
     runner = ModelRunner.create(model, num_blocks=most + 1, block_size=block_size)
     vocab = model.config.vocab_size
     results = []
-    for index, (name, parts) in enumerate(MIXES):
+    for index, (name, parts) in enumerate(mixes):
         chunks = _mix_chunks(parts, block_size, vocab, seed=index)
         runner.execute(chunks)  # warm-up
         mixed: list[float] = []
@@ -520,6 +521,12 @@ def main() -> None:
         "--mixed-steps", action="store_true", help="the mixed-step ratios (one mixed step vs its parts)"
     )
     parser.add_argument(
+        "--mixes",
+        type=lambda text: [int(i) for i in text.split(",")],
+        default=None,
+        help="mixed steps: only these mixes (1-based, comma-separated)",
+    )
+    parser.add_argument(
         "--mixed-workload", action="store_true", help="one long conversation beside many short requests"
     )
     parser.add_argument("--long-tokens", type=int, default=3000, help="mixed workload: the long prompt")
@@ -549,7 +556,7 @@ def main() -> None:
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        ratios = bench_mixed_steps(args.repeats) if args.mixed_steps else None
+        ratios = bench_mixed_steps(args.repeats, args.mixes) if args.mixed_steps else None
         workload = bench_mixed_workload(args) if args.mixed_workload else None
         machine = f"{cpu_name()} ({os.cpu_count()} cores, shared), torch {torch.__version__}"
         section = render_mixed_section(args, machine, ratios, workload)

@@ -148,13 +148,9 @@ def test_paged_attention_matches_dense_reference(starts, qlens, num_heads, num_k
 
 def test_softcap_path_matches_dense_reference():
     starts, qlens = [6, 0], [2, 5]
-    (key_cache, value_cache), q, new_k, new_v, tables, full_k, full_v = _setup_batch(
-        starts, qlens, 4, 2, None, seed=3
-    )
+    (key_cache, value_cache), q, new_k, new_v, tables, full_k, full_v = _setup_batch(starts, qlens, 4, 2, None, seed=3)
     q = q * 4  # large scores, so that the cap actually bends them
-    meta = build_attention_metadata(
-        starts, qlens, tables, block_size=BLOCK_SIZE, num_blocks=key_cache.shape[0]
-    )
+    meta = build_attention_metadata(starts, qlens, tables, block_size=BLOCK_SIZE, num_blocks=key_cache.shape[0])
     write_kv(key_cache, value_cache, new_k, new_v, meta.slot_mapping)
     out = paged_attention(q, key_cache, value_cache, meta, scale=0.3, logit_softcap=2.0)
     uncapped = paged_attention(q, key_cache, value_cache, meta, scale=0.3)
@@ -197,16 +193,11 @@ def test_visibility_matches_transformers(window):
     starts, qlens = [0, 5, 11, 2, 9, 0], [6, 3, 1, 9, 1, 1]
     dim = 32  # more than any position, so every position has its own one-hot value
     # Ten blocks apart, so no two sequences share a block.
-    tables = [
-        [10 * b + 1 + i for i in range(-(-(s + n) // BLOCK_SIZE))]
-        for b, (s, n) in enumerate(zip(starts, qlens))
-    ]
+    tables = [[10 * b + 1 + i for i in range(-(-(s + n) // BLOCK_SIZE))] for b, (s, n) in enumerate(zip(starts, qlens))]
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=dim, block_size=BLOCK_SIZE)
     key_cache, value_cache = allocate_kv_caches(spec, 64).layer(0)
     value_cache.fill_(float("nan"))  # stale everywhere until written
-    meta = build_attention_metadata(
-        starts, qlens, tables, block_size=BLOCK_SIZE, num_blocks=64, sliding_window=window
-    )
+    meta = build_attention_metadata(starts, qlens, tables, block_size=BLOCK_SIZE, num_blocks=64, sliding_window=window)
     for table, start in zip(tables, starts):  # the cached prefix
         for pos in range(start):
             value_cache.view(-1, 1, dim)[_slot(table, pos)] = torch.eye(dim)[pos]
@@ -282,12 +273,17 @@ def test_backend_object_matches_functions():
     assert backend.kind is AttentionBackendKind.TORCH
     assert select_attention_backend("cpu", "torch").kind is AttentionBackendKind.TORCH
     starts, qlens = [4], [3]
-    (key_cache, value_cache), q, new_k, new_v, tables, full_k, full_v = _setup_batch(
-        starts, qlens, 2, 2, None
-    )
+    (key_cache, value_cache), q, new_k, new_v, tables, full_k, full_v = _setup_batch(starts, qlens, 2, 2, None)
     meta = backend.build_metadata(
-        starts, qlens, tables, block_size=BLOCK_SIZE, num_blocks=key_cache.shape[0],
-        sliding_window=None, device=torch.device("cpu"), dtype=torch.float32, labels=["a"],
+        starts,
+        qlens,
+        tables,
+        block_size=BLOCK_SIZE,
+        num_blocks=key_cache.shape[0],
+        sliding_window=None,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        labels=["a"],
     )
     backend.write_kv(key_cache, value_cache, new_k, new_v, meta)
     out = backend.attend(q, key_cache, value_cache, meta, scale=0.25, logit_softcap=None)
@@ -326,9 +322,7 @@ def test_bad_block_tables_are_rejected(starts, qlens, tables, window, match):
 
 def test_null_block_is_fine_once_out_of_window():
     # Positions 0..3 (block 0 of the table) are invisible to position 8 with window 5.
-    meta = build_attention_metadata(
-        [8], [1], [[0, 2, 3]], block_size=BLOCK_SIZE, num_blocks=8, sliding_window=5
-    )
+    meta = build_attention_metadata([8], [1], [[0, 2, 3]], block_size=BLOCK_SIZE, num_blocks=8, sliding_window=5)
     assert all(0 not in group.key_blocks.tolist() for group in meta.groups)
 
 

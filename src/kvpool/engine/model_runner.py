@@ -6,7 +6,10 @@ layer writes its new keys/values into the preallocated cache at the slots the
 block tables name, then attends through the block tables (see
 :mod:`kvpool.engine.paged_attention`). All chunks of a step are flattened into
 one token dimension, ``[T, hidden]``, with no padding, so one forward pass
-serves prefill chunks and decode tokens of many sequences at once.
+serves prefill chunks and decode tokens of many sequences at once: the linear
+layers run once over all ``T`` tokens, and attention once per chunk or per
+group of decodes of like length, each over its own sequences' blocks, so a
+long context in the step does not make the short ones pay for it.
 
 Supported architectures: Llama, Mistral (sliding window on every layer), Qwen2
 (sliding window on the layers ``layer_types`` marks), Qwen3 (q/k norms), and
@@ -99,9 +102,7 @@ def _layer_types(config: Any, model_type: str) -> list[str]:
         raise ConfigError(f"config.layer_types has {len(types)} entries for {num_layers} layers")
     for index, layer_type in enumerate(types):
         if layer_type not in (_FULL, _SLIDING):
-            raise ConfigError(
-                f"layer {index} has attention type {layer_type!r}, which kvpool does not support"
-            )
+            raise ConfigError(f"layer {index} has attention type {layer_type!r}, which kvpool does not support")
         if layer_type == _SLIDING and window is None:
             raise ConfigError(f"layer {index} is a sliding-window layer but config.sliding_window is None")
     return types
@@ -126,8 +127,7 @@ def layer_sliding_windows(config: Any) -> tuple[int | None, ...]:
     """
     model_type = _supported_model_type(config)
     return tuple(
-        config.sliding_window if layer_type == _SLIDING else None
-        for layer_type in _layer_types(config, model_type)
+        config.sliding_window if layer_type == _SLIDING else None for layer_type in _layer_types(config, model_type)
     )
 
 
@@ -182,9 +182,7 @@ class ModelRunner:
 
         layers = list(decoder.layers)
         num_layers = len(layers)
-        expected = KVCacheSpec.from_model_config(
-            config, block_size=kv_caches.block_size, dtype=kv_caches.spec.dtype
-        )
+        expected = KVCacheSpec.from_model_config(config, block_size=kv_caches.block_size, dtype=kv_caches.spec.dtype)
         if expected != kv_caches.spec:
             raise ConfigError(f"KV caches {kv_caches.spec} do not match the model, which needs {expected}")
 
@@ -284,7 +282,7 @@ class ModelRunner:
         contexts it reads, which such a pass does not exercise, and is bounded here
         from what the backend allocates (:func:`~kvpool.engine.paged_attention.attention_workspace_bytes`).
         """
-        config = self.model.config
+        config: Any = self.model.config
         return self.backend.workspace_bytes(
             max_num_tokens=max_num_tokens,
             max_num_seqs=max_num_seqs,
@@ -320,9 +318,7 @@ class ModelRunner:
                         f"vocabulary of {self._vocab_size}"
                     )
 
-    def _build_metadata(
-        self, chunks: Sequence[SequenceChunk]
-    ) -> dict[tuple[int, int | None], AttentionMetadata]:
+    def _build_metadata(self, chunks: Sequence[SequenceChunk]) -> dict[tuple[int, int | None], AttentionMetadata]:
         """One set of indices per (group, window) that some layer uses."""
         starts = [c.start_position for c in chunks]
         qlens = [c.num_tokens for c in chunks]
@@ -408,9 +404,7 @@ class ModelRunner:
         self._validate(chunks)
         metadata = self._build_metadata(chunks)
 
-        token_ids = torch.tensor(
-            [t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self._device
-        )
+        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self._device)
         positions = torch.tensor(
             [p for c in chunks for p in range(c.start_position, c.end_position)],
             dtype=torch.int64,

@@ -156,7 +156,15 @@ def _labels(labels: Sequence[str] | None, count: int) -> Sequence[str]:
     return labels if labels is not None else [f"#{i}" for i in range(count)]
 
 
-def _check_tables(names, start_positions, query_lens, block_tables, block_size, num_blocks, sliding_window):
+def _check_tables(
+    names: Sequence[str],
+    start_positions: Sequence[int],
+    query_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    num_blocks: int,
+    sliding_window: int | None,
+) -> list[int]:
     """Per sequence, the first position it reads; raises on a table that cannot serve the chunk."""
     key_starts: list[int] = []
     for name, start, qlen, table in zip(names, start_positions, query_lens, block_tables):
@@ -198,8 +206,10 @@ def _decode_groups(decodes: list[int], num_keys: Sequence[int]) -> list[list[int
     groups: list[list[int]] = []
     width = 0
     for seq in sorted(decodes, key=lambda i: -num_keys[i]):
-        if groups and width - num_keys[seq] <= GROUP_PADDING_KEYS and (len(groups[-1]) + 1) * width <= max(
-            GROUP_KEY_LIMIT, width
+        if (
+            groups
+            and width - num_keys[seq] <= GROUP_PADDING_KEYS
+            and (len(groups[-1]) + 1) * width <= max(GROUP_KEY_LIMIT, width)
         ):
             groups[-1].append(seq)
         else:
@@ -252,9 +262,7 @@ def build_attention_metadata(
     if sliding_window is not None and sliding_window < 1:
         raise ConfigError(f"sliding_window must be >= 1 or None, got {sliding_window!r}")
     names = _labels(labels, num_seqs)
-    key_starts = _check_tables(
-        names, start_positions, query_lens, block_tables, block_size, num_blocks, sliding_window
-    )
+    key_starts = _check_tables(names, start_positions, query_lens, block_tables, block_size, num_blocks, sliding_window)
 
     slots: list[int] = []
     first_rows: list[int] = []
@@ -388,7 +396,14 @@ def _gather(cache: torch.Tensor, group: AttentionGroup, dtype: torch.dtype) -> t
     return rows.transpose(1, 2).to(dtype)
 
 
-def _attend(q, k, v, group: AttentionGroup, scale: float, logit_softcap: float | None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    logit_softcap: float | None,
+) -> torch.Tensor:
     """One group's attention: ``[B, H, Q, D]`` queries over ``[B, Hkv, K, D]`` keys/values."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if logit_softcap is None:
@@ -599,9 +614,7 @@ class TorchAttentionBackend:
         scale: float,
         logit_softcap: float | None,
     ) -> torch.Tensor:
-        return paged_attention(
-            query, key_cache, value_cache, metadata, scale=scale, logit_softcap=logit_softcap
-        )
+        return paged_attention(query, key_cache, value_cache, metadata, scale=scale, logit_softcap=logit_softcap)
 
     def workspace_bytes(self, **limits: int | bool) -> int:
         return attention_workspace_bytes(**limits)  # type: ignore[arg-type]
