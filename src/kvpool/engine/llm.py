@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvpool.engine.llm_engine import LLMEngine, Prompt
 from kvpool.engine.model_store import DEFAULT_MODEL
@@ -39,7 +39,7 @@ def _is_single_prompt(value: object) -> bool:
     return isinstance(value, Sequence) and len(value) > 0 and not isinstance(value[0], (str, bytes, Sequence))
 
 
-def _as_list(value, count: int, what: str) -> list:
+def _as_list(value: Any, count: int, what: str) -> list[Any]:
     """One value for every prompt, or a list or tuple with one per prompt."""
     if isinstance(value, (list, tuple)):
         if len(value) != count:
@@ -61,7 +61,7 @@ class LLM:
         self.engine = LLMEngine(model, log=log, **options)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def generate(
@@ -80,10 +80,11 @@ class LLM:
             cache_salt: one for all prompts or one per prompt; requests with
                 different salts never share cached blocks.
         """
+        batch: list[Prompt]
         if _is_single_prompt(prompts):
-            batch = [prompts]
+            batch = [cast(Prompt, prompts)]
         elif isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
-            batch = list(prompts)
+            batch = list(cast(Sequence[Prompt], prompts))  # not one prompt: a list of them
         else:
             raise RequestStateError(f"prompts must be text, token IDs or a list of those, got {prompts!r}")
         return self._run(batch, sampling_params, cache_salt, add_special_tokens=True)
@@ -100,16 +101,24 @@ class LLM:
         Each conversation is written with the tokenizer's chat template and an
         assistant turn is generated; the outputs' ``prompt`` is that rendering.
         """
+        conversations: list[Conversation]
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
-            conversations = [messages]
+            conversations = [cast(Conversation, messages)]  # its first item is a message
         elif isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)):
-            conversations = list(messages)
+            conversations = list(cast(Sequence[Conversation], messages))
         else:
             raise RequestStateError(f"messages must be a conversation or a list of them, got {messages!r}")
         texts = [self.engine.render_chat(c) for c in conversations]
         return self._run(texts, sampling_params, cache_salt, add_special_tokens=False)
 
-    def _run(self, prompts: list, sampling_params, cache_salt, *, add_special_tokens: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        cache_salt: str | None | Sequence[str | None],
+        *,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
         """Queue every prompt (all or none), run them to the end; outputs in prompt order."""
         params = _as_list(sampling_params, len(prompts), "sampling_params")
         salts = _as_list(cache_salt, len(prompts), "cache_salt")

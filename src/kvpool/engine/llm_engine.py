@@ -31,7 +31,7 @@ import os
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -44,7 +44,11 @@ from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestSt
 from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
-from kvpool.scheduler import RequestMetrics, Scheduler, SchedulerConfig, StopConditions
+from kvpool.scheduler import FinishReason, RequestMetrics, Scheduler, SchedulerConfig, StopConditions
+
+if TYPE_CHECKING:
+    from kvpool.engine.kv_cache import KVCaches
+    from kvpool.engine.model_runner import ModelRunner
 
 __all__ = ["LLMEngine", "Prompt"]
 
@@ -59,7 +63,7 @@ def _check_bool(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be a bool, got {value!r}")
 
 
-def _per_prompt(values: Sequence | None, count: int, what: str) -> list:
+def _per_prompt(values: Sequence[Any] | None, count: int, what: str) -> list[Any]:
     """One value per prompt (None for each when ``values`` is None)."""
     if values is None:
         return [None] * count
@@ -150,11 +154,11 @@ class LLMEngine:
     # -- properties ----------------------------------------------------------------
 
     @property
-    def runner(self):
+    def runner(self) -> ModelRunner:
         return self.setup.runner
 
     @property
-    def kv_caches(self):
+    def kv_caches(self) -> KVCaches:
         return self.setup.kv_caches
 
     @property
@@ -190,9 +194,10 @@ class LLMEngine:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         tokenizer = self._require_tokenizer("cannot decode text")
-        return tokenizer.decode(self._vocab_tokens(token_ids, "token_ids").tolist(), skip_special_tokens=True)
+        text: str = tokenizer.decode(self._vocab_tokens(token_ids, "token_ids").tolist(), skip_special_tokens=True)
+        return text
 
-    def _vocab_tokens(self, token_ids: Sequence[int], what: str) -> array:
+    def _vocab_tokens(self, token_ids: Sequence[int], what: str) -> array[int]:
         """``token_ids`` as an array, refused unless every one is in the model's vocabulary."""
         tokens = to_token_array(token_ids, what)  # the core's rule: integers in [0, 2**32)
         vocab = self.setup.runner.vocab_size
@@ -221,7 +226,10 @@ class LLMEngine:
                 raise RequestStateError(
                     f"message {i} must be a mapping with string 'role' and 'content', got {message!r}"
                 )
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        rendered: str = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return rendered
 
     # -- requests -----------------------------------------------------------------------
 
@@ -324,17 +332,20 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"request {request_id!r}: sampling_params must be a SamplingParams, got {params!r}")
         text: str | None = None
+        token_ids: Sequence[int]
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestStateError(f"request {request_id!r}: the prompt is empty")
             text = prompt
-            prompt = self.encode(prompt, add_special_tokens=special)
-        elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-            raise RequestStateError(
-                f"request {request_id!r}: a prompt is text or a sequence of token IDs, got {prompt!r}"
-            )
+            token_ids = self.encode(prompt, add_special_tokens=special)
+        else:
+            token_ids = prompt
+            if isinstance(token_ids, (bytes, bytearray)) or not isinstance(token_ids, Sequence):
+                raise RequestStateError(
+                    f"request {request_id!r}: a prompt is text or a sequence of token IDs, got {prompt!r}"
+                )
         try:
-            tokens = self._vocab_tokens(prompt, "prompt token_ids")
+            tokens = self._vocab_tokens(token_ids, "prompt token_ids")
         except KVPoolError as exc:
             raise type(exc)(f"request {request_id!r}: {exc}") from None
         request = Request(request_id, tokens, cache_salt=cache_salt)  # checks the salt and that tokens exist
@@ -441,7 +452,7 @@ class LLMEngine:
             prompt_token_ids=tuple(request.prompt_token_ids),
             output_token_ids=output_ids,
             text=text,
-            finish_reason=metrics.finish_reason,
+            finish_reason=cast(FinishReason, metrics.finish_reason),  # a finished request has its reason
             num_cached_tokens=metrics.num_cached_tokens,
             num_computed_tokens=metrics.num_computed_tokens,
             time_to_first_token=metrics.time_to_first_token,

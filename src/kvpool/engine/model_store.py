@@ -132,7 +132,8 @@ def convert_bundled_model(model: BundledModel, destination: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        hf_model = AutoModelForCausalLM.from_pretrained(
+        # Any: transformers' annotations miss attributes set here (hf_quantizer may be None)
+        hf_model: Any = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
         )
         # The weights are dequantized on load; the saved folder must not claim a
@@ -245,7 +246,8 @@ def load_model(
     if not (folder / "config.json").is_file():
         raise ConfigError(f"model folder {str(folder)!r} has no config.json")
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        # Any: transformers' annotations of .to() and .eval() are incomplete
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         has_tokenizer = any((folder / name).is_file() for name in _TOKENIZER_FILES)
         if has_tokenizer or require_tokenizer:
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

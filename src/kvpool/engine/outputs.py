@@ -91,7 +91,8 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # end of the tokens whose text was handed out
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
+        return text
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (maybe empty)."""

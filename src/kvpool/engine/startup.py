@@ -211,7 +211,9 @@ def _layer_maps(groups: tuple[KVCacheGroup, ...], num_layers: int) -> tuple[list
     return to_group, to_slot
 
 
-def _dummy_chunks(num_tokens: int, max_model_len: int, max_num_seqs: int, vocab: int, block_size: int):
+def _dummy_chunks(
+    num_tokens: int, max_model_len: int, max_num_seqs: int, vocab: int, block_size: int
+) -> tuple[list[tuple[str, tuple[int, ...], tuple[int, ...]]], int]:
     """The profile step: ``num_tokens`` tokens as fresh prefill chunks, block tables from block 1 on.
 
     As many sequences as a step may hold, each sampled: besides attention (bounded
@@ -224,7 +226,8 @@ def _dummy_chunks(num_tokens: int, max_model_len: int, max_num_seqs: int, vocab:
         extra = min(left, max_model_len - 1)
         lengths[i] += extra
         left -= extra
-    chunks, next_block = [], 1
+    chunks: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    next_block = 1
     for i, n in enumerate(lengths):
         blocks = cdiv(n, block_size)
         table = tuple(range(next_block, next_block + blocks))
@@ -242,7 +245,7 @@ def _profile(
     options: EngineOptions,
     max_model_len: int,
     device: torch.device,
-) -> tuple[int | None, int, float]:
+) -> tuple[int | None, int, int, float]:
     """Run the profile step; returns (peak activation bytes or None, attention's share, tokens, seconds).
 
     The peak is the pass's measured peak plus the most attention may hold in any
@@ -290,7 +293,9 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
 # -- startup -----------------------------------------------------------------------------
 
 
-def _load(options: EngineOptions, device: torch.device, log: Callable[[str], None]) -> tuple[Path, dict, Any, Any]:
+def _load(
+    options: EngineOptions, device: torch.device, log: Callable[[str], None]
+) -> tuple[Path, dict[str, Any], Any, Any]:
     """Resolve and load the model; returns (folder, config.json as a dict, model, tokenizer or None)."""
     bundled = pending_conversion(options.model)
     if bundled is not None:
