@@ -147,6 +147,11 @@ class ScheduledChunk:
     def positions(self) -> range:
         return range(self.start_position, self.start_position + self.num_tokens)
 
+    @property
+    def end_position(self) -> int:
+        """One past the chunk's last position: the sequence's cached length afterwards."""
+        return self.start_position + self.num_tokens
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerOutput:

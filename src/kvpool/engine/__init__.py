@@ -3,7 +3,7 @@
 Importing this package is cheap: torch and transformers load only when one of
 the torch-backed names below is first used.
 
-* :class:`SequenceChunk` (:mod:`.batch`): what a step computes for one request.
+* :func:`SequenceChunk` (:mod:`.batch`): a chunk built by hand, checked; the scheduler makes the same type.
 * :mod:`.kv_cache`: :class:`KVCacheSpec`, :func:`allocate_kv_caches`,
   :func:`num_blocks_for_budget`.
 * :mod:`.paged_attention`: writing K/V at slots and attention through block tables.

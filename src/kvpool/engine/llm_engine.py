@@ -4,10 +4,10 @@ Each :meth:`LLMEngine.step`:
 
 1. ``scheduler.schedule()`` picks this step's chunks under the token budget
    (chunked prefill, prefix-cache hits, preemption when blocks run out);
-2. each :class:`~kvpool.scheduler.ScheduledChunk` becomes a
-   :class:`~kvpool.engine.batch.SequenceChunk` (same positions and block
-   tables) and ``runner.execute`` computes them in one forward pass, writing
-   K/V into the preallocated cache through the block tables;
+2. ``runner.execute`` computes the scheduler's
+   :class:`~kvpool.scheduler.ScheduledChunk` objects, as they are, in one
+   forward pass, writing K/V into the preallocated cache through their block
+   tables;
 3. the last-token logits of chunks that reach the end of their known tokens
    are sampled, each request with its own :class:`SamplingParams` and its own
    seeded generator;
@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from kvpool.engine.batch import SequenceChunk
 from kvpool.engine.model_store import DEFAULT_MODEL
 from kvpool.engine.outputs import IncrementalDetokenizer, RequestDelta, RequestOutput
 from kvpool.engine.sampling import SamplingParams, make_generator, sample_tokens
@@ -391,16 +390,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished_requests():
                 raise RequestStateError("the scheduler could not schedule any waiting request")
             return []
-        chunks = [
-            SequenceChunk(
-                request_id=c.request_id,
-                token_ids=c.token_ids,
-                start_position=c.start_position,
-                block_tables=c.block_tables,
-                sample=c.sample,
-            )
-            for c in plan.chunks
-        ]
+        chunks = plan.chunks  # the scheduler's chunks, as they are: checked when they were made
         sampled_ids = [c.request_id for c in plan.chunks if c.sample]
         sampled: dict[str, int] = {}
         try:

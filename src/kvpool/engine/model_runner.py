@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvpool.engine.batch import SequenceChunk
 from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
 from kvpool.engine.paged_attention import (
     AttentionBackend,
@@ -37,6 +36,7 @@ from kvpool.engine.paged_attention import (
     select_attention_backend,
 )
 from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
+from kvpool.scheduler import ScheduledChunk
 
 __all__ = ["LayerInfo", "ModelFamily", "ModelRunner", "layer_sliding_windows"]
 
@@ -141,7 +141,7 @@ def _rotary_fn(attention: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.
 
 
 class ModelRunner:
-    """Executes batches of :class:`SequenceChunk` on a causal LM with paged KV caches.
+    """Executes batches of :class:`~kvpool.scheduler.ScheduledChunk` on a causal LM with paged KV caches.
 
     Args:
         model: A ``*ForCausalLM`` of a supported architecture (see module doc),
@@ -296,13 +296,19 @@ class ModelRunner:
             logit_softcap=any(info.logit_softcap is not None for info in self.layers),
         )
 
-    def _validate(self, chunks: Sequence[SequenceChunk]) -> None:
+    def _validate(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """What only the runner can know: one chunk per request and a table per group.
+
+        Tokens and block IDs were checked where the chunk was made (by the
+        scheduler, or :func:`~kvpool.engine.batch.SequenceChunk`); the
+        vocabulary bound is checked on the token tensor in :meth:`execute`.
+        """
         if not chunks:
-            raise KVPoolError("execute() needs at least one SequenceChunk")
+            raise KVPoolError("execute() needs at least one chunk")
         seen: set[str] = set()
         for chunk in chunks:
-            if not isinstance(chunk, SequenceChunk):
-                raise KVPoolError(f"expected SequenceChunk, got {type(chunk).__name__}")
+            if not isinstance(chunk, ScheduledChunk):
+                raise KVPoolError(f"expected a ScheduledChunk, got {type(chunk).__name__}")
             if chunk.request_id in seen:
                 raise RequestStateError(f"request {chunk.request_id!r} appears twice in one batch")
             seen.add(chunk.request_id)
@@ -311,14 +317,8 @@ class ModelRunner:
                     f"request {chunk.request_id!r} has {len(chunk.block_tables)} block table(s); "
                     f"the model has {self.num_groups} KV cache group(s)"
                 )
-            for token in chunk.token_ids:
-                if token >= self._vocab_size:
-                    raise InvalidTokenError(
-                        f"request {chunk.request_id!r}: token ID {token} is outside the "
-                        f"vocabulary of {self._vocab_size}"
-                    )
 
-    def _build_metadata(self, chunks: Sequence[SequenceChunk]) -> dict[tuple[int, int | None], AttentionMetadata]:
+    def _build_metadata(self, chunks: Sequence[ScheduledChunk]) -> dict[tuple[int, int | None], AttentionMetadata]:
         """One set of indices per (group, window) that some layer uses."""
         starts = [c.start_position for c in chunks]
         qlens = [c.num_tokens for c in chunks]
@@ -384,7 +384,7 @@ class ModelRunner:
         return {layer_type: shared for layer_type in (_FULL, _SLIDING)}
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Compute one step for a batch and store its K/V in the caches.
 
         Args:
@@ -405,6 +405,9 @@ class ModelRunner:
         metadata = self._build_metadata(chunks)
 
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self._device)
+        largest = int(token_ids.max())
+        if largest >= self._vocab_size:  # one reduction per step, before anything is written
+            raise InvalidTokenError(f"token ID {largest} is outside the vocabulary of {self._vocab_size}")
         positions = torch.tensor(
             [p for c in chunks for p in range(c.start_position, c.end_position)],
             dtype=torch.int64,

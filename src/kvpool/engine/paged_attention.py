@@ -68,6 +68,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvpool.block import NULL_BLOCK_ID  # positions a sliding-window layer no longer sees
 from kvpool.errors import ConfigError, RequestStateError
 
 __all__ = [
@@ -77,7 +78,6 @@ __all__ = [
     "AttentionMetadata",
     "GROUP_KEY_LIMIT",
     "GROUP_PADDING_KEYS",
-    "NULL_BLOCK_ID",
     "TorchAttentionBackend",
     "attention_workspace_bytes",
     "build_attention_metadata",
@@ -85,9 +85,6 @@ __all__ = [
     "select_attention_backend",
     "write_kv",
 ]
-
-#: Placeholder block for positions a sliding-window layer no longer sees.
-NULL_BLOCK_ID = 0
 
 #: Most key columns of padding a decode may add to join a group. One call's fixed
 #: cost (a few torch dispatches) is about what attending to this many more keys costs
