@@ -58,14 +58,21 @@ def tiny_model(kind: str, **overrides):
         cls = tf.MistralForCausalLM
     elif kind == "gemma2":
         config = tf.Gemma2Config(
-            **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
-            attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
         )
         cls = tf.Gemma2ForCausalLM
         impl = "eager"  # sdpa cannot soft-cap scores
     elif kind == "gemma3":
         config = tf.Gemma3TextConfig(
-            **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+            **common,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"],
         )
         cls = tf.Gemma3ForCausalLM
@@ -106,8 +113,7 @@ ALL_KINDS = ["llama", "qwen2", "qwen3", "mistral", "qwen2-hybrid", "gemma2", "ge
 def _layer_to_group(model):
     """Full-attention layers in group 0, sliding-window layers in group 1 (when both exist)."""
     runner_types = [
-        "sliding" if getattr(layer.self_attn, "sliding_window", None) else "full"
-        for layer in model.model.layers
+        "sliding" if getattr(layer.self_attn, "sliding_window", None) else "full" for layer in model.model.layers
     ]
     if getattr(model.config, "model_type", "") == "mistral":
         return None, [WINDOW]
@@ -205,8 +211,13 @@ def test_prefix_hit_in_the_same_batch_as_its_owner(make_runner, driver_cls, seq_
     shared = random_prompt(3 * BLOCK, seed=40)
     a = seq_cls("a", shared + random_prompt(2, seed=41), max_new_tokens=8)
     driver.step([a])  # A's prefill fills the shared blocks
-    b = seq_cls("b", shared + random_prompt(6, seed=42), max_new_tokens=5,
-                block_tables=[a.block_tables[0][:3]], num_computed=3 * BLOCK)
+    b = seq_cls(
+        "b",
+        shared + random_prompt(6, seed=42),
+        max_new_tokens=5,
+        block_tables=[a.block_tables[0][:3]],
+        num_computed=3 * BLOCK,
+    )
     before = runner.num_computed_tokens
     driver.run([a, b])
     assert runner.num_computed_tokens - before == (8 - 1) + (6 + 5 - 1)
@@ -233,8 +244,7 @@ def test_hybrid_groups_use_their_own_block_tables(make_runner, driver_cls, seq_c
     assert [info.sliding_window for info in runner.layers] == [None, WINDOW]
     driver = driver_cls(runner, allocator, group_windows=[None, WINDOW])
     seqs = [
-        seq_cls(f"h{i}", random_prompt(n, seed=60 + i), max_new_tokens=10, chunk_size=5)
-        for i, n in enumerate((18, 7))
+        seq_cls(f"h{i}", random_prompt(n, seed=60 + i), max_new_tokens=10, chunk_size=5) for i, n in enumerate((18, 7))
     ]
     driver.run(seqs)
     assert driver.num_nulled > 0
@@ -291,10 +301,7 @@ def test_logits_come_back_in_chunk_order(llama_runner):
         _chunk("s", tokens=(3, 2, 1), tables=((9,),), sample=True),
     ]
     logits = llama_runner.execute(chunks)
-    alone = [
-        llama_runner.execute([_chunk(c.request_id, c.token_ids, 0, ((10 + i,),))])
-        for i, c in enumerate(chunks)
-    ]
+    alone = [llama_runner.execute([_chunk(c.request_id, c.token_ids, 0, ((10 + i,),))]) for i, c in enumerate(chunks)]
     assert logits.shape == (2, VOCAB)
     torch.testing.assert_close(logits[0], alone[0][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[1], alone[2][0], atol=1e-5, rtol=1e-5)
@@ -393,8 +400,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     assert draw([0]) == alone
     assert draw([0, 1]) == alone  # a neighbour in the batch does not shift the stream
     assert len(set(alone)) > 1  # it really samples
-    other = [sample_tokens(logits[:1], [SamplingParams(temperature=1.0, seed=124)], [g])[0]
-             for g in [make_generator(SamplingParams(temperature=1.0, seed=124))] for _ in range(20)]
+    other = [
+        sample_tokens(logits[:1], [SamplingParams(temperature=1.0, seed=124)], [g])[0]
+        for g in [make_generator(SamplingParams(temperature=1.0, seed=124))]
+        for _ in range(20)
+    ]
     assert other != alone
 
 

@@ -175,12 +175,12 @@ def measure_peak(device: torch.device, work: Callable[[], object]) -> int | None
         return torch.cuda.max_memory_allocated(device) - base
     _release_free_heap()
     reset = _reset_peak_rss()
-    base = _rss_bytes()
+    before = _rss_bytes()
     work()
     high = _peak_rss_bytes()
-    if not reset or base is None or high is None:
+    if not reset or before is None or high is None:
         return None
-    return max(high - base, 0)
+    return max(high - before, 0)
 
 
 # -- the budget ------------------------------------------------------------------------------
@@ -203,26 +203,34 @@ def kv_budget(
             show enough to measure and no budget was given.
     """
     device = baseline.device
+    total: int | None
+    other: int | None
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        other: int | None = max((total - free) - torch.cuda.memory_reserved(device), 0)
+        other = max((total - free) - torch.cuda.memory_reserved(device), 0)
         source = MemorySource.CUDA_MEASURED
     else:
         resident, available = baseline.resident_bytes, baseline.available_bytes
         total = None if resident is None or available is None else resident + available
         other = resident
         source = MemorySource.CPU_ESTIMATED
-    common = dict(
-        total_bytes=total,
-        utilization=float(utilization),
-        weights_bytes=weights,
-        peak_activation_bytes=peak,
-        other_bytes=other,
-        profile_tokens=profile_tokens,
-        profile_seconds=profile_seconds,
-    )
+
+    def profile(source: MemorySource, kv_budget_bytes: int, capped: bool = False) -> MemoryProfile:
+        return MemoryProfile(
+            source=source,
+            kv_budget_bytes=kv_budget_bytes,
+            capped=capped,
+            total_bytes=total,
+            utilization=float(utilization),
+            weights_bytes=weights,
+            peak_activation_bytes=peak,
+            other_bytes=other,
+            profile_tokens=profile_tokens,
+            profile_seconds=profile_seconds,
+        )
+
     if given is not None:
-        return MemoryProfile(source=MemorySource.GIVEN, kv_budget_bytes=given, **common)
+        return profile(MemorySource.GIVEN, given)
     if total is None or other is None or peak is None:
         raise ConfigError("cannot measure the memory left for the KV cache on this platform; pass kv_cache_memory")
     budget = int(total * utilization) - weights - peak - other
@@ -233,9 +241,7 @@ def kv_budget(
             "raise gpu_memory_utilization or pass kv_cache_memory"
         )
     capped = device.type == "cpu" and budget > CPU_KV_CACHE_CAP_BYTES
-    return MemoryProfile(
-        source=source, kv_budget_bytes=CPU_KV_CACHE_CAP_BYTES if capped else budget, capped=capped, **common
-    )
+    return profile(source, CPU_KV_CACHE_CAP_BYTES if capped else budget, capped)
 
 
 def describe_budget(memory: MemoryProfile) -> str:

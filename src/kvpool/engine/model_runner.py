@@ -23,7 +23,7 @@ import enum
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -113,7 +113,7 @@ def _supported_model_type(config: Any) -> str:
     if model_type not in _MODEL_TYPES:
         known = ", ".join(sorted(_MODEL_TYPES))
         raise ConfigError(f"model type {model_type!r} is not supported; supported: {known}")
-    return model_type
+    return str(model_type)
 
 
 def layer_sliding_windows(config: Any) -> tuple[int | None, ...]:
@@ -137,7 +137,7 @@ def _rotary_fn(attention: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.
     fn = getattr(module, "apply_rotary_pos_emb", None)
     if fn is None:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as fn
-    return fn
+    return cast(Callable[..., tuple[torch.Tensor, torch.Tensor]], fn)
 
 
 class ModelRunner:
@@ -171,7 +171,7 @@ class ModelRunner:
         layer_to_group: Sequence[int] | None = None,
         attention_backend: AttentionBackendKind | str | None = None,
     ) -> None:
-        config = model.config
+        config: Any = model.config  # a transformers config: typed loosely upstream
         model_type = _supported_model_type(config)
         family = _MODEL_TYPES[model_type]
         if getattr(config, "use_bidirectional_attention", False):
@@ -257,7 +257,7 @@ class ModelRunner:
         param = next(model.parameters())
         spec = KVCacheSpec.from_model_config(model.config, block_size=block_size, dtype=param.dtype)
         if num_blocks is None:
-            num_blocks = num_blocks_for_budget(spec, kv_cache_bytes)
+            num_blocks = num_blocks_for_budget(spec, cast(int, kv_cache_bytes))  # exactly one was given
         caches = allocate_kv_caches(spec, num_blocks, device=param.device)
         return cls(model, caches, layer_to_group=layer_to_group, attention_backend=attention_backend)
 
@@ -364,7 +364,7 @@ class ModelRunner:
         out = self.backend.attend(
             query, key_cache, value_cache, metadata, scale=info.scale, logit_softcap=info.logit_softcap
         )
-        return attn.o_proj(out.reshape(num_tokens, -1))
+        return cast(torch.Tensor, attn.o_proj(out.reshape(num_tokens, -1)))
 
     def _rotary_tables(
         self, hidden: torch.Tensor, positions: torch.Tensor
@@ -444,7 +444,7 @@ class ModelRunner:
         if not last_rows:
             return torch.empty((0, self._vocab_size), dtype=torch.float32, device=self._device)
         selected = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.int64, device=self._device))
-        logits = self.model.lm_head(selected)
+        logits: torch.Tensor = cast(Any, self.model).lm_head(selected)
         if self._final_softcap is not None:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
         return logits.float()

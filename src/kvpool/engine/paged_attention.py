@@ -640,4 +640,5 @@ def select_attention_backend(
     except ValueError:
         known = ", ".join(k.value for k in AttentionBackendKind)
         raise ConfigError(f"unknown attention backend {kind!r}; known: {known}") from None
-    return _BACKENDS[resolved]()
+    backend: AttentionBackend = _BACKENDS[resolved]()
+    return backend
