@@ -614,7 +614,7 @@ class TorchAttentionBackend:
         return paged_attention(query, key_cache, value_cache, metadata, scale=scale, logit_softcap=logit_softcap)
 
     def workspace_bytes(self, **limits: int | bool) -> int:
-        return attention_workspace_bytes(**limits)  # type: ignore[arg-type]
+        return attention_workspace_bytes(**limits)  # type: ignore[arg-type]  # each limit has its parameter's type (logit_softcap the bool)
 
 
 _BACKENDS: dict[AttentionBackendKind, type] = {AttentionBackendKind.TORCH: TorchAttentionBackend}
