@@ -12,12 +12,18 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import sys
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, ParamSpec
 
 import click
+
+from kvpool.errors import KVPoolError
+
+P = ParamSpec("P")
 
 __all__ = [
     "BAD_INPUT",
@@ -57,6 +63,22 @@ def fail(command: str, message: str, status: int = BAD_INPUT) -> NoReturn:
     """Print ``kvpool <command>: error: <message>`` on stderr and exit with ``status``."""
     click.echo(f"kvpool {command}: error: {message}", err=True)
     sys.exit(status)
+
+
+def reports_errors(command: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """Wrap a command's body so that a ``KVPoolError`` it raises is one line naming the command (exit status 2)."""
+
+    def wrap(body: Callable[P, None]) -> Callable[P, None]:
+        @functools.wraps(body)
+        def run(*args: P.args, **kwargs: P.kwargs) -> None:
+            try:
+                body(*args, **kwargs)
+            except KVPoolError as exc:
+                fail(command, str(exc))
+
+        return run
+
+    return wrap
 
 
 def require_extra(command: str, extra: str, *modules: str) -> None:

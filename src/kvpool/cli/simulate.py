@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvpool.cli.params import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, fail, require_extra
+from kvpool.cli.params import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, fail, reports_errors, require_extra
 from kvpool.errors import KVPoolError
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ def _print_table(result: SimulationResult, label: str) -> None:
 )
 @click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@reports_errors("simulate")
 def simulate(
     trace: str,
     kv_blocks: int | None,
@@ -192,34 +193,6 @@ def simulate(
     whole pool are counted as rejected and skipped. --curve needs numpy and
     --plot-dir matplotlib (the sim extra).
     """
-    try:
-        _run(**locals())
-    except KVPoolError as exc:
-        fail("simulate", str(exc))
-
-
-def _run(
-    trace: str,
-    kv_blocks: int | None,
-    kv_memory: str | None,
-    model: str | None,
-    block_size: int,
-    policy: str,
-    sequential: bool,
-    max_requests: int | None,
-    seed: int,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
-    step_overhead_ms: float,
-    prefill_us_per_token: float,
-    decode_us_per_seq: float,
-    hash_algo: str,
-    curve: str | None,
-    curve_policies: str,
-    lookahead: int,
-    plot_dir: Path | None,
-    as_json: bool,
-) -> None:
     from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory
     from kvpool.sim.simulator import simulate as run_simulation
 
