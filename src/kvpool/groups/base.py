@@ -140,6 +140,10 @@ class GroupManager:
         self.null_block = pool.null_block
         self.tables: dict[str, list[KVBlock]] = {}
         self.num_cached: dict[str, int] = {}
+        self._setup()
+
+    def _setup(self) -> None:
+        """Derive a layer type's own state from ``self.spec`` (called once, at the end of construction)."""
 
     # -- hashes at this group's block size ------------------------------------------
 

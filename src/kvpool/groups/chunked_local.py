@@ -38,10 +38,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import KVBlock
-from kvpool.block_pool import BlockPool
 from kvpool.groups.base import GroupManager
 from kvpool.request import Request
-from kvpool.specs import ChunkedLocalAttentionSpec, LayerSpec
+from kvpool.specs import ChunkedLocalAttentionSpec
 
 __all__ = ["ChunkedLocalAttentionManager"]
 
@@ -54,17 +53,7 @@ class ChunkedLocalAttentionManager(GroupManager):
 
     spec: ChunkedLocalAttentionSpec
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        group_id: int,
-        block_size: int,
-        enable_caching: bool,
-        *,
-        spec: LayerSpec | None = None,
-        hash_block_size: int | None = None,
-    ) -> None:
-        super().__init__(pool, group_id, block_size, enable_caching, spec=spec, hash_block_size=hash_block_size)
+    def _setup(self) -> None:
         self.attention_chunk_size: int = self.spec.attention_chunk_size
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:

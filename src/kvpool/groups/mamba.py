@@ -50,10 +50,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
-from kvpool.block_pool import BlockPool
 from kvpool.groups.base import GroupManager
 from kvpool.request import Request
-from kvpool.specs import LayerSpec, MambaSpec, cdiv
+from kvpool.specs import MambaSpec, cdiv
 
 __all__ = ["MambaManager"]
 
@@ -68,17 +67,7 @@ class MambaManager(GroupManager):
 
     spec: MambaSpec
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        group_id: int,
-        block_size: int,
-        enable_caching: bool,
-        *,
-        spec: LayerSpec | None = None,
-        hash_block_size: int | None = None,
-    ) -> None:
-        super().__init__(pool, group_id, block_size, enable_caching, spec=spec, hash_block_size=hash_block_size)
+    def _setup(self) -> None:
         # request ID -> positions of the real blocks in its table, ascending (at most two)
         self._live: dict[str, list[int]] = {}
 

@@ -49,10 +49,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from kvpool.block import KVBlock
-from kvpool.block_pool import BlockPool
 from kvpool.groups.base import GroupManager
 from kvpool.request import Request
-from kvpool.specs import LayerSpec, SlidingWindowSpec, cdiv
+from kvpool.specs import SlidingWindowSpec, cdiv
 
 __all__ = ["SlidingWindowManager"]
 
@@ -65,17 +64,7 @@ class SlidingWindowManager(GroupManager):
 
     spec: SlidingWindowSpec
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        group_id: int,
-        block_size: int,
-        enable_caching: bool,
-        *,
-        spec: LayerSpec | None = None,
-        hash_block_size: int | None = None,
-    ) -> None:
-        super().__init__(pool, group_id, block_size, enable_caching, spec=spec, hash_block_size=hash_block_size)
+    def _setup(self) -> None:
         self.sliding_window: int = self.spec.sliding_window
         #: Contiguous cached blocks a hit needs before its end.
         self.blocks_for_hit = cdiv(self.sliding_window - 1, self.block_size)
