@@ -96,10 +96,7 @@ class PrefixIndex:
             block_hash = hashes[k]
             found = setdefault(block_hash, block)
             if found is not block:  # the hash is cached already: keep both, earliest first
-                if isinstance(found, KVBlock):  # rare: a duplicate, so the clearer check
-                    m[block_hash] = {found.block_id: found, block.block_id: block}
-                else:
-                    found[block.block_id] = block
+                self._keep_duplicate(block_hash, found, block)
             block.block_hash = block_hash
             block.group_id = group_id
         return stop
@@ -125,6 +122,13 @@ class PrefixIndex:
         found = self._map.pop(block_hash, None)
         if found is not block:
             self._drop_duplicate(block, block_hash, found)
+
+    def _keep_duplicate(self, block_hash: BlockHash, found: KVBlock | dict[int, KVBlock], block: KVBlock) -> None:
+        """Cache ``block`` beside what ``block_hash`` already maps to (rare: a recomputed block)."""
+        if isinstance(found, KVBlock):
+            self._map[block_hash] = {found.block_id: found, block.block_id: block}
+        else:
+            found[block.block_id] = block
 
     def _drop_duplicate(
         self, block: KVBlock, block_hash: BlockHash, found: KVBlock | dict[int, KVBlock] | None
@@ -231,10 +235,7 @@ class VerifiedPrefixIndex(PrefixIndex):
                 seal = first.entry
                 if seal[1] is not parent or seal[0] != content:
                     return k  # a collision, or a lineage that was evicted and rebuilt
-                if isinstance(found, KVBlock):  # rare: a duplicate, so the clearer check
-                    m[block_hash] = {found.block_id: found, block.block_id: block}
-                else:
-                    found[block.block_id] = block
+                self._keep_duplicate(block_hash, found, block)
             block.entry = seal
             block.block_hash = block_hash
             block.group_id = group_id
