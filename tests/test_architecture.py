@@ -16,6 +16,7 @@ LAYERS = {
     "hashing": 2,
     "specs": 2,
     "stats": 2,
+    "routing": 2,
     "block": 3,
     "events": 3,
     "model_config": 3,
