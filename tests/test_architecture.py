@@ -20,6 +20,7 @@ LAYERS = {
     "block": 3,
     "events": 3,
     "model_config": 3,
+    "tiers": 3,  # byte-level tier stores and the entry format (torch-free)
     "request": 4,
     "linked_blocks": 4,
     "recurrent_state": 4,
