@@ -60,6 +60,7 @@ class BlockPool:
         "indexes",
         "enable_caching",
         "events",
+        "group_kinds",
         "num_evictions",
         "num_resets",
         "touch",
@@ -84,6 +85,8 @@ class BlockPool:
         self.indexes: tuple[PrefixIndex | VerifiedPrefixIndex, ...] = tuple(index_type() for _ in range(num_groups))
         self.enable_caching = enable_caching
         self.events: list[KVCacheEvent] | None = [] if enable_events else None
+        #: Per group, its layer kind and sliding window, for stored-block events (set by the manager).
+        self.group_kinds: tuple[tuple[str | None, int | None], ...] = ((None, None),) * num_groups
         #: Blocks evicted from the index so far (a logical clock for stale-hit checks).
         self.num_evictions = 0
         #: Accepted ``reset_prefix_cache`` calls (every hit issued before one is stale).
@@ -214,6 +217,7 @@ class BlockPool:
     ) -> None:
         tokens = request.all_token_ids
         first = stored[0]
+        kind, window = self.group_kinds[group_id]
         self.events.append(  # type: ignore[union-attr]  # called only when events are on
             BlockStored(
                 block_hashes=tuple(hashes[k] for k in stored),
@@ -223,6 +227,8 @@ class BlockPool:
                 lora_name=request.lora_name,
                 extra_keys=tuple(request.extra_keys(k * block_size, (k + 1) * block_size) for k in stored),
                 group_id=group_id,
+                spec_kind=kind,
+                sliding_window=window,
             )
         )
 

@@ -2,7 +2,15 @@
 
 A router that sends requests to the replica already holding their prefix
 follows these events. They are recorded only when the manager is built with
-``enable_events=True`` and are drained with ``KVCacheManager.take_events()``.
+``enable_events=True`` and are drained with ``KVCacheManager.take_events()``;
+:mod:`kvpool.kv_events` puts them on the wire in vLLM's format.
+
+Every event names the ``medium`` that holds (or held) its blocks: ``"GPU"``
+for the manager's own pool; offload tiers set their own (``"CPU"``,
+``"STORAGE"``, ...). A stored block's ``group_id`` is its KV cache group
+(hybrid models have several), described by ``spec_kind`` (a
+:class:`kvpool.specs.LayerKind` value) and, for sliding-window groups,
+``sliding_window``.
 """
 
 from __future__ import annotations
@@ -11,7 +19,10 @@ from dataclasses import dataclass
 
 from kvpool.hashing import BlockHash, ExtraKey
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
+__all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
+
+#: The medium of blocks in a manager's own pool.
+MEDIUM_GPU = "GPU"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +42,9 @@ class BlockStored:
     lora_name: str | None
     extra_keys: tuple[tuple[ExtraKey, ...] | None, ...]
     group_id: int = 0
+    medium: str = MEDIUM_GPU
+    spec_kind: str | None = None
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +53,7 @@ class BlockRemoved:
 
     block_hashes: tuple[BlockHash, ...]
     group_id: int = 0
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True, slots=True)

@@ -201,6 +201,7 @@ class KVCacheManager:
             **pool_kwargs,
         )
         self.groups = make_group_managers(self.pool, group_specs, block_size, self.enable_caching)
+        self.pool.group_kinds = tuple((g.spec.kind.value, g.spec.sliding_window) for g in self.groups)
         if self.hasher.stores_contents and any(not g.supports_verified_index for g in self.groups):
             raise ConfigError(
                 f"hash_algo {self.hasher.algo.value!r} verifies hits by walking prefixes from the first "
@@ -297,6 +298,7 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         *,
         num_encoder_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
         """Make room for ``num_new_tokens`` new tokens of ``request``.
 
@@ -315,6 +317,12 @@ class KVCacheManager:
             num_encoder_tokens: the encoder input's length, for cross-attention
                 groups only (encoder-decoder models); pass it on the step that
                 should allocate those blocks, 0 otherwise.
+            num_external_computed_tokens: tokens right after the prefix hit
+                whose KV an external source (a KV connector, e.g. an offload
+                tier) will load into the new blocks instead of the model
+                computing them (first allocation of a request only). They get
+                slots like new tokens, count as computed, and their full
+                blocks are cached at once, like computed ones.
 
         Returns:
             The newly allocated block IDs, one list per group, or None when the
@@ -348,6 +356,8 @@ class KVCacheManager:
             and num_lookahead_tokens == 0
             and type(num_encoder_tokens) is int
             and num_encoder_tokens == 0
+            and type(num_external_computed_tokens) is int
+            and num_external_computed_tokens == 0
         ):
             # The common step of a running request (a decode or a prefill chunk)
             # in a single-group model: the same checks and decisions as the
@@ -373,6 +383,7 @@ class KVCacheManager:
             ("num_new_computed_tokens", num_new_computed_tokens),
             ("num_lookahead_tokens", num_lookahead_tokens),
             ("num_encoder_tokens", num_encoder_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
         ):
             if type(count) is not int or count < 0:
                 raise RequestStateError(f"request {rid!r}: {name}={count!r}, expected a non-negative int")
@@ -385,9 +396,13 @@ class KVCacheManager:
             raise RequestStateError(f"request {rid!r}: num_computed_tokens must be an int, got {computed!r}")
         running = held is not None and held.request is request
         if running:
-            if num_new_computed_tokens or (
-                new_computed_blocks is not None
-                and (not isinstance(new_computed_blocks, HitBlocks) or new_computed_blocks._num_tokens)
+            if (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or (
+                    new_computed_blocks is not None
+                    and (not isinstance(new_computed_blocks, HitBlocks) or new_computed_blocks._num_tokens)
+                )
             ):
                 raise RequestStateError(
                     f"request {rid!r} already holds blocks; prefix hits are only taken on its first allocation"
@@ -398,11 +413,17 @@ class KVCacheManager:
         else:
             self._check_admission(request, held, computed, num_new_computed_tokens, new_computed_blocks)
         total_computed = computed + num_new_computed_tokens
+        # Loaded tokens count as computed, but their blocks are new (a hit's
+        # window rules see only the local prefix): ``local`` is what the groups
+        # take as hits, ``total_computed`` the request's progress after the step.
+        local = total_computed
+        total_computed += num_external_computed_tokens
         num_tokens = request.num_tokens
         if total_computed + num_new_tokens > num_tokens:
+            external = f" + {num_external_computed_tokens} loaded" if num_external_computed_tokens else ""
             raise RequestStateError(
-                f"request {rid!r}: {computed} computed + {num_new_computed_tokens} cached + {num_new_tokens} new "
-                f"tokens exceed its {num_tokens} tokens"
+                f"request {rid!r}: {computed} computed + {num_new_computed_tokens} cached{external} + "
+                f"{num_new_tokens} new tokens exceed its {num_tokens} tokens"
             )
         if total_computed + num_new_tokens == 0:
             raise RequestStateError(f"request {rid!r}: num_new_tokens must be positive when nothing is computed")
@@ -430,11 +451,11 @@ class KVCacheManager:
                 held.slots = need  # type: ignore[union-attr]  # running: held is not None
         else:
             hits = new_computed_blocks._blocks if new_computed_blocks is not None else None
-            num_needed = coordinator.num_blocks_to_allocate(rid, need, hits, total_computed, num_encoder_tokens)
+            num_needed = coordinator.num_blocks_to_allocate(rid, need, hits, local, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:
-                self._refuse(request, need, total_computed, num_encoder_tokens)
+                self._refuse(request, need, local, num_encoder_tokens)
                 return None
-            coordinator.add_hit_blocks(rid, hits or tuple([] for _ in self.groups), total_computed)
+            coordinator.add_hit_blocks(rid, hits or tuple([] for _ in self.groups), local)
             new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
             self._owners[rid] = _Held(request, total_computed, need)
         if self.enable_caching:
