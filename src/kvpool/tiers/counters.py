@@ -1,0 +1,79 @@
+"""What a tier store counts, and the one way it turns a stored entry into a payload or a counted miss."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec
+
+__all__ = ["StoreCounters", "TierStats"]
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one store since it was opened (a snapshot: stores hand out copies).
+
+    ``hits``/``misses``: blocks ``get_many`` returned or did not (a corrupt entry is also a miss);
+    ``corrupt``: entries refused by the codec, by kind in ``corrupt_by_kind``; ``errors``: backend
+    faults (a full disk, Redis down or timing out), each costing misses or unsaved blocks;
+    ``bytes_read``/``bytes_written``: entry bytes moved; ``evictions``: entries the store removed
+    to stay within its size (0 for Redis, which evicts by its own policy).
+    """
+
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    corrupt_by_kind: dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> TierStats:
+        return replace(self, corrupt_by_kind=dict(self.corrupt_by_kind))
+
+
+class StoreCounters:
+    """A store's counters and its warnings, each kind of trouble logged once per store."""
+
+    def __init__(self, name: str, codec: EntryCodec, logger: logging.Logger) -> None:
+        self.name = name
+        self.codec = codec
+        self.stats = TierStats()
+        self._logger = logger
+        self._warned: set[str] = set()
+
+    def warn_once(self, kind: str, message: str) -> None:
+        """Log ``message`` at WARNING the first time ``kind`` happens in this store, at DEBUG after that."""
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        self._logger.log(level, "kvpool %s tier: %s", self.name, message)
+
+    def forget_warning(self, kind: str) -> None:
+        """Let ``kind`` warn again (a backend that recovered and may fail anew)."""
+        self._warned.discard(kind)
+
+    def error(self, kind: str, message: str) -> None:
+        self.stats.errors += 1
+        self.warn_once(kind, message)
+
+    def payload(self, key: bytes, data: bytes | None) -> bytes | None:
+        """The verified payload of a stored entry, or None (a miss; a corrupt entry is counted and logged)."""
+        if data is None:
+            self.stats.misses += 1
+            return None
+        try:
+            payload = self.codec.decode(key, data)
+        except CorruptEntry as exc:
+            self.corrupt(exc.kind, f"refused an entry under {key.hex()[:16]}: {exc}")
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_read += len(data)
+        return payload
+
+    def corrupt(self, kind: CorruptKind, message: str) -> None:
+        self.stats.misses += 1
+        self.stats.corrupt += 1
+        self.stats.corrupt_by_kind[kind.value] = self.stats.corrupt_by_kind.get(kind.value, 0) + 1
+        self.warn_once(f"corrupt/{kind.value}", message)

@@ -1,0 +1,209 @@
+"""KV blocks in a Redis server or a Redis Cluster, shared by every replica that points at it.
+
+URLs are what redis-py takes, plus a cluster spelling and one kvpool option::
+
+    redis://127.0.0.1:6379/0                 a server, database 0
+    redis://:PASSWORD@host:6379/0            with a password (redis://USER:PASSWORD@... for an ACL user)
+    rediss://host:6380/0?ssl_ca_certs=ca.pem TLS (any redis-py ssl_* option as a query argument)
+    unix:///run/redis.sock?db=0              a local socket
+    redis+cluster://host:7000                a Redis Cluster, discovered from any one node
+    rediss+cluster://host:7000               a Redis Cluster over TLS
+    ...?ttl=3600                             entries expire after an hour (default: never)
+
+Keys are ``kvpool:<layout namespace>:<block hash bytes>``, so models sharing a Redis never see
+each other's blocks; values are entries (:mod:`kvpool.tiers.entry`), so a client that writes
+garbage, or without the secret when the codec has one, cannot make kvpool read it. kvpool does
+not bound what it puts in Redis: entries leave by their TTL or by the server's own
+``maxmemory-policy`` (``allkeys-lru`` suits a cache), and a block Redis evicted is a miss.
+
+Many blocks travel in one round trip: MGET (split per hash slot on a cluster) and a pipeline of
+SETs. Faults never stop serving: a Redis that is down, dies or times out (short socket timeouts)
+costs one warning; until a retry, cheaply timed with a doubling backoff, every call answers at
+once with misses and stores nothing; the tier comes back when the server does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from kvpool.errors import ConfigError
+from kvpool.tiers.counters import StoreCounters, TierStats
+from kvpool.tiers.entry import EntryCodec, Payload
+
+__all__ = ["REDIS_SCHEMES", "RedisStore"]
+
+#: URL schemes a Redis tier spec may start with.
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"})
+
+_log = logging.getLogger("kvpool.tiers.redis")
+_TIMEOUTS = {"socket_timeout": 1.0, "socket_connect_timeout": 0.5}
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        raise ConfigError("the redis tier needs the redis client: pip install 'kvpool[tiers]'") from exc
+    return redis
+
+
+class RedisStore:
+    """Blocks in Redis under a per-layout key prefix. Calls from one thread at a time."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        codec: EntryCodec,
+        *,
+        backoff_s: tuple[float, float] = (0.25, 8.0),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        redis = _import_redis()
+        scheme, netloc, path, query, fragment = urlsplit(url)
+        if scheme not in REDIS_SCHEMES or not (netloc or path):
+            raise ConfigError(f"redis tier URL {url!r} must be redis://, rediss://, unix:// or redis+cluster://")
+        self.cluster = scheme.endswith("+cluster")
+        options = dict(parse_qsl(query, keep_blank_values=True))
+        self.ttl_s = _ttl(options.pop("ttl", None), url)
+        self._url = urlunsplit((scheme.removesuffix("+cluster"), netloc, path, urlencode(options), fragment))
+        self.display_url = urlunsplit((scheme, netloc.rpartition("@")[2], path, "", ""))  # no password in logs
+        try:
+            redis.connection.parse_url(self._url)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"redis tier URL {url!r} is not a valid Redis URL: {exc}") from exc
+        self._redis = redis
+        self._faults: tuple[type[BaseException], ...] = (
+            redis.exceptions.RedisError,
+            redis.exceptions.RedisClusterException,
+            OSError,
+        )
+        self._prefix = f"kvpool:{codec.namespace}:".encode()
+        self._codec = codec
+        self._counters = StoreCounters(self.name, codec, _log)
+        self._client: Any = None
+        self._backoff_s = backoff_s
+        self._clock = clock
+        self._failures = 0
+        self._retry_at = float("-inf")
+        self._closed = False
+
+    # -- the BlockStore contract ------------------------------------------------------------
+
+    @property
+    def stats(self) -> TierStats:
+        return self._counters.stats.copy()
+
+    @property
+    def available(self) -> bool:
+        """False while the server is known to be down and the next retry is not yet due."""
+        return not self._closed and self._clock() >= self._retry_at
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+
+        def exists(client: Any) -> list[int]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._prefix + key)
+            return list(pipe.execute())
+
+        found = self._call("look up", exists)
+        count = 0
+        for present in found or ():
+            if not present:
+                break
+            count += 1
+        return count
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        names = [self._prefix + key for key in keys]
+        values = self._call("read", lambda c: c.mget_nonatomic(names) if self.cluster else c.mget(names))
+        if values is None:
+            self._counters.stats.misses += len(keys)
+            return [None] * len(keys)
+        return [self._counters.payload(key, value) for key, value in zip(keys, values)]
+
+    def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> int:
+        if not items or not self.available:
+            return 0
+        entries = [(self._prefix + key, self._codec.encode(key, payload)) for key, payload in items]
+
+        def store(client: Any) -> int:
+            pipe = client.pipeline(transaction=False)
+            for name, entry in entries:
+                pipe.set(name, entry, ex=self.ttl_s)
+            return sum(1 for ok in pipe.execute() if ok)
+
+        stored: int | None = self._call("write", store)
+        if stored is None:
+            return 0
+        self._counters.stats.bytes_written += sum(len(entry) for _name, entry in entries)
+        return stored
+
+    def close(self) -> None:
+        self._closed = True
+        self._drop_client()
+
+    # -- faults -----------------------------------------------------------------------------
+
+    def _call(self, what: str, operation: Callable[[Any], Any]) -> Any:
+        """``operation(client)``, or None at once while Redis is down; a fault starts or extends the backoff."""
+        if not self.available:
+            return None
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            result = operation(self._client)
+        except self._faults as exc:
+            self._failed(what, exc)
+            return None
+        if self._failures:
+            _log.warning("kvpool redis tier: %s answers again after %d failed tries", self.display_url, self._failures)
+            self._counters.forget_warning("down")
+            self._failures = 0
+        return result
+
+    def _connect(self) -> Any:
+        retry = self._redis.retry.Retry(self._redis.backoff.NoBackoff(), 0)  # our backoff decides when to retry
+        if self.cluster:
+            return self._redis.cluster.RedisCluster.from_url(
+                self._url, retry=retry, cluster_error_retry_attempts=1, **_TIMEOUTS
+            )
+        return self._redis.Redis.from_url(self._url, retry=retry, **_TIMEOUTS)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self._drop_client()  # reconnect (and rediscover a cluster's nodes) on the next try
+        first, ceiling = self._backoff_s
+        delay = min(ceiling, first * 2**self._failures)
+        self._failures += 1
+        self._retry_at = self._clock() + delay
+        self._counters.error(
+            "down",
+            f"cannot {what} {self.display_url}: {type(exc).__name__}: {exc}; skipping the tier (misses, no saves), "
+            f"retrying with a backoff up to {ceiling:g}s",
+        )
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except self._faults:
+                pass
+
+
+def _ttl(text: str | None, url: str) -> int | None:
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) <= 0:
+        raise ConfigError(f"ttl in redis tier URL {url!r} must be a positive number of seconds, got {text!r}")
+    return int(text)

@@ -1,0 +1,95 @@
+"""The contract every tier store keeps, and :func:`open_store`, which builds one from its spec.
+
+A store maps keys (chained block hashes, as bytes) to payloads (one block's KV bytes). It keeps
+them as entries (:mod:`kvpool.tiers.entry`), so what ``get_many`` returns is always a payload
+that was stored under that key for this layout; anything else is a miss. A store never raises on
+a backend fault: a full disk or a Redis that is down costs misses and unsaved blocks, counted in
+``stats.errors`` and logged once, and serving goes on.
+
+Specs::
+
+    disk:/var/cache/kvpool:50GiB        a directory bounded to 50 GiB (sizes: 4GiB, 500MB, bytes)
+    redis://[:password@]host:6379/0     a Redis server (rediss:// for TLS, unix:///path.sock)
+    redis+cluster://host:7000           a Redis Cluster, from any one node (rediss+cluster:// for TLS)
+    ...?ttl=3600                        Redis entries expire after an hour (default: never)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvpool.errors import ConfigError
+from kvpool.tiers.counters import TierStats
+from kvpool.tiers.disk import DiskStore
+from kvpool.tiers.entry import EntryCodec
+from kvpool.tiers.redis_store import REDIS_SCHEMES, RedisStore
+
+__all__ = ["BlockStore", "TierStats", "open_store", "parse_size"]
+
+
+class BlockStore(Protocol):
+    """A tier below GPU memory, keyed by chained block hashes. Every method is safe to call at any time."""
+
+    name: str  # "disk" | "redis" (the engine's host-memory tier is "cpu")
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are stored: a hint, cheaper than reading them (``get_many`` may still miss)."""
+        ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The verified payload of each key, None for a miss (absent, corrupt, foreign, or the backend down)."""
+        ...
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Store ``(key, payload)`` pairs; how many are stored when it returns. Never raises on backend faults."""
+        ...
+
+    @property
+    def stats(self) -> TierStats:
+        """A snapshot of the store's counters."""
+        ...
+
+    def close(self) -> None:
+        """Release files and connections; the store serves nothing afterwards."""
+        ...
+
+
+def open_store(spec: str, codec: EntryCodec) -> BlockStore:
+    """The store ``spec`` names (see the module docstring); ConfigError naming the spec if it is malformed."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"a tier spec must be a string, got {spec!r}")
+    if spec.startswith("disk:"):
+        path, sep, size = spec[len("disk:") :].rpartition(":")
+        if not sep or not path:
+            raise ConfigError(f"disk tier spec {spec!r} must be disk:PATH:SIZE, e.g. disk:/var/cache/kvpool:50GiB")
+        return DiskStore(path, parse_size(size, field=f"size in tier spec {spec!r}"), codec)
+    scheme = spec.partition("://")[0]
+    if scheme in REDIS_SCHEMES and "://" in spec:
+        return RedisStore(spec, codec)
+    raise ConfigError(
+        f"unknown tier spec {spec!r}: expected disk:PATH:SIZE, redis://HOST:PORT/DB, rediss://... (TLS), "
+        "redis+cluster://HOST:PORT or unix:///PATH"
+    )
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)")
+
+
+def parse_size(text: str, *, field: str = "size") -> int:
+    """Bytes in ``text``: 50GiB (2**30), 500MB (10**6), 4096 (bytes); a positive whole number of bytes.
+
+    The same units as :func:`kvpool.planner.parse_size` (a test keeps the two in step; this layer
+    sits below the planner and cannot import it).
+    """
+    match = _SIZE.fullmatch(text.strip())
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"{field} must be a size such as 50GiB, 500MB or 1048576 (bytes), got {text!r}")
+    size = int(float(match.group(1).replace("_", "")) * _UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"{field} must be positive, got {text!r}")
+    return size

@@ -1,0 +1,141 @@
+"""Entries that cannot lie: what decode refuses, and that it gives back exactly what was encoded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.errors import ConfigError, KVPoolError
+from kvpool.tiers import CorruptEntry, CorruptKind, EntryCodec
+from tests.tiers.conftest import LAYOUT, block_key
+
+KEY = block_key(7)
+
+
+def refused(codec: EntryCodec, data: bytes, key: bytes = KEY) -> CorruptKind:
+    with pytest.raises(CorruptEntry) as info:
+        codec.decode(key, data)
+    return info.value.kind
+
+
+def test_round_trip_signed_and_unsigned(codec, signed_codec):
+    payload = bytes(range(256)) * 40
+    assert codec.decode(KEY, codec.encode(KEY, payload)) == payload
+    assert signed_codec.decode(KEY, signed_codec.encode(KEY, payload)) == payload
+    assert codec.decode(KEY, codec.encode(KEY, memoryview(payload))) == payload
+    assert codec.decode(KEY, codec.encode(KEY, b"")) == b""
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    payload=st.binary(max_size=4096), key=st.binary(min_size=1, max_size=64), secret=st.none() | st.binary(min_size=1)
+)
+def test_round_trip_any_payload(payload, key, secret):
+    codec = EntryCodec(LAYOUT, secret)
+    assert codec.decode(key, codec.encode(key, payload)) == payload
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=512), data=st.data())
+def test_any_single_bit_flip_is_refused(payload, data):
+    codec = EntryCodec(LAYOUT, b"secret")
+    entry = bytearray(codec.encode(KEY, payload))
+    bit = data.draw(st.integers(0, len(entry) * 8 - 1))
+    entry[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(CorruptEntry):
+        codec.decode(KEY, bytes(entry))
+
+
+@pytest.mark.parametrize("cut", [0, 10, 79, 80, 100, 111, 112, 150, -1])
+def test_truncated(signed_codec, cut):
+    entry = signed_codec.encode(KEY, b"p" * 100)
+    assert refused(signed_codec, entry[:cut]) is CorruptKind.TRUNCATED
+
+
+def test_trailing_bytes_are_malformed(codec):
+    assert refused(codec, codec.encode(KEY, b"p" * 100) + b"x") is CorruptKind.MALFORMED
+    assert refused(codec, b"GIF89a" + bytes(200)) is CorruptKind.MALFORMED
+
+
+def test_payload_bit_flip_fails_the_checksum(codec):
+    entry = bytearray(codec.encode(KEY, b"p" * 100))
+    entry[-1] ^= 0x01
+    assert refused(codec, bytes(entry)) is CorruptKind.CHECKSUM
+
+
+def test_other_version(codec):
+    entry = bytearray(codec.encode(KEY, b"p"))
+    entry[4] = 2
+    assert refused(codec, bytes(entry)) is CorruptKind.VERSION
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"num_layers": 31},
+        {"num_kv_heads": 4},
+        {"head_size": 128},
+        {"dtype": "float16"},
+        {"block_size": 32},
+        {"hash_algo": "xxh3_128"},
+        {"hash_seed": "00"},
+        {"architecture": "Qwen2ForCausalLM"},
+    ],
+)
+def test_foreign_layout(codec, change):
+    other = EntryCodec(dataclasses.replace(LAYOUT, **change))
+    assert refused(codec, other.encode(KEY, b"p")) is CorruptKind.FOREIGN_LAYOUT
+
+
+def test_entry_replayed_under_another_key(codec):
+    assert refused(codec, codec.encode(block_key(8), b"p"), key=KEY) is CorruptKind.FOREIGN_KEY
+
+
+def test_unsigned_and_wrongly_signed(codec, signed_codec):
+    assert refused(signed_codec, codec.encode(KEY, b"p")) is CorruptKind.UNSIGNED
+    other = EntryCodec(LAYOUT, secret=b"another secret")
+    assert refused(signed_codec, other.encode(KEY, b"p")) is CorruptKind.BAD_SIGNATURE
+    # a planted entry whose payload and checksum were both replaced still fails the HMAC
+    forged = bytearray(signed_codec.encode(KEY, b"p"))
+    forged[48:80] = codec.encode(KEY, b"q")[48:80]
+    forged[-1:] = b"q"
+    assert refused(signed_codec, bytes(forged)) is CorruptKind.BAD_SIGNATURE
+    # without a secret, a signed entry's checksum is still checked and it reads
+    assert codec.decode(KEY, signed_codec.encode(KEY, b"p")) == b"p"
+
+
+def test_corrupt_entry_is_a_kvpool_error():
+    assert issubclass(CorruptEntry, KVPoolError)
+
+
+def test_fingerprint_digest_is_stable_and_distinct():
+    assert LAYOUT.digest() == dataclasses.replace(LAYOUT).digest()
+    assert len(LAYOUT.digest()) == 32
+    assert LAYOUT.digest() != dataclasses.replace(LAYOUT, hash_seed="01").digest()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"num_layers": 0}, {"block_size": True}, {"dtype": ""}, {"hash_algo": "md5"}, {"architecture": None}],
+)
+def test_bad_fingerprint_names_the_field(change):
+    ((name, value),) = change.items()
+    with pytest.raises(ConfigError, match=name):
+        dataclasses.replace(LAYOUT, **change)
+
+
+def test_bad_codec_arguments(codec):
+    with pytest.raises(ConfigError, match="secret"):
+        EntryCodec(LAYOUT, secret=b"")
+    with pytest.raises(ConfigError, match="fingerprint"):
+        EntryCodec("llama")  # type: ignore[arg-type]  # the wrong type on purpose
+    with pytest.raises(ConfigError, match="key"):
+        codec.encode(b"", b"p")
+
+
+def test_fingerprint_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LAYOUT.num_layers = 2  # type: ignore[misc]  # assigning a frozen field on purpose
