@@ -17,7 +17,7 @@ from kvpool.model_config import (
     shipped_config_names,
     text_config_view,
 )
-from kvpool.model_layers import cache_layer_indices, layer_kinds, layer_specs_from_config
+from kvpool.model_layers import cache_layer_indices, layer_kinds, layer_sliding_windows, layer_specs_from_config
 from kvpool.planner import (
     GB,
     GiB,
@@ -287,8 +287,18 @@ def test_bad_field_value_is_named() -> None:
         layer_specs_from_config({**SIXTY_FOUR_LAYERS, "num_key_value_heads": -8})
     with pytest.raises(ConfigError, match="'layer_types'.*'bogus'"):
         layer_kinds({**SIXTY_FOUR_LAYERS, "num_hidden_layers": 1, "layer_types": ["bogus"]})
+    qwen2 = {**SIXTY_FOUR_LAYERS, "model_type": "qwen2", "num_hidden_layers": 1}
     with pytest.raises(ConfigError, match="'sliding_window'"):
-        layer_specs_from_config({**SIXTY_FOUR_LAYERS, "num_hidden_layers": 1, "layer_types": ["sliding_attention"]})
+        layer_specs_from_config({**qwen2, "layer_types": ["sliding_attention"]})
+
+
+def test_llama_and_mistral_follow_their_model_class_not_layer_types() -> None:
+    """LlamaModel never slides and MistralModel slides everywhere, whatever ``layer_types`` lists."""
+    two = {**SIXTY_FOUR_LAYERS, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+    assert layer_sliding_windows({**two, "sliding_window": 64}) == (None, None)
+    assert layer_sliding_windows({**two, "model_type": "mistral", "sliding_window": 64}) == (64, 64)
+    assert layer_sliding_windows({**two, "model_type": "mistral", "sliding_window": None}) == (None, None)
+    assert layer_sliding_windows({**two, "model_type": "qwen2", "sliding_window": 64}) == (64, None)
 
 
 def test_tensor_parallel_divides_kv_heads() -> None:

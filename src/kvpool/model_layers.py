@@ -20,8 +20,10 @@ flattened on the way in).
   6. ``attention_chunk_size`` (Llama 4): ``no_rope_layers[i] == 1`` marks a
      chunked-local layer, ``0`` a global one; an empty list means every
      ``no_rope_layer_interval``-th layer (default 4) is global.
-  7. Sliding windows: ``use_sliding_window: false`` (Qwen) or a null
-     ``sliding_window`` means all full attention; with ``max_window_layers``
+  7. Sliding windows: ``model_type`` ``llama`` (whose layers never slide),
+     ``use_sliding_window: false`` (Qwen) or a null ``sliding_window`` means
+     all full attention; ``mistral`` slides on every layer, whatever
+     ``layer_types`` says (its model class reads only ``sliding_window``); with ``max_window_layers``
      (Qwen) layers from that index on slide; Gemma 2 alternates (even layers
      slide); ``sliding_window_pattern`` ``p`` (Gemma 3, default 6) makes every
      ``p``-th layer global; otherwise every layer slides (Mistral).
@@ -30,8 +32,9 @@ flattened on the way in).
   ``kv_lora_rank`` and ``qk_rope_head_dim``.
 
 :func:`layer_sliding_windows` is the per-layer window that follows from these
-rules; the engine's runner asks it too, so the layers kvpool frees blocks for
-and the layers the model computes with a window are the same ones.
+rules. The engine's runner computes attention with exactly these windows (it
+has no rule of its own), so the layers kvpool frees blocks for and the layers
+the model computes with a window are the same ones by construction.
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ _PATTERN_CHARS: dict[str, tuple[LayerKind | None, MlpKind]] = {
 }
 
 
+#: Model classes that read only ``sliding_window``, never a per-layer type list.
+_IGNORES_LAYER_TYPES = frozenset({"llama", "mistral"})
+
+
 def _num_experts(cfg: dict[str, Any]) -> int:
     for field in ("n_routed_experts", "num_local_experts", "num_experts"):
         value = cfg.get(field)
@@ -140,8 +147,12 @@ def _attention_kinds(cfg: dict[str, Any], n: int) -> list[LayerKind]:
         if len(flags) != n:
             raise ConfigError(f"config.json field 'no_rope_layers' has {len(flags)} entries, expected {n}")
         return [LayerKind.CHUNKED_LOCAL if flag else full for flag in flags]
+    if cfg.get("model_type") == "llama":
+        return [full] * n
     if cfg.get("use_sliding_window") is False or cfg.get("sliding_window") is None:
         return [full] * n
+    if cfg.get("model_type") == "mistral":
+        return [sliding] * n
     if cfg.get("max_window_layers") is not None and "use_sliding_window" in cfg:
         start = cfg["max_window_layers"]
         return [sliding if i >= start else full for i in range(n)]
@@ -191,6 +202,8 @@ def _read_layers(cfg: dict[str, Any]) -> list[DecoderLayer]:
         else:
             kinds = list(_attention_kinds(cfg, n))
         mlps = [MlpKind.NONE] * n
+    if model_type in _IGNORES_LAYER_TYPES and types is not None:
+        kinds = list(_attention_kinds(cfg, len(kinds)))  # the list is checked above, but the model class never reads it
     if cfg.get("num_hidden_layers") is not None and int_field(cfg, "num_hidden_layers") != len(kinds):
         raise ConfigError(
             f"config.json field 'num_hidden_layers' is {cfg['num_hidden_layers']} but the per-layer "

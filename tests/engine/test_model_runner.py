@@ -453,10 +453,22 @@ def test_sampler_argument_checks():
     ],
 )
 def test_layer_sliding_windows(kind, expected):
-    from kvpool.engine.model_runner import layer_sliding_windows
+    """The core's one rule, read from the config transformers built, and what the runner computes with."""
+    from kvpool.model_layers import layer_sliding_windows
 
     model = tiny_model(kind)
-    assert layer_sliding_windows(model.config) == expected
+    assert layer_sliding_windows(model.config.to_dict()) == expected
+    spec = KVCacheSpec.from_model_config(model.config, block_size=8)
+    runner = ModelRunner(model, allocate_kv_caches(spec, 4))
+    assert tuple(info.sliding_window for info in runner.layers) == expected
+
+
+def test_runner_refuses_windows_that_do_not_fit_the_layers():
+    model = tiny_model("llama")
+    spec = KVCacheSpec.from_model_config(model.config, block_size=8)
+    for bad in [(None,), (None, 0), (None, True), (None, None, None)]:
+        with pytest.raises(ConfigError, match="sliding_windows"):
+            ModelRunner(model, allocate_kv_caches(spec, 4), sliding_windows=bad)
 
 
 def test_create_sizes_caches_from_a_budget():

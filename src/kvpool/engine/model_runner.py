@@ -11,8 +11,7 @@ layers run once over all ``T`` tokens, and attention once per chunk or per
 group of decodes of like length, each over its own sequences' blocks, so a
 long context in the step does not make the short ones pay for it.
 
-Supported architectures: Llama, Mistral (sliding window on every layer), Qwen2
-(sliding window on the layers ``layer_types`` marks), Qwen3 (q/k norms), and
+Supported architectures: Llama, Mistral, Qwen2, Qwen3 (q/k norms), and
 Gemma 2 / Gemma 3 text models (sandwich norms, attention logit soft-capping,
 per-layer-type rotary embeddings, final logit soft-capping).
 """
@@ -36,9 +35,10 @@ from kvpool.engine.paged_attention import (
     select_attention_backend,
 )
 from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
+from kvpool.model_layers import layer_sliding_windows
 from kvpool.scheduler import ScheduledChunk
 
-__all__ = ["LayerInfo", "ModelFamily", "ModelRunner", "layer_sliding_windows"]
+__all__ = ["LayerInfo", "ModelFamily", "ModelRunner"]
 
 
 class ModelFamily(enum.Enum):
@@ -85,50 +85,12 @@ class LayerInfo:
     logit_softcap: float | None
 
 
-def _layer_types(config: Any, model_type: str) -> list[str]:
-    """Per-layer attention type, following what each model class actually does."""
-    num_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    if model_type == "llama":
-        return [_FULL] * num_layers
-    if model_type == "mistral":
-        # MistralModel applies its window (if any) to every layer and ignores layer_types.
-        return [_FULL if window is None else _SLIDING] * num_layers
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return [_FULL] * num_layers
-    types = list(types)
-    if len(types) != num_layers:
-        raise ConfigError(f"config.layer_types has {len(types)} entries for {num_layers} layers")
-    for index, layer_type in enumerate(types):
-        if layer_type not in (_FULL, _SLIDING):
-            raise ConfigError(f"layer {index} has attention type {layer_type!r}, which kvpool does not support")
-        if layer_type == _SLIDING and window is None:
-            raise ConfigError(f"layer {index} is a sliding-window layer but config.sliding_window is None")
-    return types
-
-
 def _supported_model_type(config: Any) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type not in _MODEL_TYPES:
         known = ", ".join(sorted(_MODEL_TYPES))
         raise ConfigError(f"model type {model_type!r} is not supported; supported: {known}")
     return str(model_type)
-
-
-def layer_sliding_windows(config: Any) -> tuple[int | None, ...]:
-    """Per layer, the sliding window ``W`` its attention uses, or None for full attention.
-
-    This is what a block manager needs to form KV cache groups (full-attention
-    layers in one group, each window size in another) before the runner exists.
-
-    Raises:
-        ConfigError: the architecture is not supported.
-    """
-    model_type = _supported_model_type(config)
-    return tuple(
-        config.sliding_window if layer_type == _SLIDING else None for layer_type in _layer_types(config, model_type)
-    )
 
 
 def _rotary_fn(attention: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -150,6 +112,11 @@ class ModelRunner:
             geometry must match the model.
         layer_to_group: KV cache group of each layer; default: one group.
             Groups are numbered ``0..num_groups-1`` and every group has a layer.
+        sliding_windows: Per layer, the window ``W`` its attention uses, or
+            None for full attention; default: what
+            :func:`kvpool.model_layers.layer_sliding_windows` reads from the
+            model's config. The runner has no layer rule of its own: start-up
+            passes the windows it formed the KV cache groups from.
         attention_backend: Which paged-attention implementation to use; default:
             the best one for the caches' device. Chosen once, here.
 
@@ -169,6 +136,7 @@ class ModelRunner:
         kv_caches: KVCaches,
         *,
         layer_to_group: Sequence[int] | None = None,
+        sliding_windows: Sequence[int | None] | None = None,
         attention_backend: AttentionBackendKind | str | None = None,
     ) -> None:
         config: Any = model.config  # a transformers config: typed loosely upstream
@@ -198,7 +166,13 @@ class ModelRunner:
         if param.device != kv_caches.device:
             raise ConfigError(f"model is on {param.device} but the KV caches are on {kv_caches.device}")
 
-        types = _layer_types(config, model_type)
+        windows = layer_sliding_windows(config.to_dict()) if sliding_windows is None else tuple(sliding_windows)
+        if len(windows) != num_layers or not all(
+            w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 1) for w in windows
+        ):
+            raise ConfigError(
+                f"sliding_windows must give None or a window >= 1 for each of {num_layers} layers; got {windows}"
+            )
         infos = []
         for index, layer in enumerate(layers):
             attn = layer.self_attn
@@ -207,8 +181,8 @@ class ModelRunner:
                 LayerInfo(
                     index=index,
                     group=groups[index],
-                    layer_type=types[index],
-                    sliding_window=config.sliding_window if types[index] == _SLIDING else None,
+                    layer_type=_FULL if windows[index] is None else _SLIDING,
+                    sliding_window=windows[index],
                     scale=float(attn.scaling),
                     logit_softcap=None if softcap is None else float(softcap),
                 )

@@ -56,11 +56,11 @@ from kvpool.engine.memory import (
     measure_peak,
     weights_bytes,
 )
-from kvpool.engine.model_runner import ModelRunner, layer_sliding_windows
+from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.model_store import load_model, pending_conversion, resolve_model
 from kvpool.errors import ConfigError
 from kvpool.model_config import max_position_embeddings, serving_dtype
-from kvpool.model_layers import layer_specs_from_config
+from kvpool.model_layers import layer_sliding_windows, layer_specs_from_config
 from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_cache
 from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
 
@@ -188,16 +188,6 @@ def _kv_dtype(dtype: torch.dtype) -> KVDtype:
     return next(k for k, v in _TORCH_DTYPES.items() if v == dtype)
 
 
-def _check_groups_match_runner(groups: tuple[KVCacheGroup, ...], windows: tuple[int | None, ...]) -> None:
-    """The manager may free a block only if no layer of its group can still read it."""
-    for group in groups:
-        for layer in group.layer_ids:
-            managed = group.sliding_window
-            if managed is not None and windows[layer] != managed:
-                seen = "full attention" if windows[layer] is None else f"a window of {windows[layer]}"
-                raise ConfigError(f"layer {layer} is grouped as sliding window {managed} but the model computes {seen}")
-
-
 def _layer_maps(groups: tuple[KVCacheGroup, ...], num_layers: int) -> tuple[list[int], list[int]]:
     """Per decoder layer: its group, and its tensor slot (its position within the group)."""
     to_group = [-1] * num_layers
@@ -242,6 +232,7 @@ def _profile(
     spec: KVCacheSpec,
     to_group: list[int],
     to_slot: list[int],
+    windows: tuple[int | None, ...],
     options: EngineOptions,
     max_model_len: int,
     device: torch.device,
@@ -255,7 +246,7 @@ def _profile(
         options.max_num_batched_tokens, max_model_len, options.max_num_seqs, model.config.vocab_size, spec.block_size
     )
     scratch = allocate_kv_caches(spec, max(num_blocks, 2), device=device, layer_slots=to_slot)
-    runner = ModelRunner(model, scratch, layer_to_group=to_group)
+    runner = ModelRunner(model, scratch, layer_to_group=to_group, sliding_windows=windows)
     num_groups = max(to_group) + 1
     batch = [
         SequenceChunk(request_id=rid, token_ids=tokens, start_position=0, block_tables=(table,) * num_groups)
@@ -312,7 +303,7 @@ def _load(
 
 
 def _kv_groups(served: dict[str, Any], kv_dtype: KVDtype, hf_config: Any, block_size: int) -> tuple[KVCacheGroup, ...]:
-    """The core's layer groups of the served config, checked against what the runner computes."""
+    """The core's layer groups of the served config, checked against what the engine can run."""
     groups = group_layers(layer_specs_from_config(served, block_size=block_size, kv_dtype=kv_dtype))
     unsupported = {g.kind for g in groups} - {LayerKind.FULL_ATTENTION, LayerKind.SLIDING_WINDOW}
     if unsupported:
@@ -326,7 +317,6 @@ def _kv_groups(served: dict[str, Any], kv_dtype: KVDtype, hf_config: Any, block_
             f"the KV groups need block sizes {sorted({g.block_size for g in groups})}; "
             f"the engine runs one block size ({block_size})"
         )
-    _check_groups_match_runner(groups, layer_sliding_windows(hf_config))
     return groups
 
 
@@ -369,10 +359,11 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
 
     groups = _kv_groups(served, _kv_dtype(dtype), hf_config, options.block_size)
     to_group, to_slot = _layer_maps(groups, hf_config.num_hidden_layers)
+    windows = layer_sliding_windows(served)  # the rule the groups were formed by; the runner computes with it
     spec = KVCacheSpec.from_model_config(hf_config, block_size=options.block_size, dtype=dtype)
 
     peak, attention, profile_tokens, profile_seconds = _profile(
-        model, spec, to_group, to_slot, options, max_model_len, device
+        model, spec, to_group, to_slot, windows, options, max_model_len, device
     )
     how = "torch.cuda peak" if device.type == "cuda" else "CPU estimate: peak resident-set growth"
     log(
@@ -414,7 +405,7 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
         raise ConfigError(
             f"allocated {kv_caches.nbytes} B of KV cache but planned {plan.num_blocks * plan.pool_block_bytes} B"
         )
-    runner = ModelRunner(model, kv_caches, layer_to_group=to_group)
+    runner = ModelRunner(model, kv_caches, layer_to_group=to_group, sliding_windows=windows)
     log(plan.capacity_line)
     return EngineSetup(
         options=options,
