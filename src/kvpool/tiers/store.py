@@ -17,6 +17,7 @@ Specs::
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -89,7 +90,7 @@ def parse_size(text: str, *, field: str = "size") -> int:
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
         raise ConfigError(f"{field} must be a size such as 50GiB, 500MB or 1048576 (bytes), got {text!r}")
-    size = int(float(match.group(1).replace("_", "")) * _UNITS[unit])
+    size = int(Decimal(match.group(1).replace("_", "")) * _UNITS[unit])
     if size <= 0:
         raise ConfigError(f"{field} must be positive, got {text!r}")
     return size
