@@ -16,6 +16,7 @@ LAYERS = {
     "hashing": 2,
     "specs": 2,
     "stats": 2,
+    "tenancy": 2,  # tenants, API keys and the cache salt derived for them (the server and the router ask it)
     "routing": 2,
     "block": 3,
     "events": 3,
@@ -38,6 +39,7 @@ LAYERS = {
     "scheduler": 11,
     "engine": 12,
     "sim": 12,
+    "serve": 12.5,  # the OpenAI-compatible HTTP server over the engine
     "cli": 13,
     "__init__": 14,  # the package facade re-exports the core
 }

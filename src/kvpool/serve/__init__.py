@@ -1,0 +1,19 @@
+"""``kvpool serve``: an OpenAI-compatible HTTP server over kvpool's engine (the ``serve`` extra).
+
+* :mod:`.protocol`: request bodies checked into typed values; response and error bodies.
+* :mod:`.engine_loop`: the engine on a thread of its own, fed through a queue; per-request streams.
+* :mod:`.metrics`: Prometheus metrics under vLLM's names, in the server's own registry.
+* :mod:`.app`: the ASGI application (Starlette): :func:`build_app` and :class:`ServeConfig`.
+
+Tenants and cache salts are :mod:`kvpool.tenancy`'s rules. Importing this
+package imports neither torch nor Starlette; they load when an app is built.
+"""
+
+from __future__ import annotations
+
+from kvpool.serve.app import ServeConfig, build_app, pool_health
+from kvpool.serve.engine_loop import EngineLoop, Job, QueueFull
+from kvpool.serve.metrics import ServerMetrics
+from kvpool.serve.protocol import APIError
+
+__all__ = ["APIError", "EngineLoop", "Job", "QueueFull", "ServeConfig", "ServerMetrics", "build_app", "pool_health"]

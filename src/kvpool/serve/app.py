@@ -1,0 +1,441 @@
+"""The ASGI application: OpenAI routes, health, metrics and KV events over one engine.
+
+:func:`build_app` takes a started :class:`~kvpool.engine.llm_engine.LLMEngine`
+and a :class:`ServeConfig`; the app's lifespan starts and stops the engine
+thread (:class:`~kvpool.serve.engine_loop.EngineLoop`). Any ASGI server runs
+it; ``kvpool serve`` uses uvicorn.
+
+Every refusal is an OpenAI-style error body with its status (see
+:mod:`kvpool.serve.protocol`), and every way a request can end early (a
+refusal after admission, a client that goes away, a failed step) aborts it on
+the engine, so its blocks go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool.errors import KVPoolError
+from kvpool.serve.engine_loop import EngineLoop, EngineStopped, Job, QueueFull, StepHook
+from kvpool.serve.metrics import DEFAULT_PREFIX, ServerMetrics
+from kvpool.serve.protocol import (
+    APIError,
+    Endpoint,
+    GenerationRequest,
+    Usage,
+    chunk_body,
+    completion_body,
+    error_body,
+    parse_generation,
+)
+from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.types import Receive, Scope, Send
+
+    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.engine.outputs import RequestOutput
+
+__all__ = ["ServeConfig", "build_app", "pool_health"]
+
+_FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop", "aborted": "abort"}
+_LOOPBACK_PREFIXES = ("127.", "::1", "::ffff:127.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeConfig:
+    """What the server is, besides its engine.
+
+    Attributes:
+        model_name: the name requests must give as ``model`` (and ``/v1/models`` lists).
+        api_keys: API key -> tenant; None serves one tenant, no key needed.
+        salts: how a tenant's cache salt is derived (isolated, or shared by all).
+        admin_keys: keys that open ``/metrics``, ``/health?verbose`` and
+            ``/kv-events`` to clients not on the loopback interface.
+        max_body_bytes: the largest request body read; a larger one is 413.
+        max_waiting: requests that may wait for admission; one more is 429.
+        retry_after: seconds a 429 asks the client to wait.
+        metrics_prefix: the metric names' prefix (``kvpool:``; ``vllm:`` for vLLM's dashboards).
+        kv_events: returns the ``GET /kv-events`` body (a JSON-able value);
+            None answers that route with 404.
+    """
+
+    model_name: str
+    api_keys: KeyRing | None
+    salts: SaltPolicy
+    admin_keys: KeyRing | None = None
+    max_body_bytes: int = 1 << 20
+    max_waiting: int = 256
+    retry_after: int = 1
+    metrics_prefix: str = DEFAULT_PREFIX
+    kv_events: Callable[[], object] | None = None
+
+
+def pool_health(engine: LLMEngine) -> dict[str, Any]:
+    """The engine's bookkeeping at a glance (run on the engine thread, between steps)."""
+    manager = engine.manager
+    scheduler = engine.scheduler
+    owned = sum(1 for block in manager.pool.blocks[1:] if block.ref_cnt > 0)
+    try:
+        manager.check_invariants()
+        invariants = "ok"
+    except AssertionError as exc:
+        invariants = str(exc)
+    return {
+        "running": scheduler.num_running,
+        "waiting": scheduler.num_waiting,
+        "blocks_owned": owned,
+        "free_blocks": manager.num_free_blocks,
+        "num_blocks": manager.num_blocks,
+        "kv_cache_usage": manager.usage,
+        "invariants": invariants,
+    }
+
+
+def _is_loopback(request: Request) -> bool:
+    client = request.client
+    return client is not None and client.host.startswith(_LOOPBACK_PREFIXES)
+
+
+def _sse(payload: Mapping[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class _EventStream:
+    """A server-sent event response that stops (and closes its source) as soon as the client goes away.
+
+    It listens for ``http.disconnect`` while it streams, whatever the ASGI
+    server's version, so a client that leaves while its request is still
+    waiting (nothing sent yet) is noticed too.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        done = asyncio.Event()
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        async def stream() -> None:
+            headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async with contextlib.aclosing(self._events) as events:  # type: ignore[type-var]  # an async generator
+                async for chunk in events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            done.set()
+
+        streamer = asyncio.ensure_future(stream())
+        listener = asyncio.ensure_future(listen())
+        try:
+            await asyncio.wait({streamer, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streamer, listener):
+                task.cancel()
+            await asyncio.gather(streamer, listener, return_exceptions=True)
+        if streamer.done() and not streamer.cancelled() and streamer.exception() is not None and not done.is_set():
+            exc = streamer.exception()
+            if not isinstance(exc, OSError):  # a closed connection is the client leaving, not a fault
+                raise exc  # type: ignore[misc]  # checked not None above
+
+
+class _Server:
+    """The routes' shared state: one engine loop, the metrics, the config."""
+
+    def __init__(self, engine: LLMEngine, config: ServeConfig, hooks: tuple[StepHook, ...]) -> None:
+        self.config = config
+        self.metrics = ServerMetrics(config.model_name, config.metrics_prefix)
+        self.loop = EngineLoop(engine, max_waiting=config.max_waiting, hooks=(self.metrics.after_step, *hooks))
+        self.max_model_len = engine.max_model_len
+        self.created = int(time.time())
+
+    # -- who is asking ---------------------------------------------------------------------
+
+    def tenant(self, request: Request) -> str:
+        keys = self.config.api_keys
+        if keys is None:
+            return DEFAULT_TENANT
+        key = bearer_token(request.headers.get("authorization"))
+        if key is None:
+            raise APIError(
+                401,
+                "missing API key: send it as 'Authorization: Bearer KEY'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        tenant = keys.name_for(key)
+        if tenant is None:
+            raise APIError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
+        return tenant
+
+    def require_operator(self, request: Request) -> None:
+        """The loopback interface, or an admin key: what sees every tenant's figures."""
+        if _is_loopback(request):
+            return
+        admin = self.config.admin_keys
+        if admin is None:
+            raise APIError(403, "this route is open on the loopback interface only", type="permission_error")
+        if admin.name_for(bearer_token(request.headers.get("authorization"))) is None:
+            raise APIError(401, "this route needs an admin key", type="authentication_error", code="invalid_api_key")
+
+    # -- reading a request -----------------------------------------------------------------------
+
+    async def read_json(self, request: Request) -> object:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_big = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def job(self, tenant: str, gen: GenerationRequest, request_id: str) -> Job:
+        from kvpool.engine.sampling import SamplingParams
+
+        if gen.model != self.config.model_name:
+            raise APIError(
+                404,
+                f"the model {gen.model!r} does not exist; this server serves {self.config.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        s = gen.sampling
+        try:
+            params = SamplingParams(
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                seed=s.seed,
+                ignore_eos=s.ignore_eos,
+            )
+            salt = self.config.salts.cache_salt(tenant, gen.cache_salt)
+        except KVPoolError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+        return Job(request_id=request_id, prompt=gen.prompt, messages=gen.messages, params=params, cache_salt=salt)
+
+    async def admit(self, job: Job) -> tuple[int, asyncio.Queue[Any]]:
+        try:
+            return await self.loop.submit(job)
+        except QueueFull as exc:
+            raise APIError(
+                429,
+                str(exc),
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.config.retry_after)},
+            ) from None
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from None
+        except KVPoolError as exc:
+            raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from None
+
+    # -- answers -----------------------------------------------------------------------------------
+
+    async def generate(self, request: Request, endpoint: Endpoint) -> Response | _EventStream:
+        from starlette.responses import JSONResponse
+
+        tenant = self.tenant(request)
+        gen = parse_generation(endpoint, await self.read_json(request))
+        response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        job = self.job(tenant, gen, response_id)
+        num_prompt_tokens, stream = await self.admit(job)
+        created = int(time.time())
+        if gen.stream:
+            return _EventStream(self._events(gen, response_id, created, num_prompt_tokens, stream))
+        collected = asyncio.ensure_future(_collect(stream))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait({collected, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collected.done():
+                collected.cancel()
+                self.loop.abort(response_id)
+        if collected.cancelled():
+            return JSONResponse(error_body("the client went away"), status_code=499)
+        text, output = collected.result()
+        usage = Usage(num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
+        body = completion_body(
+            endpoint, response_id, created, self.config.model_name, text, _finish_reason(output), usage
+        )
+        return JSONResponse(body)
+
+    async def _events(
+        self,
+        gen: GenerationRequest,
+        response_id: str,
+        created: int,
+        num_prompt_tokens: int,
+        stream: asyncio.Queue[Any],
+    ) -> AsyncIterator[bytes]:
+        endpoint, model = gen.endpoint, self.config.model_name
+        finished = False
+        try:
+            if endpoint is Endpoint.CHAT:
+                yield _sse(
+                    chunk_body(endpoint, response_id, created, model, role=True, include_usage=gen.include_usage)
+                )
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine dropped it already
+                    yield _sse(error_body(f"the request failed: {item}", type="server_error"))
+                    break
+                output = item.output
+                reason = None if output is None else _finish_reason(output)
+                if item.text or reason is not None:
+                    yield _sse(
+                        chunk_body(
+                            endpoint,
+                            response_id,
+                            created,
+                            model,
+                            text=item.text,
+                            finish_reason=reason,
+                            include_usage=gen.include_usage,
+                        )
+                    )
+                if output is not None:
+                    finished = True
+                    if gen.include_usage:
+                        usage = Usage(num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
+                        yield _sse(chunk_body(endpoint, response_id, created, model, usage=usage))
+                    break
+            yield _sse("[DONE]")
+        finally:
+            if not finished:
+                self.loop.abort(response_id)
+
+
+async def _collect(stream: asyncio.Queue[Any]) -> tuple[str, RequestOutput]:
+    pieces = []
+    while True:
+        item = await stream.get()
+        if isinstance(item, BaseException):
+            raise APIError(500, f"the request failed: {item}", type="server_error")
+        pieces.append(item.text)
+        if item.output is not None:
+            return "".join(pieces), item.output
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _finish_reason(output: RequestOutput) -> str:
+    return _FINISH_REASONS[output.finish_reason.value]
+
+
+def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, ...] = ()) -> Starlette:
+    """The ASGI app serving ``engine``; ``hooks`` run on the engine thread after every step."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    server = _Server(engine, config, hooks)
+
+    def answers(
+        handler: Callable[[Request], Awaitable[Response | _EventStream]],
+    ) -> Callable[[Request], Awaitable[Response | _EventStream]]:
+        async def run(request: Request) -> Response | _EventStream:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+        return run
+
+    async def completions(request: Request) -> Response | _EventStream:
+        return await server.generate(request, Endpoint.COMPLETIONS)
+
+    async def chat(request: Request) -> Response | _EventStream:
+        return await server.generate(request, Endpoint.CHAT)
+
+    async def models(request: Request) -> Response:
+        server.tenant(request)
+        card = {
+            "id": config.model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "kvpool",
+            "max_model_len": server.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        if request.query_params.get("verbose", "0") in ("", "0", "false"):
+            return JSONResponse({"status": "ok"})
+        server.require_operator(request)
+        try:
+            figures = await server.loop.call(pool_health)
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from None
+        ok = figures["invariants"] == "ok"
+        return JSONResponse({"status": "ok" if ok else "broken", **figures}, status_code=200 if ok else 500)
+
+    async def metrics(request: Request) -> Response:
+        server.require_operator(request)
+        text, content_type = server.metrics.render()
+        return Response(text, media_type=content_type)
+
+    async def kv_events(request: Request) -> Response:
+        if config.kv_events is None:
+            raise APIError(404, "KV events are not configured on this server", code="not_found")
+        server.require_operator(request)
+        body = config.kv_events()
+        if isinstance(body, (bytes, str)):
+            return Response(body, media_type="application/json")
+        return JSONResponse(body)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = exc.detail if isinstance(exc, HTTPException) else "internal server error"
+        return JSONResponse(error_body(str(detail), code=str(status)), status_code=status)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.loop.start()
+        try:
+            yield
+        finally:
+            server.loop.stop()
+
+    routes = [
+        Route("/v1/completions", answers(completions), methods=["POST"]),
+        Route("/v1/chat/completions", answers(chat), methods=["POST"]),
+        Route("/v1/models", answers(models), methods=["GET"]),
+        Route("/health", answers(health), methods=["GET"]),
+        Route("/metrics", answers(metrics), methods=["GET"]),
+        Route("/kv-events", answers(kv_events), methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: http_error, Exception: http_error},
+        lifespan=lifespan,
+    )
+    app.state.server = server
+    return app

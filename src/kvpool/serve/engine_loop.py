@@ -1,0 +1,282 @@
+"""The engine beside the HTTP loop: one thread owns the engine; requests reach it through a queue.
+
+::
+
+    HTTP handlers (asyncio)                      engine thread
+    ----------------------                      -------------
+    submit(job) ---- inbox (thread-safe) ---->  admit: check, queue in the scheduler
+       await admission  <-- call_soon_threadsafe --  (or the error that refused it)
+    abort(id)   ---- inbox ---------------------->  engine.abort: blocks freed
+    async for delta in stream  <-- one call_soon_threadsafe per step --  step(): deltas
+
+Every engine call happens on the engine thread, so the engine needs no lock.
+The thread steps while any request is unfinished, and between steps it takes
+every command waiting in the inbox (admissions and aborts), so a request
+arriving mid-batch joins at the next step and an abort frees its blocks
+before the next step is scheduled. With nothing to do the thread sleeps on the
+inbox. Deltas are handed to the event loop once per step for all requests.
+
+Should a step raise, the engine has already dropped every request (see
+:meth:`LLMEngine.step <kvpool.engine.llm_engine.LLMEngine.step>`); each open
+stream gets the error and the thread goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvpool.errors import RequestStateError
+
+if TYPE_CHECKING:
+    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.engine.outputs import RequestDelta
+    from kvpool.engine.sampling import SamplingParams
+
+__all__ = ["EngineLoop", "Job", "QueueFull", "StepHook", "StreamItem"]
+
+_LOGGER = logging.getLogger("kvpool.serve")
+
+T = TypeVar("T")
+
+#: Called on the engine thread after every step with the engine and the step's deltas.
+StepHook = Callable[["LLMEngine", "Sequence[RequestDelta]"], None]
+#: What a request's stream yields: a delta, or the error that ended the request.
+StreamItem = "RequestDelta | BaseException"
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``max_waiting`` requests: come back later."""
+
+    def __init__(self, max_waiting: int) -> None:
+        super().__init__(f"the server's waiting queue is full ({max_waiting} requests); retry later")
+        self.max_waiting = max_waiting
+
+
+class EngineStopped(Exception):
+    """The engine thread has stopped; no request is served any more."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """A request as the engine takes it: a prompt (text or token IDs) or a conversation."""
+
+    request_id: str
+    prompt: str | tuple[int, ...] | None
+    messages: tuple[dict[str, str], ...] | None
+    params: SamplingParams
+    cache_salt: str | None
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    """Settle ``future`` (in the event loop) unless its waiter gave up on it."""
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)
+
+
+class EngineLoop:
+    """Runs ``engine`` on a thread of its own; the async side submits, streams and aborts.
+
+    Args:
+        engine: the engine; after :meth:`start` only the engine thread touches it.
+        max_waiting: requests the scheduler may hold waiting; one more is
+            refused with :class:`QueueFull`.
+        hooks: called on the engine thread after each step (metrics, events).
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int, hooks: Sequence[StepHook] = ()) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._hooks = tuple(hooks)
+        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[Any]] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- life cycle (event loop side) -------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will await the results."""
+        if self._thread is not None:
+            raise RequestStateError("the engine loop is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current step; requests still running are aborted."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._inbox.put(None)
+        thread.join(timeout)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- requests (event loop side) -----------------------------------------------------------
+
+    async def submit(self, job: Job) -> tuple[int, asyncio.Queue[Any]]:
+        """Queue ``job`` on the engine; returns its prompt's token count and its stream.
+
+        Raises what refused it: :class:`QueueFull`, or the engine's
+        ``KVPoolError`` (a prompt too long for the context, a bad token, ...).
+        If the caller is cancelled while waiting, the request is aborted.
+        """
+        loop = self._require_loop()
+        admitted: asyncio.Future[int] = loop.create_future()
+        stream: asyncio.Queue[Any] = asyncio.Queue()
+        self._inbox.put(lambda: self._admit(job, admitted, stream))
+        try:
+            return await admitted, stream
+        except asyncio.CancelledError:
+            self.abort(job.request_id)  # queued after the admission: it finds the request if it was admitted
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once); a finished or unknown one is left alone."""
+        self._inbox.put(lambda: self._abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(engine)`` run on the engine thread between steps; its result (or error)."""
+        loop = self._require_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                value: Any = fn(self.engine)
+            except Exception as exc:
+                value = exc
+            loop.call_soon_threadsafe(_resolve, done, value)
+
+        self._inbox.put(run)
+        return await done
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None or not self.running:
+            raise EngineStopped("the engine is not running")
+        return self._loop
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _admit(self, job: Job, admitted: asyncio.Future[int], stream: asyncio.Queue[Any]) -> None:
+        engine = self.engine
+        try:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            if engine.scheduler.num_waiting >= self.max_waiting:
+                raise QueueFull(self.max_waiting)
+            if job.messages is not None:
+                prompt: str | tuple[int, ...] = engine.render_chat(list(job.messages))
+                special = False  # the rendered template holds its special tokens already
+            else:
+                assert job.prompt is not None  # a Job has a prompt or messages
+                prompt, special = job.prompt, True
+            engine.add_request(
+                prompt,
+                job.params,
+                request_id=job.request_id,
+                cache_salt=job.cache_salt,
+                add_special_tokens=special,
+            )
+        except Exception as exc:
+            self._send(_resolve, admitted, exc)
+            return
+        self._streams[job.request_id] = stream
+        self._send(_resolve, admitted, engine.scheduler.request(job.request_id).num_prompt_tokens)
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _send(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None  # set before the thread starts
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                commands = [] if engine.has_unfinished_requests() else [self._inbox.get()]
+                while True:
+                    try:
+                        commands.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for command in commands:
+                    if command is None:
+                        return
+                    command()
+                if engine.has_unfinished_requests():
+                    self._step()
+                else:
+                    self._run_hooks([])  # the figures follow admissions and aborts while idle too
+        finally:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Refuse what is still queued, abort what runs, and tell every open stream."""
+        self._stopping = True
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command is not None:
+                command()  # an admission now refuses with EngineStopped
+        stopped = EngineStopped("the server is shutting down")
+        open_streams = [(stream, stopped) for stream in self._streams.values()]
+        for request_id in list(self._streams):
+            self._abort(request_id)
+        self._send(_deliver, open_streams)
+
+    def _run_hooks(self, deltas: Sequence[RequestDelta]) -> None:
+        for hook in self._hooks:
+            try:
+                hook(self.engine, deltas)
+            except Exception:
+                _LOGGER.exception("a step hook failed")
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            deltas = engine.step()
+        except Exception as exc:
+            _LOGGER.exception("an engine step failed; its requests are dropped")
+            failed = [(stream, exc) for stream in self._streams.values()]
+            for request_id in list(self._streams):
+                engine.abort(request_id)
+            self._streams.clear()
+            self._send(_deliver, failed)
+            return
+        self._run_hooks(deltas)
+        items = []
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            items.append((stream, delta))
+            if delta.finished:
+                del self._streams[delta.request_id]
+        if items:
+            self._send(_deliver, items)

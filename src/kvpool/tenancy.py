@@ -1,0 +1,210 @@
+"""Tenants: who sent a request, and the cache salt a server derives for it.
+
+A request's cache salt decides which cached blocks it may hit (it enters the
+first block's hash), so it is the tenant boundary of the prefix cache. A
+client must never choose it: a tenant who could send another tenant's salt
+would hit that tenant's blocks and learn, from ``cached_tokens`` or from time
+to first token, which prompts the other tenant sent (CVE-2025-46570).
+
+So the salt is derived on the server::
+
+    tenant salt = HMAC-SHA256(server secret, "tenant" | name)
+    request salt = HMAC-SHA256(tenant salt, "client" | client's cache_salt)   (when the client sends one)
+
+The server secret never leaves the server, so no client can compute another
+tenant's salt, and a client's own ``cache_salt`` only partitions its tenant's
+blocks further: whatever it sends lands under its tenant's salt. Every part is
+length-prefixed, so no two (tenant, client salt) pairs derive the same input.
+
+API keys are held as SHA-256 digests and looked up by the digest of the key a
+request presents, so the lookup's time does not depend on how much of a
+stored key a guess matches.
+
+This is the one home of these rules: the server and the router both ask it.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvpool.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "MIN_SECRET_BYTES",
+    "KeyRing",
+    "SaltPolicy",
+    "bearer_token",
+    "load_secret",
+]
+
+#: The tenant of every request on a server without an API key file.
+DEFAULT_TENANT = "default"
+#: The shortest server secret accepted (HMAC-SHA256's own block is 64 bytes; 16 is the floor of guessing).
+MIN_SECRET_BYTES = 16
+_GENERATED_SECRET_BYTES = 32
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def _framed(*parts: str) -> bytes:
+    """The parts, each prefixed with its length: distinct tuples give distinct bytes."""
+    out = bytearray()
+    for part in parts:
+        raw = part.encode("utf-8")
+        out += len(raw).to_bytes(4, "big") + raw
+    return bytes(out)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header; None when absent or of another scheme."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRing:
+    """Secret keys and whom each one names, held as digests of the keys.
+
+    ``KeyRing.from_mapping({"sk-a": "alice"})``; :meth:`name_for` a presented
+    key gives ``"alice"``, or None for any other key.
+    """
+
+    _names: Mapping[bytes, str] = field(repr=False)
+
+    @classmethod
+    def from_mapping(cls, keys: Mapping[str, str], *, source: str = "the key mapping") -> KeyRing:
+        """Keys (non-empty strings) to names (non-empty strings)."""
+        if not isinstance(keys, Mapping):
+            raise ConfigError(f"{source} must map API keys to tenant names, got {type(keys).__name__}")
+        if not keys:
+            raise ConfigError(f"{source} names no API key")
+        names: dict[bytes, str] = {}
+        for key, name in keys.items():
+            if not isinstance(key, str) or not key.strip() or key != key.strip():
+                raise ConfigError(f"{source}: an API key must be a non-empty string without surrounding spaces")
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{source}: the tenant of a key must be a non-empty string, got {name!r}")
+            names[_digest(key)] = name
+        return cls(names)
+
+    @classmethod
+    def load_json(cls, path: str | os.PathLike[str]) -> KeyRing:
+        """A JSON file holding one object: API key -> tenant name."""
+        source = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API key file {source!r}: {exc.strerror or exc}") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"the API key file {source!r} is not JSON: {exc}") from None
+        return cls.from_mapping(data, source=f"the API key file {source!r}")
+
+    @classmethod
+    def load_lines(cls, path: str | os.PathLike[str], name: str) -> KeyRing:
+        """A text file with one key per line (blank lines skipped), every key naming ``name``."""
+        source = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except OSError as exc:
+            raise ConfigError(f"cannot read the key file {source!r}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"the key file {source!r} is not text: {exc}") from None
+        return cls.from_mapping({key: name for key in lines if key}, source=f"the key file {source!r}")
+
+    def name_for(self, key: str | None) -> str | None:
+        """Whom ``key`` names; None for a missing or unknown key."""
+        if key is None:
+            return None
+        return self._names.get(_digest(key))
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._names.values())
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def load_secret(path: str | os.PathLike[str] | None) -> tuple[bytes, bool]:
+    """The server secret from ``path`` (its bytes, trailing whitespace stripped), or a fresh one.
+
+    Returns the secret and whether it was generated. A generated secret lives
+    as long as the process: salts (and so cached blocks) do not carry over a
+    restart, which costs only cache hits.
+    """
+    if path is None:
+        return secrets.token_bytes(_GENERATED_SECRET_BYTES), True
+    source = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().rstrip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the tenant secret file {source!r}: {exc.strerror or exc}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"the tenant secret file {source!r} holds {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES}"
+        )
+    return secret, False
+
+
+@dataclass(frozen=True, slots=True)
+class SaltPolicy:
+    """How a request's cache salt follows from its tenant and the client's ``cache_salt``.
+
+    :meth:`isolated` derives salts with a server secret (see the module
+    docstring); :meth:`shared` passes the client's value through unchanged,
+    so every tenant shares one prefix cache (what a server without tenants
+    does, and what the timing leak benchmark measures against).
+    """
+
+    _secret: bytes | None = field(repr=False)
+
+    @classmethod
+    def isolated(cls, secret: bytes) -> SaltPolicy:
+        if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+            raise ConfigError(f"the tenant secret must be at least {MIN_SECRET_BYTES} bytes")
+        return cls(secret)
+
+    @classmethod
+    def shared(cls) -> SaltPolicy:
+        return cls(None)
+
+    @property
+    def isolates_tenants(self) -> bool:
+        return self._secret is not None
+
+    def tenant_salt(self, tenant: str) -> bytes | None:
+        """The tenant's own key (None when tenants share the cache)."""
+        if self._secret is None:
+            return None
+        return hmac.new(self._secret, b"tenant" + _framed(tenant), hashlib.sha256).digest()
+
+    def cache_salt(self, tenant: str, client_salt: str | None) -> str | None:
+        """The salt a request of ``tenant`` carrying ``client_salt`` is served under."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"a tenant is a non-empty string, got {tenant!r}")
+        if client_salt is not None and not isinstance(client_salt, str):
+            raise ConfigError(f"cache_salt must be a string, got {client_salt!r}")
+        tenant_key = self.tenant_salt(tenant)
+        if tenant_key is None:
+            return client_salt
+        if client_salt is None:
+            return tenant_key.hex()
+        return hmac.new(tenant_key, b"client" + _framed(client_salt), hashlib.sha256).hexdigest()
