@@ -20,6 +20,7 @@ LAYERS = {
     "routing": 2,
     "block": 3,
     "events": 3,
+    "kv_events": 3.5,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
     "model_config": 3,
     "tiers": 3,  # byte-level tier stores and the entry format (torch-free)
     "request": 4,
@@ -36,6 +37,7 @@ LAYERS = {
     "coordinator": 8,
     "invariants": 9,
     "manager": 10,
+    "connector": 10.5,  # KV connector interface and the tier hierarchy connector (torch-free)
     "scheduler": 11,
     "engine": 12,
     "sim": 12,

@@ -25,10 +25,20 @@ its requests and the manager are exactly as they were.
 
 Time is read from an injectable clock and only feeds the per-request figures
 (queue time, time to first token); no decision depends on it.
+
+With a KV connector (:mod:`kvpool.connector`), an admission also asks it how
+many tokens beyond the local prefix hit it can load; those tokens get blocks,
+count as cached and are not computed. Each plan carries the connector's
+loads and saves (:attr:`SchedulerOutput.connector_meta`);
+:meth:`Scheduler.apply_transfers` takes the worker's report: a failed load
+moves that request's chunk back so that the tokens are computed in the same
+step, and a finished request whose saves were pending keeps its blocks until
+they are reported done.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -37,6 +47,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvpool.checks import MIN_MODEL_LEN, check_int
+from kvpool.connector import GPU, NO_MATCH, ConnectorMetadata, ExternalMatch, KVConnector, TransferResult
 from kvpool.errors import CapacityError, ConfigError, InvalidTokenError, RequestStateError
 from kvpool.hashing import TOKEN_LIMIT, to_token_array
 from kvpool.manager import KVCacheManager
@@ -161,6 +172,8 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...]
     num_batched_tokens: int
+    #: The KV connector's loads and saves for this step (None without a connector).
+    connector_meta: ConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -183,6 +196,8 @@ class RequestMetrics:
     num_computed_tokens: int  # tokens fed to the model, recomputation included
     num_cached_tokens: int  # tokens served from the prefix cache, all admissions
     num_preemptions: int
+    #: ``num_cached_tokens`` by where they came from: ``"gpu"`` (the pool) and each connector tier.
+    cached_tokens_by_tier: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 class _Entry:
@@ -199,6 +214,8 @@ class _Entry:
         "finish_time",
         "num_computed_total",
         "num_cached_total",
+        "cached_by_tier",
+        "loading",
     )
 
     def __init__(self, request: Request, stop: StopConditions, arrival_time: float) -> None:
@@ -212,6 +229,9 @@ class _Entry:
         self.finish_time: float | None = None
         self.num_computed_total = 0
         self.num_cached_total = 0
+        self.cached_by_tier: dict[str, int] = {}
+        # The latest admission's external match and where it starts, until its loads are reported.
+        self.loading: tuple[int, ExternalMatch] | None = None
 
     def metrics(self) -> RequestMetrics:
         r = self.request
@@ -228,6 +248,7 @@ class _Entry:
             num_computed_tokens=self.num_computed_total,
             num_cached_tokens=self.num_cached_total,
             num_preemptions=r.num_preemptions,
+            cached_tokens_by_tier=dict(self.cached_by_tier),
         )
 
 
@@ -239,6 +260,7 @@ class Scheduler:
         config: step limits.
         clock: returns the current time in seconds (``time.monotonic`` by
             default; a simulator passes its simulated clock).
+        connector: the scheduler side of a KV connector, or None.
 
     ``max_model_len`` is the config's, or else the manager's.
     """
@@ -249,6 +271,7 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        connector: KVConnector | None = None,
     ) -> None:
         if not isinstance(manager, KVCacheManager):
             raise ConfigError(f"manager must be a KVCacheManager, got {manager!r}")
@@ -258,6 +281,8 @@ class Scheduler:
             raise ConfigError(f"config must be a SchedulerConfig or None, got {config!r}")
         if not callable(clock):
             raise ConfigError(f"clock must be callable, got {clock!r}")
+        if connector is not None and not isinstance(connector, KVConnector):
+            raise ConfigError(f"connector must be a KVConnector or None, got {connector!r}")
         max_len = config.max_model_len
         if max_len is not None and manager.max_model_len not in (None, max_len):
             raise ConfigError(f"scheduler max_model_len={max_len} differs from the manager's {manager.max_model_len}")
@@ -277,6 +302,11 @@ class Scheduler:
         self._hints_wanted = hasattr(manager.pool.free_queue, "note_waiting")
         self._waiting_changed = False
         self.num_preemptions = 0
+        self.connector = connector
+        #: Finished requests whose blocks wait for the connector's saves, by ID.
+        self._saving: dict[str, _Entry] = {}
+        #: Prompt tokens taken from each source since the start (``"gpu"`` and each connector tier).
+        self.cached_tokens_by_tier: dict[str, int] = {}
 
     # -- requests --------------------------------------------------------------------
 
@@ -386,6 +416,7 @@ class Scheduler:
         self._step += 1
         budget = self.config.max_num_batched_tokens
         mgr = self.manager
+        connector = self.connector
         if self._hints_wanted and self._waiting_changed:
             mgr.note_waiting([e.request for e in self.waiting])
             self._waiting_changed = False
@@ -421,34 +452,66 @@ class Scheduler:
             entry = self.waiting[0]
             request = entry.request
             hit, num_hit = mgr.get_computed_blocks(request)
-            todo = min(request.num_tokens - num_hit, budget)
-            if mgr.allocate_slots(request, todo, num_hit, hit) is None:
+            match = NO_MATCH if connector is None else self._external_match(request, num_hit)
+            num_loaded = match.num_tokens
+            todo = min(request.num_tokens - num_hit - num_loaded, budget)
+            if mgr.allocate_slots(request, todo, num_hit, hit, num_external_computed_tokens=num_loaded) is None:
                 break
             self.waiting.popleft()
             self._waiting_changed = True
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_hit + num_loaded
             entry.status = RequestStatus.RUNNING
-            entry.num_cached_total += num_hit
+            entry.num_cached_total += num_hit + num_loaded
+            self._count_cached(entry, GPU, num_hit)
+            if connector is not None:
+                for tier, tokens in match.tokens_by_tier().items():
+                    self._count_cached(entry, tier, tokens)
+                entry.loading = (num_hit, match) if num_loaded else None
+                connector.update_state_after_alloc(request, mgr.get_block_ids(request.request_id)[0], num_hit, match)
             if entry.first_scheduled_time is None:
                 entry.first_scheduled_time = now
             self.running.append(entry)
             scheduled.append(entry)
-            chunks.append(self._chunk(entry, todo, num_hit))
+            chunks.append(self._chunk(entry, todo, num_hit + num_loaded))
             budget -= todo
 
+        meta = None
+        if connector is not None:
+            meta = connector.build_meta([(e.request, c.end_position) for e, c in zip(scheduled, chunks)])
         output = SchedulerOutput(
             step=self._step,
             chunks=tuple(chunks),
             preempted=tuple(preempted),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            connector_meta=meta,
         )
         self._issued = output
         self._in_flight = tuple(scheduled)
         return output
 
-    def _chunk(self, entry: _Entry, num_tokens: int, num_cached: int) -> ScheduledChunk:
+    def _external_match(self, request: Request, num_hit: int) -> ExternalMatch:
+        """The connector's answer, held to its contract (whole blocks, short of the last token)."""
+        match = self.connector.get_num_new_matched_tokens(request, num_hit)  # type: ignore[union-attr]  # called with a connector only
+        if not isinstance(match, ExternalMatch):
+            raise ConfigError(f"the connector answered {match!r}, not an ExternalMatch")
+        num = match.num_tokens
+        bs = self.manager.block_size
+        if type(num) is not int or num < 0 or num % bs or num_hit + num > request.num_tokens - 1:
+            raise ConfigError(
+                f"the connector offers {num!r} tokens beyond the {num_hit} cached of request "
+                f"{request.request_id!r} ({request.num_tokens} tokens): expected whole blocks of {bs} "
+                "ending before the last token"
+            )
+        return match
+
+    def _count_cached(self, entry: _Entry, tier: str, tokens: int) -> None:
+        entry.cached_by_tier[tier] = entry.cached_by_tier.get(tier, 0) + tokens
+        self.cached_tokens_by_tier[tier] = self.cached_tokens_by_tier.get(tier, 0) + tokens
+
+    def _chunk(self, entry: _Entry, num_tokens: int, num_cached: int, start: int | None = None) -> ScheduledChunk:
         request = entry.request
-        start = request.num_computed_tokens
+        if start is None:
+            start = request.num_computed_tokens
         stop = start + num_tokens
         if self._counts_only:
             return ScheduledChunk(
@@ -474,6 +537,61 @@ class Scheduler:
             block_tables=tuple(tables),
             slot_mapping=tuple(slots),
         )
+
+    def apply_transfers(self, output: SchedulerOutput, result: TransferResult) -> SchedulerOutput:
+        """Take a connector worker's report on the step ``output`` plans; returns the plan to run.
+
+        A request in ``result.failed_loads`` computes what its load did not
+        deliver: its chunk now starts at the number of tokens whose KV is in
+        place (the chunk grows past the token budget by that much) and its
+        cached-token figures drop accordingly. Requests in
+        ``result.finished_saves`` that finished while their saves were pending
+        give their blocks back now. Call it between :meth:`schedule` and
+        :meth:`update`, as often as the worker reports; the returned plan
+        replaces ``output`` (the same object when no load failed).
+        """
+        if not isinstance(result, TransferResult):
+            raise RequestStateError(f"apply_transfers takes a TransferResult, got {result!r}")
+        if self._issued is None or output is not self._issued:
+            raise RequestStateError("apply_transfers takes the latest schedule() output, before update()")
+        if self.connector is not None and result:
+            self.connector.update_finished(result)
+        for rid in result.finished_saves:
+            entry = self._saving.pop(rid, None)
+            if entry is not None:
+                self.manager.free(entry.request)
+        failed = result.failed_loads
+        if not failed:
+            return output
+        chunks = list(output.chunks)
+        for i, (entry, chunk) in enumerate(zip(self._in_flight, chunks)):
+            rid = chunk.request_id
+            if rid not in failed or entry.loading is None or entry.status is not RequestStatus.RUNNING:
+                continue
+            num_hit, match = entry.loading
+            valid = failed[rid]
+            if type(valid) is not int or not num_hit <= valid < chunk.start_position:
+                raise RequestStateError(
+                    f"request {rid!r}: a failed load leaves {valid!r} tokens in place; expected an int from "
+                    f"{num_hit} (the local hit) to below {chunk.start_position} (the promised tokens)"
+                )
+            kept = match.truncated(valid - num_hit)
+            lost = match.tokens_by_tier()
+            for tier, tokens in kept.tokens_by_tier().items():
+                lost[tier] -= tokens
+            for tier, tokens in lost.items():
+                self._count_cached(entry, tier, -tokens)
+            entry.num_cached_total -= chunk.start_position - valid
+            entry.loading = (num_hit, kept) if kept.runs else None
+            entry.request.num_computed_tokens = valid
+            num_cached = chunk.num_cached_tokens - (chunk.start_position - valid)
+            chunks[i] = self._chunk(entry, chunk.end_position - valid, num_cached, start=valid)
+        extra = sum(c.num_tokens for c in chunks) - sum(c.num_tokens for c in output.chunks)
+        revised = dataclasses.replace(
+            output, chunks=tuple(chunks), num_batched_tokens=output.num_batched_tokens + extra
+        )
+        self._issued = revised
+        return revised
 
     def _preempt(self, entry: _Entry) -> None:
         request = entry.request
@@ -503,6 +621,7 @@ class Scheduler:
             if entry.status is not RequestStatus.RUNNING:
                 continue  # aborted meanwhile
             request = entry.request
+            entry.loading = None  # the step's loads are over, failed ones reported
             request.num_computed_tokens += chunk.num_tokens
             entry.num_computed_total += chunk.num_tokens
             if not chunk.sample:
@@ -568,7 +687,15 @@ class Scheduler:
         return None
 
     def _finish(self, entry: _Entry, reason: FinishReason, now: float) -> None:
-        self.manager.free(entry.request)
+        request = entry.request
+        connector = self.connector
+        entry.loading = None
+        if connector is not None and connector.request_finished(
+            request, self.manager.get_block_ids(request.request_id)[0]
+        ):
+            self._saving[request.request_id] = entry  # its blocks go back when the saves are done
+        else:
+            self.manager.free(request)
         entry.status = RequestStatus.FINISHED
         entry.finish_reason = reason
         entry.finish_time = now
@@ -582,6 +709,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_saving(self) -> int:
+        """Finished requests whose blocks wait for the connector's saves."""
+        return len(self._saving)
 
     def running_ids(self) -> list[str]:
         return [e.request.request_id for e in self.running]
