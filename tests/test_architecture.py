@@ -21,6 +21,7 @@ LAYERS = {
     "block": 3,
     "events": 3,
     "kv_events": 3.5,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
+    "kv_events": 3.5,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
     "model_config": 3,
     "tiers": 3,  # byte-level tier stores and the entry format (torch-free)
     "request": 4,

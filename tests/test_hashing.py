@@ -121,7 +121,7 @@ def test_a_request_cannot_move_to_a_manager_with_other_hashing():
     lora=st.sampled_from([None, "adapter"]),
     media=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 6)), max_size=3),
     split=st.integers(min_value=0, max_value=40),
-    algo=st.sampled_from(["sha256", "xxh3_128"] if importlib.util.find_spec("xxhash") else ["sha256"]),
+    algo=st.sampled_from(["kvpool_sha256", "xxh3_128"] if importlib.util.find_spec("xxhash") else ["kvpool_sha256"]),
 )
 def test_every_key_layout_hashes_like_the_per_block_definition(tokens, block_size, salt, lora, media, split, algo):
     """The fast paths (no keys, a LoRA suffix, a salted first block) equal the per-block definition."""

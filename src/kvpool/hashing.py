@@ -19,32 +19,48 @@ token IDs), followed by tagged, length-prefixed extra keys, so two different
 inputs never serialise to the same bytes. The root is derived from an
 injectable seed, so hashes are reproducible across processes and machines.
 
-Two algorithms:
+kvpool's own algorithms:
 
-* ``sha256`` (default): cryptographic. Use it whenever mutually untrusted
-  tenants share a replica: with a weak hash, crafted prompts can collide with another
-  tenant's blocks and read their KV (CVE-2025-25183).
+* ``kvpool_sha256`` (default, :attr:`HashAlgo.SHA256`): cryptographic. Use a
+  cryptographic hash whenever mutually untrusted tenants share a replica: with
+  a weak hash, crafted prompts can collide with another tenant's blocks and
+  read their KV (CVE-2025-25183).
 * ``xxh3_128`` (the ``fast`` extra): much faster, not collision resistant.
   kvpool then verifies every hit against the block's stored content and
   parent, so a collision costs a miss and can never serve another prompt's KV.
+
+vLLM's algorithms, for fleets where routers or other engines compute the
+hashes themselves: ``sha256_cbor`` (the ``events`` extra, for cbor2) and
+``sha256`` (pickle-based) give block hashes bit-identical to vLLM 0.33's
+prefix-caching hashes for the same tokens, block size, cache salt, LoRA
+adapter and multimodal identifiers. Each block hashes the serialised triple
+``(parent hash, token IDs, extra keys or None)``, where the extra keys are, in
+this order, ``("lora", name, path)``, ``("mm", identifier, offset in the
+block)`` per overlapping item and ``("cache_salt", salt)`` on block 0; the
+root is the hash of the seed string: ``PYTHONHASHSEED`` when it is set, else
+vLLM's fixed ``"vllm-none-hash"``. They cost several times kvpool's chain
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import pickle
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import NewType, cast
+from typing import Any, NewType, cast
 
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvalidTokenError
 
 __all__ = [
     "DEFAULT_HASH_SEED",
+    "VLLM_DEFAULT_SEED",
     "BlockHash",
     "BlockHasher",
     "HashAlgo",
@@ -61,6 +77,9 @@ ExtraKey = tuple[str, str] | tuple[str, str, int]
 #: Seed of the chain's root when none is given. Changing it changes every hash.
 DEFAULT_HASH_SEED = b"kvpool/block-hash/v1"
 
+#: vLLM's root seed when ``PYTHONHASHSEED`` is not set.
+VLLM_DEFAULT_SEED = "vllm-none-hash"
+
 # Token IDs are serialised as little-endian uint32.
 _TOKEN_TYPECODE = "I"
 if array(_TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - exotic platforms
@@ -73,14 +92,25 @@ _TAG_SALT = b"\x03"
 
 
 class HashAlgo(Enum):
-    """Block hash algorithm."""
+    """Block hash algorithm: kvpool's own chain (fast) or one of vLLM's (reproducible by vLLM's tools)."""
 
-    SHA256 = "sha256"
+    #: kvpool's chain over fixed-width bytes, SHA-256 (the default).
+    SHA256 = "kvpool_sha256"
+    #: kvpool's chain, xxHash3-128; every hit is verified.
     XXH3_128 = "xxh3_128"
+    #: vLLM's ``sha256``: SHA-256 of the pickled block triple.
+    VLLM_SHA256 = "sha256"
+    #: vLLM's ``sha256_cbor``: SHA-256 of the canonical CBOR block triple.
+    VLLM_SHA256_CBOR = "sha256_cbor"
 
     @property
     def is_cryptographic(self) -> bool:
-        return self is HashAlgo.SHA256
+        return self is not HashAlgo.XXH3_128
+
+    @property
+    def is_vllm(self) -> bool:
+        """Whether the hashes are vLLM's (seeded by a string, serialised by pickle or CBOR)."""
+        return self in (HashAlgo.VLLM_SHA256, HashAlgo.VLLM_SHA256_CBOR)
 
     @classmethod
     def parse(cls, value: HashAlgo | str) -> HashAlgo:
@@ -144,22 +174,35 @@ class BlockHasher:
     Args:
         block_size: tokens per block.
         algo: :class:`HashAlgo` or its name.
-        seed: bytes the chain's root is derived from.
+        seed: what the chain's root is derived from: bytes for kvpool's
+            algorithms (None: :data:`DEFAULT_HASH_SEED`), a string for vLLM's
+            (None: vLLM's rule, ``PYTHONHASHSEED`` when set, else
+            :data:`VLLM_DEFAULT_SEED`).
     """
 
-    __slots__ = ("block_size", "algo", "seed", "root", "stores_contents", "_sha", "_xxh")
+    __slots__ = ("block_size", "algo", "seed", "seed_name", "root", "stores_contents", "_sha", "_xxh", "_dumps")
 
     def __init__(
-        self, block_size: int, algo: HashAlgo | str = HashAlgo.SHA256, seed: bytes = DEFAULT_HASH_SEED
+        self, block_size: int, algo: HashAlgo | str = HashAlgo.SHA256, seed: bytes | str | None = None
     ) -> None:
         check_int("block_size", block_size)
-        if not isinstance(seed, bytes | bytearray) or not seed:
-            raise ConfigError(f"hash seed must be non-empty bytes, got {seed!r}")
         self.block_size = block_size
         self.algo = HashAlgo.parse(algo)
-        self.seed = bytes(seed)
         self._sha = hashlib.sha256
         self._xxh = None
+        self._dumps: Callable[[Any], bytes] | None = None
+        self.seed: bytes | str
+        if self.algo.is_vllm:
+            self.seed, self.seed_name = _vllm_seed(seed)
+            self._dumps = _pickle_dumps if self.algo is HashAlgo.VLLM_SHA256 else _cbor_dumps()
+        else:
+            if seed is None:
+                seed, self.seed_name = DEFAULT_HASH_SEED, "kvpool-default"
+            elif isinstance(seed, bytes | bytearray) and seed:
+                self.seed_name = "custom"
+            else:
+                raise ConfigError(f"hash seed of {self.algo.value!r} must be non-empty bytes, got {seed!r}")
+            self.seed = bytes(seed)
         if self.algo is HashAlgo.XXH3_128:
             try:
                 import xxhash
@@ -170,10 +213,13 @@ class BlockHasher:
             self._xxh = xxhash.xxh3_128_digest
         # The verified index compares each hit block's content bytes.
         self.stores_contents = not self.algo.is_cryptographic
-        self.root = self.digest(b"root:" + self.seed)
+        if self._dumps is not None:
+            self.root = BlockHash(self._sha(self._dumps(self.seed)).digest())
+        else:
+            self.root = self.digest(b"root:" + cast(bytes, self.seed))
 
     @property
-    def signature(self) -> tuple[int, HashAlgo, bytes]:
+    def signature(self) -> tuple[int, HashAlgo, bytes | str]:
         """Two hashers with equal signatures produce identical hashes."""
         return (self.block_size, self.algo, self.seed)
 
@@ -252,6 +298,8 @@ class BlockHasher:
         :func:`salt_key`.
         """
         bs = self.block_size
+        if self._dumps is not None:
+            return self._chain_vllm(parent, token_bytes, first_block, lora_key, salt_key, mm_inputs), None
         if mm_inputs:
             count = len(token_bytes) // (4 * bs)
             extras = [
@@ -267,28 +315,90 @@ class BlockHasher:
             return head + rest, contents
         return self.chain(parent, token_bytes, suffix=lora_key)
 
+    def _chain_vllm(
+        self,
+        parent: BlockHash | None,
+        token_bytes: bytes,
+        first_block: int,
+        lora_key: bytes,
+        salt_key: bytes,
+        mm_inputs: Sequence[MultiModalInput],
+        lora_path: str | None = None,
+    ) -> list[BlockHash]:
+        """vLLM's chain: each block hashes ``dumps((parent, tokens, extra keys or None))``.
+
+        The keys arrive in kvpool's serialised form (:func:`lora_key`,
+        :func:`salt_key`); vLLM's key tuples are built from their text.
+        """
+        bs = self.block_size
+        tokens = array(_TOKEN_TYPECODE)
+        tokens.frombytes(token_bytes)
+        if _BIG_ENDIAN:  # pragma: no cover
+            tokens.byteswap()
+        lora: list[tuple[str, ...]] = []
+        if lora_key:
+            name = _key_text(lora_key)
+            # vLLM's request holds the name and the path as two objects; pickle must see two.
+            lora = [("lora", name, lora_path if lora_path is not None else _copy_text(name))]
+        salt = _key_text(salt_key) if salt_key else None
+        dumps, sha = cast(Callable[[Any], bytes], self._dumps), self._sha
+        chained: bytes = self.root if parent is None else parent
+        hashes: list[bytes] = []
+        for k in range(len(tokens) // bs):
+            start = (first_block + k) * bs
+            keys: list[tuple[object, ...]] = list(lora)
+            for item in mm_inputs:
+                if item.offset >= start + bs:
+                    break
+                if item.offset + item.length > start:
+                    keys.append(("mm", item.identifier, item.offset - start))
+            if start == 0 and salt is not None:
+                keys.append(("cache_salt", salt))
+            block = tuple(tokens[k * bs : (k + 1) * bs])
+            chained = sha(dumps((chained, block, tuple(keys) if keys else None))).digest()
+            hashes.append(chained)
+        return cast(list[BlockHash], hashes)  # every digest is a block hash
+
     def hash_token_ids(
         self,
         token_ids: Sequence[int],
         *,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        lora_path: str | None = None,
         mm_inputs: Sequence[MultiModalInput] = (),
     ) -> list[BlockHash]:
         """The block hashes of a token sequence, as a manager would compute them.
 
-        For routers and tools that need the hashes without a manager.
+        For routers and tools that need the hashes without a manager. With
+        vLLM's algorithms these are the bytes vLLM's request block hasher puts
+        on a request with the same inputs; vLLM hashes the LoRA adapter's
+        path beside its name, so pass ``lora_path`` as the vLLM replica loaded
+        it (kvpool's own requests, which know adapters by name only, use the
+        name as the path). kvpool's algorithms ignore ``lora_path``.
         """
         tokens = to_token_array(token_ids, "token_ids")
-        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name), ("lora_path", lora_path)):
             problem = None if value is None else key_text_problem(value)
             if problem is not None:
                 raise ConfigError(f"{name} must be {problem}")
+        if lora_path is not None and lora_name is None:
+            raise ConfigError(f"lora_path {lora_path!r} was given without a lora_name")
         if isinstance(mm_inputs, str | bytes) or not all(isinstance(m, MultiModalInput) for m in mm_inputs):
             raise ConfigError(f"mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
         items = tuple(sorted(mm_inputs, key=lambda m: m.offset))
         bs = self.block_size
         num_blocks = len(tokens) // bs
+        if self._dumps is not None:
+            return self._chain_vllm(
+                None,
+                token_bytes(tokens[: num_blocks * bs]),
+                0,
+                lora_key(lora_name),
+                salt_key(cache_salt),
+                items,
+                lora_path,
+            )
         return self.chain_blocks(
             None,
             token_bytes(tokens[: num_blocks * bs]),
@@ -297,6 +407,48 @@ class BlockHasher:
             salt_key=salt_key(cache_salt),
             mm_inputs=items,
         )[0]
+
+
+def _vllm_seed(seed: bytes | str | None) -> tuple[str, str]:
+    """vLLM's root seed and where it came from: ``PYTHONHASHSEED`` when set, else vLLM's fixed default."""
+    if seed is not None:
+        if not isinstance(seed, str) or not seed:
+            raise ConfigError(f"the seed of vLLM's hash algorithms must be a non-empty string, got {seed!r}")
+        return seed, "custom"
+    env = os.environ.get("PYTHONHASHSEED")
+    if env is not None:
+        return env, "PYTHONHASHSEED"
+    return VLLM_DEFAULT_SEED, "vllm-default"
+
+
+def _pickle_dumps(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _cbor_dumps() -> Callable[[Any], bytes]:
+    try:
+        import cbor2
+    except ImportError:
+        raise ConfigError(
+            "hash algorithm 'sha256_cbor' needs the cbor2 package, which comes with kvpool's 'events' extra: "
+            "pip install 'kvpool[events]'"
+        ) from None
+    dumps = cbor2.dumps
+
+    def cbor_dumps(value: Any) -> bytes:
+        return dumps(value, canonical=True)
+
+    return cbor_dumps
+
+
+def _key_text(key: bytes) -> str:
+    """The text of a serialised key (:func:`lora_key`, :func:`salt_key`): tag, length, UTF-8."""
+    return key[5:].decode("utf-8")
+
+
+def _copy_text(text: str) -> str:
+    """An equal string that is a distinct object (pickle writes a repeated object as a back-reference)."""
+    return text.encode("utf-8").decode("utf-8")
 
 
 def token_bytes(tokens: array[int]) -> bytes:

@@ -43,7 +43,7 @@ from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.coordinator import Coordinator, make_group_managers
 from kvpool.errors import CapacityError, ConfigError, RequestStateError
 from kvpool.events import KVCacheEvent
-from kvpool.hashing import DEFAULT_HASH_SEED, BlockHasher, HashAlgo
+from kvpool.hashing import BlockHasher, HashAlgo
 from kvpool.invariants import check_manager
 from kvpool.request import Request
 from kvpool.specs import KVCacheGroup
@@ -141,10 +141,13 @@ class KVCacheManager:
         num_blocks: blocks in the pool, including the reserved null block 0.
         block_size: tokens per block.
         enable_caching: prefix caching on (default) or off.
-        hash_algo: ``"sha256"`` (default; required when tenants do not trust
-            each other) or ``"xxh3_128"`` (the ``fast`` extra; every hit is
-            verified against the block's content).
-        hash_seed: bytes the hash chain's root derives from.
+        hash_algo: ``"kvpool_sha256"`` (default; a cryptographic hash is
+            required when tenants do not trust each other), ``"xxh3_128"``
+            (the ``fast`` extra; every hit is verified against the block's
+            content), or vLLM's ``"sha256"`` / ``"sha256_cbor"`` (hashes
+            identical to vLLM's, for fleets whose routers compute them).
+        hash_seed: what the chain's root derives from (see
+            :class:`kvpool.hashing.BlockHasher`); None: the algorithm's default.
         enable_events: record KV events for :meth:`take_events`.
         max_model_len: cap on the tokens one request may hold slots for.
         groups: the model's layer groups (``KVCacheGroup`` objects from
@@ -163,7 +166,7 @@ class KVCacheManager:
         *,
         enable_caching: bool = True,
         hash_algo: HashAlgo | str = HashAlgo.SHA256,
-        hash_seed: bytes = DEFAULT_HASH_SEED,
+        hash_seed: bytes | str | None = None,
         enable_events: bool = False,
         max_model_len: int | None = None,
         groups: Sequence[KVCacheGroup] | None = None,
