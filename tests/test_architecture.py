@@ -21,7 +21,6 @@ LAYERS = {
     "block": 3,
     "events": 3,
     "kv_events": 3.5,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
-    "kv_events": 3.5,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
     "model_config": 3,
     "tiers": 3,  # byte-level tier stores and the entry format (torch-free)
     "request": 4,
@@ -43,6 +42,7 @@ LAYERS = {
     "engine": 12,
     "sim": 12,
     "serve": 12.5,  # the OpenAI-compatible HTTP server over the engine
+    "router": 12.7,  # kvpool route: the prefix-aware front door over serve replicas (torch-free)
     "cli": 13,
     "__init__": 14,  # the package facade re-exports the core
 }

@@ -1,0 +1,321 @@
+"""The router's HTTP front door: OpenAI's endpoints, each request sent on to the replica that suits it.
+
+For a generation request the router
+
+1. finds the tenant from the API key (the replicas' key file; a missing or wrong key
+   is refused here with 401, as a replica would) and derives the request's cache salt
+   with :mod:`kvpool.tenancy`;
+2. tokenizes the prompt (:mod:`kvpool.router.prompts`) and hashes its full blocks as
+   the replicas do;
+3. asks the block index how many leading blocks each replica that is up holds, and
+   lets the ``prefix`` routing rule (:mod:`kvpool.routing`) weigh that against each
+   replica's load; ties go round the replicas in turn, so new prefixes spread out;
+4. forwards the request's bytes unchanged, with the client's ``Authorization``, and
+   streams the answer back as it comes. The replica that served writes the usage,
+   ``cached_tokens`` included.
+
+A connection error before any byte came back marks the replica down and retries the
+request on the next best replica. A replica believed down is never chosen while one
+is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool.errors import KVPoolError
+from kvpool.hashing import BlockHash
+from kvpool.router.index import BlockIndex
+from kvpool.router.monitor import ReplicaMonitor
+from kvpool.router.prompts import PromptTokenizer, block_hashes
+from kvpool.router.replicas import Replica
+from kvpool.routing import PrefixAware
+from kvpool.serve.protocol import APIError, Endpoint, GenerationRequest, error_body, parse_generation
+from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
+
+if TYPE_CHECKING:
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+__all__ = ["RouteOptions", "Router", "build_app"]
+
+log = logging.getLogger("kvpool.route")
+
+# Response headers that describe one hop, not the answer.
+_HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"})
+# Request headers passed on to the replica.
+_FORWARDED = ("authorization", "content-type", "accept")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteOptions:
+    """Everything ``kvpool route`` is told on its command line, checked.
+
+    ``load_cost``: cached blocks one request queued or running at a replica is worth
+    (the ``prefix`` rule's exchange rate). ``keys`` None: the replicas are
+    single-tenant. ``salts`` must be the replicas' own rule (the same secret file, or
+    shared when they run without tenant isolation), or no prefix will ever match.
+    """
+
+    replicas: tuple[str, ...]
+    tokenizer: PromptTokenizer | None
+    keys: KeyRing | None
+    salts: SaltPolicy
+    load_cost: float = 8.0
+    health_interval: float = 0.5
+    health_timeout: float = 2.0
+    connect_timeout: float = 2.0
+    max_body_bytes: int = 8 * 2**20
+
+
+class Router:
+    """Routing state: the replicas, the block index, the rule; one per ``kvpool route`` process."""
+
+    def __init__(self, options: RouteOptions, index: BlockIndex) -> None:
+        self.options = options
+        self.index = index
+        self.replicas = [Replica(url) for url in options.replicas]
+        self.rule = PrefixAware(options.load_cost)
+        self.monitor = ReplicaMonitor(self.replicas, index, options.health_interval, options.health_timeout)
+        self._turn = 0  # where ties start: advanced on every choice
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None, "the router's HTTP client is opened by the app's lifespan"
+        return self._client
+
+    async def start(self) -> None:
+        import httpx
+
+        timeout = httpx.Timeout(self.options.health_timeout, connect=self.options.connect_timeout, read=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        await self.monitor.start(self._client)
+        if self.options.tokenizer is not None:
+            # Seconds (transformers loads); until then requests are routed by load alone.
+            asyncio.get_running_loop().run_in_executor(None, self.options.tokenizer.load)
+
+    async def stop(self) -> None:
+        await self.monitor.stop()
+        if self._client is not None:
+            await self._client.aclose()
+
+    # -- choosing -------------------------------------------------------------------------
+
+    def tenant(self, authorization: str | None) -> str:
+        """The tenant an ``Authorization`` header names; raises 401 for a missing or unknown key."""
+        if self.options.keys is None:
+            return DEFAULT_TENANT
+        key = bearer_token(authorization)
+        if key is None:
+            raise APIError(
+                401,
+                "missing API key: send it as 'Authorization: Bearer KEY'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        tenant = self.options.keys.name_for(key)
+        if tenant is None:
+            raise APIError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
+        return tenant
+
+    def prompt_hashes(
+        self, request: GenerationRequest, tenant: str
+    ) -> dict[tuple[int, str, str | None], list[BlockHash]]:
+        """The request's block hashes under each hashing the replicas use (usually one); empty until tokenized."""
+        tokenizer = self.options.tokenizer
+        if tokenizer is None or not tokenizer.loaded:
+            return {}
+        if request.messages is not None:
+            tokens = tokenizer.chat_tokens(request.messages)
+        elif isinstance(request.prompt, str):
+            tokens = tokenizer.text_tokens(request.prompt)
+        else:
+            tokens = list(request.prompt or ())
+        salt = self.options.salts.cache_salt(tenant, request.cache_salt)
+        return {hashing: block_hashes(hasher, tokens, salt) for hashing, hasher in self.monitor.hashers().items()}
+
+    def rank(self, hashes: dict[tuple[int, str, str | None], list[BlockHash]]) -> list[tuple[Replica, int]]:
+        """Replicas in the order to try them, each with the blocks of the prompt it holds.
+
+        Replicas that are up come first, best first by the ``prefix`` rule; those believed
+        down follow (tried only when every replica that is up has failed).
+        """
+        up = [r for r in self.replicas if r.up]
+        down = [r for r in self.replicas if not r.up]
+        ranked: list[tuple[Replica, int]] = []
+        if up:
+            start = self._turn % len(up)
+            self._turn += 1
+            candidates = up[start:] + up[:start]
+            cached = self._cached_blocks(candidates, hashes)
+            while candidates:
+                i = self.rule.choose(cached, [r.load for r in candidates])
+                ranked.append((candidates.pop(i), cached.pop(i)))
+        return ranked + [(r, 0) for r in down]
+
+    def _cached_blocks(
+        self, candidates: Sequence[Replica], hashes: dict[tuple[int, str, str | None], list[BlockHash]]
+    ) -> list[int]:
+        cached = [0] * len(candidates)
+        for hashing, prompt in hashes.items():
+            group = [i for i, r in enumerate(candidates) if r.events is not None and r.events.hashing == hashing]
+            if group and prompt:
+                found = self.index.match(prompt, [candidates[i].url for i in group])
+                for i, n in zip(group, found):
+                    cached[i] = n
+        return cached
+
+    # -- forwarding -----------------------------------------------------------------------
+
+    async def forward(
+        self, request: Request, body: bytes, hashes: dict[Any, list[BlockHash]], stream: bool
+    ) -> Response:
+        """Send ``body`` to the best replica; on a connection error before any answer, to the next."""
+        import httpx
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+
+        headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
+        path = request.url.path
+        errors: list[str] = []
+        for replica, cached in self.rank(hashes):
+            upstream = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
+            replica.in_flight += 1
+            try:
+                response = await self.client.send(upstream, stream=True)
+                if not stream:
+                    await response.aread()
+            except httpx.TransportError as exc:
+                replica.in_flight -= 1
+                errors.append(f"{replica.url}: {type(exc).__name__}")
+                self.monitor.mark_down(replica, f"forward failed: {exc!r}")
+                continue
+            except BaseException:
+                replica.in_flight -= 1
+                raise
+            replica.routed += 1
+            log.debug("%s -> %s (%d cached blocks)", path, replica.url, cached)
+            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+            out_headers["x-kvpool-replica"] = replica.url
+            if not stream:
+                replica.in_flight -= 1
+                return Response(response.content, status_code=response.status_code, headers=out_headers)
+            return StreamingResponse(
+                self._relay(replica, response), status_code=response.status_code, headers=out_headers
+            )
+        message = "no replica could take the request: " + ("; ".join(errors) or "none is configured")
+        return JSONResponse(error_body(message, type="service_unavailable", code="no_replica"), status_code=503)
+
+    async def _relay(self, replica: Replica, response: httpx.Response) -> AsyncIterator[bytes]:
+        """The replica's bytes as they arrive; closing early (a client gone) closes the upstream request too."""
+        import httpx
+
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except httpx.TransportError as exc:
+            # Bytes already went to the client: the request cannot move. End the stream; the
+            # client sees it cut short, and the replica is checked.
+            self.monitor.mark_down(replica, f"stream broke: {exc!r}")
+        finally:
+            replica.in_flight -= 1
+            await response.aclose()
+
+    async def forward_get(self, path: str, authorization: str | None) -> Response:
+        """A GET (``/v1/models``) answered by the first replica that is up."""
+        import httpx
+        from starlette.responses import JSONResponse, Response
+
+        headers = {"authorization": authorization} if authorization else {}
+        for replica in [r for r in self.replicas if r.up] + [r for r in self.replicas if not r.up]:
+            try:
+                response = await self.client.get(replica.url + path, headers=headers)
+            except httpx.TransportError as exc:
+                self.monitor.mark_down(replica, f"GET {path} failed: {exc!r}")
+                continue
+            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
+            return Response(response.content, status_code=response.status_code, headers=out_headers)
+        return JSONResponse(error_body("no replica answers", type="service_unavailable"), status_code=503)
+
+
+def build_app(router: Router) -> Starlette:
+    """The Starlette application serving ``router``."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    def refuse(error: APIError) -> Response:
+        return JSONResponse(error.body, status_code=error.status, headers=error.headers)
+
+    async def generate(request: Request, endpoint: Endpoint) -> Response:
+        try:
+            declared = int(request.headers.get("content-length") or 0)
+            if declared > router.options.max_body_bytes:
+                raise APIError(
+                    413, f"the request body is {declared} bytes; the limit is {router.options.max_body_bytes}"
+                )
+            body = await request.body()
+            if len(body) > router.options.max_body_bytes:
+                raise APIError(413, f"the request body is over {router.options.max_body_bytes} bytes")
+            tenant = router.tenant(request.headers.get("authorization"))
+            try:
+                payload = json.loads(body)
+            except ValueError as exc:
+                raise APIError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
+            parsed = parse_generation(endpoint, payload)
+            try:
+                hashes = router.prompt_hashes(parsed, tenant)
+            except KVPoolError as exc:
+                log.debug("routing by load: the prompt could not be hashed: %s", exc)
+                hashes = {}
+        except APIError as error:
+            return refuse(error)
+        return await router.forward(request, body, hashes, parsed.stream)
+
+    async def chat(request: Request) -> Response:
+        return await generate(request, Endpoint.CHAT)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, Endpoint.COMPLETIONS)
+
+    async def models(request: Request) -> Response:
+        try:
+            router.tenant(request.headers.get("authorization"))
+        except APIError as error:
+            return refuse(error)
+        return await router.forward_get("/v1/models", request.headers.get("authorization"))
+
+    async def health(request: Request) -> Response:
+        up = sum(r.up for r in router.replicas)
+        body: dict[str, Any] = {"status": "ok" if up else "no replica up"}
+        body["replicas"] = [r.describe() for r in router.replicas]
+        if request.query_params.get("verbose"):
+            body["index_blocks"] = {r.url: router.index.num_blocks(r.url) for r in router.replicas}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )

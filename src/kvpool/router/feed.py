@@ -1,0 +1,129 @@
+"""One replica's KV events, from its ZeroMQ stream into the block index.
+
+The stream and its repair are :mod:`kvpool.kv_events`' :class:`KVEventSubscriber`
+(vLLM's wire format; a skipped sequence number is fetched again from the replica's
+replay socket). A feed adds what a router needs on top:
+
+* it starts with everything the replica still buffers (``replay(0)``): the replica
+  may have served for hours before this router started, and its cache with it;
+* events are applied to the index on the router's event loop, the only place the
+  index is touched; the subscriber's blocking socket work runs on a thread of its own;
+* what cannot be repaired clears the replica's entries: batches gone from the replay
+  buffer (:class:`LostBatches`) or a sequence that starts over
+  (:class:`PublisherRestarted`, which also follows the catch-up when live batches
+  published during it arrive after it). Cleared entries err towards misses, never
+  towards claims, and the batches that follow rebuild them.
+
+A replica that goes away altogether is the health monitor's business: it marks the
+replica down (its entries cleared, its feed stopped) and starts a new feed when the
+replica answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvpool.router.index import BlockIndex
+from kvpool.router.replicas import EventsInfo
+
+if TYPE_CHECKING:
+    from kvpool.kv_events import Received
+
+__all__ = ["EventFeed", "apply_events"]
+
+log = logging.getLogger("kvpool.route")
+
+#: Seconds a feed's thread waits for a message before it checks whether it should stop.
+POLL_S = 0.2
+
+
+def apply_events(index: BlockIndex, replica: str, events: Sequence[KVCacheEvent]) -> None:
+    """Apply one batch of a replica's events to its entries in ``index``, in order."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            index.store(replica, event.block_hashes, event.medium)
+        elif isinstance(event, BlockRemoved):
+            index.remove(replica, event.block_hashes, event.medium)
+        elif isinstance(event, AllBlocksCleared):
+            index.clear(replica)
+
+
+class EventFeed:
+    """Follows one replica's events until :meth:`stop`; its figures say how the stream went."""
+
+    def __init__(self, replica: str, info: EventsInfo, index: BlockIndex) -> None:
+        self.replica = replica
+        self.info = info
+        self.index = index
+        self.batches = 0  # batches applied
+        self.resets = 0  # times the replica's entries were cleared for a stream fault
+        self.on_applied: Callable[[], None] | None = None  # tests wait on it
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Subscribe on a thread of its own; what arrives is applied on ``loop``."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._follow, name=f"kv-events {self.replica}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop applying at once; the thread closes its sockets within :data:`POLL_S`."""
+        self._stopping.set()
+
+    def _follow(self) -> None:
+        from kvpool.kv_events import EventStreamError, KVEventSubscriber, SequencedBatch
+
+        try:
+            subscriber = KVEventSubscriber(self.info.endpoint, replay_endpoint=self.info.replay_endpoint)
+        except ValueError as exc:
+            log.warning("%s: cannot follow its KV events: %s", self.replica, exc)
+            return
+        try:
+            try:
+                buffered: Sequence[Received] = subscriber.replay(0)
+            except EventStreamError as exc:
+                log.warning("%s: no catch-up from the replay buffer: %s", self.replica, exc)
+                buffered = []
+            if buffered:
+                last = buffered[-1]
+                assert isinstance(last, SequencedBatch)
+                subscriber.last_seq = last.seq
+                self._hand_over(buffered)
+            while not self._stopping.is_set():
+                try:
+                    received = subscriber.receive(POLL_S)
+                except EventStreamError as exc:
+                    log.warning("%s: %s", self.replica, exc)
+                    continue
+                if received:
+                    self._hand_over(received)
+        finally:
+            subscriber.close()
+
+    def _hand_over(self, received: Sequence[Received]) -> None:
+        if self._loop is not None and not self._stopping.is_set():
+            self._loop.call_soon_threadsafe(self._apply, received)
+
+    def _apply(self, received: Sequence[Received]) -> None:
+        """On the event loop: apply batches; clear the replica's entries where the stream broke."""
+        from kvpool.kv_events import LostBatches, PublisherRestarted
+
+        if self._stopping.is_set():
+            return  # the replica went down after these were read: its entries stay cleared
+        for item in received:
+            if isinstance(item, LostBatches | PublisherRestarted):
+                self.resets += 1
+                log.info("%s: KV event stream broke (%s): its index entries are rebuilt", self.replica, item)
+                self.index.clear(self.replica)
+            else:
+                apply_events(self.index, self.replica, item.batch.events)
+                self.batches += 1
+        if self.on_applied is not None:
+            self.on_applied()

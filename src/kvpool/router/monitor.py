@@ -1,0 +1,152 @@
+"""Which replicas are up: health checks, and the event feed of each replica that is.
+
+Every ``interval`` seconds the monitor asks each replica's ``GET /health``. (The load
+figure is the router's own count of requests in flight at each replica, exact for
+one router: a replica's ``/health?verbose=1`` reports its queue too, but it runs
+the pool's invariant checker on the engine thread, too costly to poll.) A replica that does not
+answer within ``timeout``, answers with an error, or refuses a forwarded request's
+connection is marked down at once: its index entries are dropped and its event feed
+stopped, so the router neither sends it requests nor believes it holds blocks. When
+it answers again the monitor reads its ``GET /kv-events`` (where it publishes, how it
+hashes) and starts a new feed, which rebuilds its entries from the replay buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvpool.errors import KVPoolError
+from kvpool.hashing import BlockHasher
+from kvpool.router.feed import EventFeed
+from kvpool.router.index import BlockIndex
+from kvpool.router.replicas import EventsInfo, Replica
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["ReplicaMonitor"]
+
+log = logging.getLogger("kvpool.route")
+
+
+class ReplicaMonitor:
+    """Health checks and event feeds for a fixed set of replicas."""
+
+    def __init__(self, replicas: Sequence[Replica], index: BlockIndex, interval: float, timeout: float) -> None:
+        self.replicas = list(replicas)
+        self.index = index
+        self.interval = interval
+        self.timeout = timeout
+        self.feeds: dict[str, EventFeed] = {}
+        self._checks: list[asyncio.Task[None]] = []
+        self._hashers: dict[tuple[int, str, str | None], BlockHasher | None] = {}
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+        for replica in self.replicas:
+            self.index.clear(replica.url)  # whatever a shared index held for it is older than this router
+        await asyncio.gather(*(self.check(r) for r in self.replicas))
+        self._checks = [asyncio.create_task(self._watch(r)) for r in self.replicas]
+
+    async def stop(self) -> None:
+        for task in self._checks:
+            task.cancel()
+        for task in self._checks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._checks.clear()
+        for feed in self.feeds.values():
+            feed.stop()
+        self.feeds.clear()
+
+    def hashers(self) -> dict[tuple[int, str, str | None], BlockHasher]:
+        """One block hasher per distinct hashing among the replicas that are up and publish events."""
+        found = {}
+        for replica in self.replicas:
+            if replica.up and replica.events is not None:
+                key = replica.events.hashing
+                if key not in self._hashers:
+                    self._hashers[key] = _hasher(replica.events, replica.url)
+                hasher = self._hashers[key]
+                if hasher is not None:
+                    found[key] = hasher
+        return found
+
+    async def _watch(self, replica: Replica) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.check(replica)
+
+    async def check(self, replica: Replica) -> None:
+        """One health check; brings the replica up (events and all) or marks it down."""
+        import httpx
+
+        assert self._client is not None
+        try:
+            response = await self._client.get(replica.url + "/health", timeout=self.timeout)
+        except httpx.TransportError as exc:
+            self.mark_down(replica, f"/health: {type(exc).__name__}")
+            return
+        if response.status_code != 200:
+            self.mark_down(replica, f"/health answered {response.status_code}")
+            return
+        if not replica.up:
+            await self._bring_up(replica)
+
+    async def _bring_up(self, replica: Replica) -> None:
+        import httpx
+
+        assert self._client is not None
+        replica.events = None
+        try:
+            response = await self._client.get(replica.url + "/kv-events", timeout=self.timeout)
+            if response.status_code == 200:
+                replica.events = EventsInfo.from_json(response.json(), replica.url)
+            else:
+                replica.last_error = f"/kv-events answered {response.status_code}: routing to it by load only"
+        except (httpx.TransportError, ValueError) as exc:  # ConfigError is a ValueError
+            replica.last_error = f"/kv-events: {exc}; routing to it by load only"
+        if replica.last_error and replica.events is None:
+            log.warning("%s: %s", replica.url, replica.last_error)
+        replica.up = True
+        log.info("%s is up%s", replica.url, "" if replica.events is None else f", events at {replica.events.endpoint}")
+        if replica.events is not None:
+            feed = EventFeed(replica.url, replica.events, self.index)
+            self.feeds[replica.url] = feed
+            feed.start(asyncio.get_running_loop())
+
+    def mark_down(self, replica: Replica, why: str) -> None:
+        """Out of rotation at once: its entries dropped, its feed stopped (a health check brings it back)."""
+        replica.last_error = why
+        if not replica.up:
+            return
+        replica.up = False
+        replica.failures += 1
+        log.warning("%s is down (%s): its index entries are dropped", replica.url, why)
+        feed = self.feeds.pop(replica.url, None)
+        if feed is not None:
+            feed.stop()
+        self.index.clear(replica.url)
+
+
+def _hasher(info: EventsInfo, url: str) -> BlockHasher | None:
+    """The hasher a replica advertises; None (route it by load) when this kvpool cannot compute its hashes."""
+    try:
+        hasher = BlockHasher(info.block_size, info.hash_algorithm)
+    except KVPoolError as exc:
+        log.warning("%s hashes blocks with %r, which the router cannot reproduce: %s", url, info.hash_algorithm, exc)
+        return None
+    if info.hash_seed is not None and hasher.seed_name != info.hash_seed:
+        log.warning(
+            "%s seeds its block hashes from %r, the router from %r (PYTHONHASHSEED must match): routing it by load",
+            url,
+            info.hash_seed,
+            hasher.seed_name,
+        )
+        return None
+    return hasher

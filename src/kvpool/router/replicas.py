@@ -1,0 +1,120 @@
+"""What the router knows about each replica: whether it is up, how loaded, how it hashes blocks.
+
+A replica is named by its base URL (``http://127.0.0.1:8001``); that name is its key in
+the block index. Its state changes only on the router's event loop, so nothing here
+locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvpool.errors import ConfigError
+
+__all__ = ["EventsInfo", "Replica", "check_replica_url", "connectable_endpoint"]
+
+
+def check_replica_url(url: str) -> str:
+    """``url`` as a replica's name: an ``http(s)://host:port`` base, without a trailing slash."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"a replica is an http:// or https:// URL with a host, got {url!r}")
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise ConfigError(f"a replica URL is a bare base such as http://127.0.0.1:8001, got {url!r}")
+    try:
+        _ = parts.port  # raises on a port that is not a number or out of range
+    except ValueError:
+        raise ConfigError(f"the port of replica {url!r} is not a port number") from None
+    return url.rstrip("/")
+
+
+def connectable_endpoint(endpoint: str, replica_url: str) -> str:
+    """A ZeroMQ endpoint a replica advertises, as this router can connect to it.
+
+    A replica binds ``tcp://*:5557`` (every interface); the router connects to the same
+    port on the host it reaches the replica's HTTP server at.
+    """
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        raise ConfigError(f"replica {replica_url} advertises events at {endpoint!r}, which is not a ZeroMQ endpoint")
+    if scheme != "tcp":
+        return endpoint  # ipc:// and inproc:// name the same place from anywhere on the machine
+    host, _, port = rest.rpartition(":")
+    if host in ("*", "0.0.0.0", "[::]", "::", ""):
+        host = urlsplit(replica_url).hostname or "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventsInfo:
+    """Where a replica publishes its KV events and how it hashes blocks (its ``GET /kv-events``)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    hash_algorithm: str
+    hash_seed: str | None
+    block_size: int
+
+    @classmethod
+    def from_json(cls, body: object, replica_url: str) -> EventsInfo:
+        """Read a ``GET /kv-events`` body; raises :class:`ConfigError` naming what is missing."""
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"replica {replica_url}: GET /kv-events is not a JSON object: {body!r}")
+        endpoint = body.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint:
+            raise ConfigError(f"replica {replica_url} publishes no KV events (start it with --kv-events-endpoint)")
+        replay = body.get("replay_endpoint")
+        algo = body.get("hash_algorithm")
+        seed = body.get("hash_seed")
+        block_size = body.get("block_size")
+        if not isinstance(algo, str) or not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"replica {replica_url}: GET /kv-events lacks hash_algorithm or block_size: {body!r}")
+        return cls(
+            endpoint=connectable_endpoint(endpoint, replica_url),
+            replay_endpoint=connectable_endpoint(replay, replica_url) if isinstance(replay, str) and replay else None,
+            hash_algorithm=algo,
+            hash_seed=seed if isinstance(seed, str) else None,
+            block_size=block_size,
+        )
+
+    @property
+    def hashing(self) -> tuple[int, str, str | None]:
+        """Replicas with equal ``hashing`` give the same block the same hash."""
+        return (self.block_size, self.hash_algorithm, self.hash_seed)
+
+
+@dataclass(slots=True)
+class Replica:
+    """One replica behind the router.
+
+    ``load`` is what the routing rule weighs: the requests this router has in flight
+    there (sent, and not yet answered to the end).
+    """
+
+    url: str
+    up: bool = False
+    events: EventsInfo | None = None
+    in_flight: int = 0
+    routed: int = 0
+    failures: int = 0
+    last_error: str | None = field(default=None, repr=False)
+
+    @property
+    def load(self) -> int:
+        return self.in_flight
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "up": self.up,
+            "load": self.load,
+            "in_flight": self.in_flight,
+            "routed": self.routed,
+            "events": None if self.events is None else self.events.endpoint,
+            "last_error": self.last_error,
+        }

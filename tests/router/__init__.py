@@ -1,0 +1,1 @@
+"""Tests of ``kvpool route``: the block index, event feeds, the front door, and live replicas."""
