@@ -175,6 +175,7 @@ def test_a_file_another_process_removed_is_a_miss(tmp_path, codec):
     assert mine.stats.corrupt == 0 and mine.contains_prefix([block_key(0)]) == 0
 
 
+@pytest.mark.slow
 def test_concurrent_writers_never_corrupt_each_other(tmp_path, codec):
     """Two processes and two threads write the same keys into one directory; every read is whole and right."""
     capacity = 24 * ENTRY  # small enough that the writers evict each other's files all the time

@@ -175,9 +175,7 @@ class RedisStore:
     def _connect(self) -> Any:
         retry = self._redis.retry.Retry(self._redis.backoff.NoBackoff(), 0)  # our backoff decides when to retry
         if self.cluster:
-            return self._redis.cluster.RedisCluster.from_url(
-                self._url, retry=retry, cluster_error_retry_attempts=1, **_TIMEOUTS
-            )
+            return self._redis.cluster.RedisCluster.from_url(self._url, retry=retry, **_TIMEOUTS)
         return self._redis.Redis.from_url(self._url, retry=retry, **_TIMEOUTS)
 
     def _failed(self, what: str, exc: BaseException) -> None:

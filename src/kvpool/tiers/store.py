@@ -17,8 +17,8 @@ Specs::
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import Protocol
 
 from kvpool.errors import ConfigError
