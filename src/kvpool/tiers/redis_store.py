@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 from kvpool.errors import ConfigError
 from kvpool.tiers.counters import StoreCounters, TierStats
@@ -65,14 +65,15 @@ class RedisStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         redis = _import_redis()
-        scheme, netloc, path, query, fragment = urlsplit(url)
-        if scheme not in REDIS_SCHEMES or not (netloc or path):
+        scheme, _, rest = url.partition("://")
+        location, _, query = rest.partition("?")
+        if scheme not in REDIS_SCHEMES or not location.strip("/"):
             raise ConfigError(f"redis tier URL {url!r} must be redis://, rediss://, unix:// or redis+cluster://")
         self.cluster = scheme.endswith("+cluster")
         options = dict(parse_qsl(query, keep_blank_values=True))
         self.ttl_s = _ttl(options.pop("ttl", None), url)
-        self._url = urlunsplit((scheme.removesuffix("+cluster"), netloc, path, urlencode(options), fragment))
-        self.display_url = urlunsplit((scheme, netloc.rpartition("@")[2], path, "", ""))  # no password in logs
+        self._url = f"{scheme.removesuffix('+cluster')}://{location}" + (f"?{urlencode(options)}" if options else "")
+        self.display_url = f"{scheme}://{location.rpartition('@')[2]}"  # no password in logs
         try:
             redis.connection.parse_url(self._url)
         except (ValueError, TypeError) as exc:

@@ -1,0 +1,84 @@
+"""The BlockStore contract, run against every store, and the specs open_store takes."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+
+from kvpool.errors import ConfigError, KVPoolError
+from kvpool.planner import parse_size as planner_parse_size
+from kvpool.tiers import BlockStore, DiskStore, EntryCodec, RedisStore, open_store, parse_size
+from tests.tiers.conftest import LAYOUT, block_key
+
+
+@pytest.fixture(params=["disk", "redis"])
+def store(request, tmp_path) -> BlockStore:
+    codec = EntryCodec(dataclasses.replace(LAYOUT, hash_seed=uuid.uuid4().hex), b"secret")
+    if request.param == "disk":
+        return open_store(f"disk:{tmp_path / 'kv'}:1MiB", codec)
+    return open_store(request.getfixturevalue("redis_url"), codec)
+
+
+def test_contract(store):
+    keys = [block_key(i) for i in range(5)]
+    assert store.contains_prefix([]) == 0 and store.get_many([]) == [] and store.put_many([]) == 0
+    assert store.get_many(keys[:2]) == [None, None]
+    assert store.put_many([(k, bytes([i]) * 1000) for i, k in enumerate(keys[:3])]) == 3
+    assert store.put_many([(keys[3], memoryview(b"view"))]) == 1
+    assert store.contains_prefix(keys) == 4
+    assert store.contains_prefix(keys[4:] + keys[:4]) == 0
+    assert store.get_many(keys) == [b"\0" * 1000, b"\1" * 1000, b"\2" * 1000, b"view", None]
+    snapshot = store.stats
+    assert (snapshot.hits, snapshot.misses, snapshot.corrupt, snapshot.errors) == (4, 3, 0, 0)
+    store.get_many(keys[:1])
+    assert snapshot.hits == 4 and store.stats.hits == 5  # stats is a snapshot
+    assert store.name in {"disk", "redis"}
+    store.close()
+
+
+def test_open_store_kinds(tmp_path, codec):
+    disk = open_store(f"disk:{tmp_path}/with:colon:500MB", codec)
+    assert isinstance(disk, DiskStore) and disk.capacity_bytes == 500 * 10**6
+    assert disk.root.parent == tmp_path / "with:colon"
+    for url in ["redis://h:1/0", "rediss://h:1/0", "unix:///tmp/r.sock", "redis+cluster://h:1", "rediss+cluster://h:1"]:
+        assert isinstance(open_store(url, codec), RedisStore)
+    assert open_store("redis://h:1/0?ttl=30", codec).ttl_s == 30  # type: ignore[attr-defined]  # a RedisStore
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "cpu:4GiB",
+        "disk:/tmp/kv",
+        "disk::1GiB",
+        "disk:/tmp/kv:lots",
+        "disk:/tmp/kv:0",
+        "disk:/tmp/kv:-5GiB",
+        "disk:/tmp/kv:4G",
+        "http://127.0.0.1:6379",
+        "redis:/127.0.0.1",
+        "",
+    ],
+)
+def test_bad_specs_name_the_value(spec, codec):
+    with pytest.raises(ConfigError) as info:
+        open_store(spec, codec)
+    assert repr(spec) in str(info.value)
+
+
+def test_a_spec_that_is_not_a_string(codec):
+    with pytest.raises(KVPoolError, match="42"):
+        open_store(42, codec)  # type: ignore[arg-type]  # the wrong type on purpose
+
+
+@pytest.mark.parametrize("text", ["1", "4096", "50GiB", "500MB", "74.5GiB", ".5MiB", "2 TiB", "1_000kB", "7b", "3KiB"])
+def test_sizes_agree_with_the_planner(text):
+    assert parse_size(text) == planner_parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "5 G", "1.2.3GB", "-1", "0", "0.1B", "5 parsecs"])
+def test_bad_sizes(text):
+    with pytest.raises(ConfigError, match="size"):
+        parse_size(text, field="size")
