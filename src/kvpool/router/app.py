@@ -33,7 +33,7 @@ from kvpool.errors import KVPoolError
 from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
 from kvpool.router.monitor import ReplicaMonitor
-from kvpool.router.prompts import PromptTokenizer, block_hashes
+from kvpool.router.prompts import Tokenizer, block_hashes
 from kvpool.router.replicas import Replica
 from kvpool.routing import PrefixAware
 from kvpool.serve.protocol import APIError, Endpoint, GenerationRequest, error_body, parse_generation
@@ -66,7 +66,7 @@ class RouteOptions:
     """
 
     replicas: tuple[str, ...]
-    tokenizer: PromptTokenizer | None
+    tokenizer: Tokenizer | None
     keys: KeyRing | None
     salts: SaltPolicy
     load_cost: float = 8.0

@@ -18,12 +18,25 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash, BlockHasher
 
-__all__ = ["PromptTokenizer", "block_hashes"]
+__all__ = ["PromptTokenizer", "Tokenizer", "block_hashes"]
+
+
+class Tokenizer(Protocol):
+    """What the router asks of a tokenizer: prompts as the replicas' engine tokenizes them."""
+
+    @property
+    def loaded(self) -> bool: ...
+
+    def load(self) -> None: ...
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def text_tokens(self, prompt: str) -> list[int]: ...
 
 
 class PromptTokenizer:

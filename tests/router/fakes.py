@@ -1,0 +1,200 @@
+"""Small stand-ins for ``kvpool serve`` replicas: the same routes, KV events from the real publisher.
+
+A :class:`FakeReplica` tokenizes a chat byte by byte (:class:`ByteTokenizer`, which the
+router under test is given too), keeps a set of cached block hashes as a prefix cache
+would, publishes each newly cached block with :class:`kvpool.kv_events.KVEventPublisher`,
+and answers with ``usage.prompt_tokens_details.cached_tokens`` and its own name. It runs
+on a uvicorn server in a thread, and can be killed (the port refuses connections) and
+started again on the same ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvpool.events import BlockStored
+from kvpool.hashing import BlockHasher
+from kvpool.kv_events import KVEventPublisher, describe_events
+from kvpool.tenancy import DEFAULT_TENANT, SaltPolicy
+from tests.services import free_port
+
+BLOCK_SIZE = 16
+
+
+class ByteTokenizer:
+    """A chat as the UTF-8 bytes of its messages: deterministic, instant, and shared by replica and router."""
+
+    loaded = True
+
+    def load(self) -> None:
+        pass
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return list("".join(f"<{m['role']}>{m['content']}" for m in messages).encode())
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        return list(prompt.encode())
+
+
+class FakeReplica:
+    """One replica: HTTP on ``port``, KV events on ``events_port`` with replay on ``replay_port``."""
+
+    def __init__(self, name: str, salts: SaltPolicy, *, delay: float = 0.0) -> None:
+        self.name = name
+        self.salts = salts
+        self.delay = delay
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.hasher = BlockHasher(BLOCK_SIZE)
+        self.tokenizer = ByteTokenizer()
+        self.cached: set[bytes] = set()
+        self.served = 0
+        self.publisher: KVEventPublisher | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeReplica:
+        self.cached.clear()  # a new process: an empty cache, sequence numbers from 0
+        self.publisher = KVEventPublisher(f"tcp://*:{self.events_port}", replay_endpoint=f"tcp://*:{self.replay_port}")
+        config = uvicorn.Config(
+            self._app(), host="127.0.0.1", port=self.port, log_level="warning", access_log=False, lifespan="off"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, f"{self.name} did not start"
+            time.sleep(0.02)
+        return self
+
+    def kill(self) -> None:
+        """Stop answering at once: open connections dropped, the port refused, the event sockets closed."""
+        assert self._server is not None and self._thread is not None and self.publisher is not None
+        self._server.should_exit = True
+        self._server.force_exit = True
+        self._thread.join(10)
+        self.publisher.close()
+
+    def _answer(self, body: dict[str, Any], tenant: str) -> tuple[int, int]:
+        """Serve the prompt: count its cached blocks, cache the rest and publish them."""
+        if "messages" in body:
+            tokens = self.tokenizer.chat_tokens(body["messages"])
+        else:
+            tokens = self.tokenizer.text_tokens(body["prompt"])
+        hashes = self.hasher.hash_token_ids(tokens, cache_salt=self.salts.cache_salt(tenant, body.get("cache_salt")))
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.cached:
+            hit += 1
+        new = hashes[hit:]
+        if new:
+            self.cached.update(new)
+            assert self.publisher is not None
+            self.publisher.publish(
+                [
+                    BlockStored(
+                        block_hashes=tuple(new),
+                        parent_block_hash=hashes[hit - 1] if hit else None,
+                        token_ids=tuple(tokens[hit * BLOCK_SIZE : len(hashes) * BLOCK_SIZE]),
+                        block_size=BLOCK_SIZE,
+                        lora_name=None,
+                        extra_keys=(None,) * len(new),
+                    )
+                ]
+            )
+        self.served += 1
+        return len(tokens), hit * BLOCK_SIZE
+
+    def _app(self) -> Starlette:
+        async def generate(request: Request) -> Response:
+            body = json.loads(await request.body())
+            prompt_tokens, cached = self._answer(body, DEFAULT_TENANT)
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": 1,
+                "total_tokens": prompt_tokens + 1,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }
+            if not body.get("stream"):
+                return JSONResponse({"object": "chat.completion", "replica": self.name, "usage": usage})
+
+            async def events() -> AsyncIterator[bytes]:
+                for part in (self.name, " says", " hi"):
+                    yield f"data: {json.dumps({'choices': [{'delta': {'content': part}}]})}\n\n".encode()
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def health(request: Request) -> Response:
+            return JSONResponse({"status": "ok"})
+
+        async def kv_events(request: Request) -> Response:
+            assert self.publisher is not None
+            return JSONResponse(
+                describe_events(
+                    self.hasher, endpoint=self.publisher.endpoint, replay_endpoint=self.publisher.replay_endpoint
+                )
+            )
+
+        async def models(request: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": self.name}]})
+
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", generate, methods=["POST"]),
+                Route("/v1/completions", generate, methods=["POST"]),
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/health", health, methods=["GET"]),
+                Route("/kv-events", kv_events, methods=["GET"]),
+            ]
+        )
+
+
+def wait_for(condition: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class RouterThread:
+    """A :class:`kvpool.router.Router` served by uvicorn on a thread, and an HTTP client for it."""
+
+    def __init__(self, router: Any) -> None:
+        from kvpool.router import build_app
+
+        self.router = router
+        self.port = free_port()
+        config = uvicorn.Config(build_app(router), host="127.0.0.1", port=self.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        wait_for(lambda: self._server.started, "the router to start")
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+
+    def chat(self, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
+        return self.client.post("/v1/chat/completions", json={"model": "fake", "messages": messages, **extra})
+
+    def stop(self) -> None:
+        self.client.close()
+        self._server.should_exit = True
+        self._thread.join(10)
