@@ -108,7 +108,7 @@ def make_workload(
 class KVPoolAdapter:
     name = "kvpool"
 
-    def __init__(self, num_blocks: int, hash_algo: str = "sha256") -> None:
+    def __init__(self, num_blocks: int, hash_algo: str = "kvpool_sha256") -> None:
         self.mgr = KVCacheManager(num_blocks, BLOCK_SIZE, hash_algo=hash_algo)
 
     def make_request(self, request_id: str, tokens, cache_salt: str | None = None) -> tuple[Request, int]:
@@ -503,7 +503,9 @@ def load_long_prompts(trace: Path, num_requests: int) -> list:
     return [req.prompt_token_ids() for req in islice(iter_trace(trace), num_requests)]
 
 
-def replay_long_prompts(prompts, hash_algo: str = "sha256", cache_tokens: int = LONG_PROMPT_CACHE_TOKENS) -> dict:
+def replay_long_prompts(
+    prompts, hash_algo: str = "kvpool_sha256", cache_tokens: int = LONG_PROMPT_CACHE_TOKENS
+) -> dict:
     """One request at a time: hash, lookup, allocate (evicting), computed, free.
 
     Returns nanoseconds per phase (summed), prefix-hit tokens and prompt tokens.
@@ -568,7 +570,7 @@ def run_long_prompts(args) -> None:
         f"{LONG_PROMPT_CACHE_TOKENS:,} tokens ({LONG_PROMPT_CACHE_TOKENS // BLOCK_SIZE:,} blocks of {BLOCK_SIZE}); "
         f"medians of {args.repeats} runs"
     )
-    runs: dict[str, list[dict]] = {"sha256": [], "xxh3_128": []}
+    runs: dict[str, list[dict]] = {"kvpool_sha256": [], "xxh3_128": []}
     for _ in range(args.repeats):
         for algo, results in runs.items():
             gc.collect()
@@ -576,7 +578,7 @@ def run_long_prompts(args) -> None:
     rows = [(f"kvpool {algo}", median_runs(results)) for algo, results in runs.items()]
     print_phase_table(rows)
     if args.profile:
-        profile(lambda: replay_long_prompts(prompts, "sha256"), args.profile)
+        profile(lambda: replay_long_prompts(prompts, "kvpool_sha256"), args.profile)
 
 
 def main() -> None:

@@ -325,7 +325,7 @@ def main() -> None:
     # that comes and goes then hits every system alike.
     systems = [
         (f"kvpool {algo} (block {BLOCK_SIZE})", lambda algo=algo: replay_long_prompts(prompts, algo))
-        for algo in ("sha256",) + (() if args.no_xxh3 else ("xxh3_128",))
+        for algo in ("kvpool_sha256",) + (() if args.no_xxh3 else ("xxh3_128",))
     ]
     if not args.no_sglang:
         sgl = import_sglang()

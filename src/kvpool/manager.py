@@ -124,14 +124,18 @@ class _Held:
     last ``num_computed_tokens`` the manager accepted (progress never moves
     back past it); ``slots`` is the token positions its blocks cover (progress
     never moves past them: a token is computed only in a slot the request holds).
+    ``quiet`` is the single group's quiet bound (``GroupManager.step``): a
+    plain step to fewer tokens changes no block, so it is not called; 0 until
+    the group sets it, and again after any other kind of step.
     """
 
-    __slots__ = ("request", "computed", "slots")
+    __slots__ = ("request", "computed", "slots", "quiet")
 
     def __init__(self, request: Request, computed: int, slots: int) -> None:
         self.request = request
         self.computed = computed
         self.slots = slots
+        self.quiet = 0
 
 
 class KVCacheManager:
@@ -369,14 +373,16 @@ class KVCacheManager:
             total = computed + num_new_tokens if type(computed) is int else _NO_LIMIT
             if total <= len(request._token_ids) and total <= self._max_len and held.computed <= computed <= held.slots:
                 held.computed = computed
-                new = single.grow(request.request_id, computed, total)
+                if total < held.quiet:  # the group said this step changes nothing there
+                    if total > held.slots:
+                        held.slots = total
+                    return ([],)
+                new, held.quiet = single.step(request, computed, total)
                 if new is None:
                     self._refuse(request, total, computed)
                     return None
                 if total > held.slots:
                     held.slots = total
-                if single.enable_caching:
-                    single.cache_blocks(request, total)
                 return (new,)
         # Validate everything first: past this block, nothing can fail.
         _check_request(request)
@@ -444,6 +450,7 @@ class KVCacheManager:
             # Blocks that left the window go back first, even if the step is
             # then refused: no later step reads them (vLLM does the same).
             held.computed = computed  # type: ignore[union-attr]  # running: held is not None
+            held.quiet = 0  # type: ignore[union-attr]  # running: held is not None
             coordinator.remove_skipped_blocks(rid, computed)
             num_needed = coordinator.num_blocks_to_allocate(rid, need, None, total_computed, num_encoder_tokens)
             if num_needed > self.pool.free_queue.num_free_blocks:

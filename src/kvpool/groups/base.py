@@ -273,6 +273,20 @@ class GroupManager:
         table.extend(blocks)
         return [b.block_id for b in blocks]
 
+    def step(self, request: Request, num_computed_tokens: int, num_tokens: int) -> tuple[list[int] | None, int]:
+        """One step of a running request in a single-group model: :meth:`grow`, then :meth:`cache_blocks`.
+
+        Returns the new block IDs (None when the free queue is short: nothing
+        is taken or cached) and a *quiet bound*: a later step to fewer tokens
+        than it, with no other call on the request in between, changes nothing
+        in this group, so the caller may skip it. 0 here: every step is
+        called; a layer type whose steps are often no-ops overrides this.
+        """
+        new = self.grow(request.request_id, num_computed_tokens, num_tokens)
+        if new is not None and self.enable_caching:
+            self.cache_blocks(request, num_tokens)
+        return new, 0
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Offer the blocks that the first ``num_tokens`` tokens fill to the index."""
         rid = request.request_id
