@@ -284,3 +284,24 @@ def test_missing_client_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)
     with pytest.raises(ConfigError, match=r"pip install 'kvpool\[tiers\]'"):
         open_store("redis://127.0.0.1:6379/0", fresh_codec())
+
+
+def test_threads_share_one_store(redis_url):
+    import threading
+
+    store = open_store(redis_url, fresh_codec())
+    wrong: list[int] = []
+
+    def work(offset: int) -> None:
+        for _ in range(5):
+            ids = range(offset, offset + 20)
+            store.put_many(items(ids))
+            got = store.get_many([block_key(i) for i in ids])
+            wrong.extend(i for i, g in zip(ids, got) if g != payload(i))
+
+    threads = [threading.Thread(target=work, args=(100 * t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == [] and store.stats.hits == 4 * 5 * 20 and store.stats.errors == 0

@@ -25,6 +25,7 @@ once with misses and stores nothing; the tier comes back when the server does.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,7 +53,7 @@ def _import_redis() -> Any:
 
 
 class RedisStore:
-    """Blocks in Redis under a per-layout key prefix. Calls from one thread at a time."""
+    """Blocks in Redis under a per-layout key prefix. Thread-safe: calls take turns on one client."""
 
     name = "redis"
 
@@ -93,12 +94,14 @@ class RedisStore:
         self._failures = 0
         self._retry_at = float("-inf")
         self._closed = False
+        self._lock = threading.RLock()
 
     # -- the BlockStore contract ------------------------------------------------------------
 
     @property
     def stats(self) -> TierStats:
-        return self._counters.stats.copy()
+        with self._lock:
+            return self._counters.stats.copy()
 
     @property
     def available(self) -> bool:
@@ -128,10 +131,11 @@ class RedisStore:
             return []
         names = [self._prefix + key for key in keys]
         values = self._call("read", lambda c: c.mget_nonatomic(names) if self.cluster else c.mget(names))
-        if values is None:
-            self._counters.stats.misses += len(keys)
-            return [None] * len(keys)
-        return [self._counters.payload(key, value) for key, value in zip(keys, values)]
+        with self._lock:
+            if values is None:
+                self._counters.stats.misses += len(keys)
+                return [None] * len(keys)
+            return [self._counters.payload(key, value) for key, value in zip(keys, values)]
 
     def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> int:
         if not items or not self.available:
@@ -147,7 +151,8 @@ class RedisStore:
         stored: int | None = self._call("write", store)
         if stored is None:
             return 0
-        self._counters.stats.bytes_written += sum(len(entry) for _name, entry in entries)
+        with self._lock:
+            self._counters.stats.bytes_written += sum(len(entry) for _name, entry in entries)
         return stored
 
     def close(self) -> None:
@@ -158,20 +163,23 @@ class RedisStore:
 
     def _call(self, what: str, operation: Callable[[Any], Any]) -> Any:
         """``operation(client)``, or None at once while Redis is down; a fault starts or extends the backoff."""
-        if not self.available:
-            return None
-        try:
-            if self._client is None:
-                self._client = self._connect()
-            result = operation(self._client)
-        except self._faults as exc:
-            self._failed(what, exc)
-            return None
-        if self._failures:
-            _log.warning("kvpool redis tier: %s answers again after %d failed tries", self.display_url, self._failures)
-            self._counters.forget_warning("down")
-            self._failures = 0
-        return result
+        with self._lock:
+            if not self.available:
+                return None
+            try:
+                if self._client is None:
+                    self._client = self._connect()
+                result = operation(self._client)
+            except self._faults as exc:
+                self._failed(what, exc)
+                return None
+            if self._failures:
+                _log.warning(
+                    "kvpool redis tier: %s answers again after %d failed tries", self.display_url, self._failures
+                )
+                self._counters.forget_warning("down")
+                self._failures = 0
+            return result
 
     def _connect(self) -> Any:
         retry = self._redis.retry.Retry(self._redis.backoff.NoBackoff(), 0)  # our backoff decides when to retry
