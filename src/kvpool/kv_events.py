@@ -24,13 +24,14 @@ only when used.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, cast
 
 from kvpool.errors import ConfigError, KVPoolError
@@ -126,48 +127,87 @@ def _wire_extra_keys(keys: tuple[ExtraKey, ...] | None) -> tuple[object, ...] | 
     return tuple(key[1:] if key[0] == "mm" else key[1] for key in keys)
 
 
-def _wire_event(event: KVCacheEvent) -> dict[str, object]:
+@functools.cache
+def _wire_types() -> SimpleNamespace:
+    """msgspec structs laid out as vLLM's (field order, tags, omitted defaults), so the bytes are vLLM's bytes."""
+    _import("msgspec")  # a missing extra is named
+    import msgspec
+
+    class WireEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+        pass
+
+    class BlockStored(WireEvent):
+        block_hashes: Sequence[bytes]
+        parent_block_hash: bytes | None
+        token_ids: Sequence[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[object, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+        # Never set by kvpool; declared so that the map header has vLLM's width.
+        locality: str | None = None
+        ownership: str | None = None
+        session_id: str | None = None
+        lookahead_token_ids: list[list[int]] | None = None
+
+    class BlockRemoved(WireEvent):
+        block_hashes: Sequence[bytes]
+        medium: str | None
+        group_idx: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+
+    class AllBlocksCleared(WireEvent):
+        pass
+
+    class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[object]
+        data_parallel_rank: int | None = None
+
+    return SimpleNamespace(
+        BlockStored=BlockStored, BlockRemoved=BlockRemoved, AllBlocksCleared=AllBlocksCleared, Batch=Batch
+    )
+
+
+def _wire_event(wire: SimpleNamespace, event: KVCacheEvent) -> object:
     if type(event) is BlockStored:
-        wire: dict[str, object] = {
-            "type": "BlockStored",
-            "block_hashes": event.block_hashes,
-            "parent_block_hash": event.parent_block_hash,
-            "token_ids": event.token_ids,
-            "block_size": event.block_size,
-            "lora_id": None,
-            "medium": event.medium,
-            "lora_name": event.lora_name,
-        }
-        if event.extra_keys:
-            wire["extra_keys"] = [_wire_extra_keys(keys) for keys in event.extra_keys]
-        wire["group_idx"] = event.group_id
-        if event.spec_kind is not None:
-            wire["kv_cache_spec_kind"] = _WIRE_KIND.get(event.spec_kind, event.spec_kind)
-        if event.sliding_window is not None:
-            wire["kv_cache_spec_sliding_window"] = event.sliding_window
-        return wire
+        return wire.BlockStored(
+            block_hashes=event.block_hashes,
+            parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=None,
+            medium=event.medium,
+            lora_name=event.lora_name,
+            extra_keys=[_wire_extra_keys(keys) for keys in event.extra_keys] if event.extra_keys else None,
+            group_idx=event.group_id,
+            kv_cache_spec_kind=None if event.spec_kind is None else _WIRE_KIND.get(event.spec_kind, event.spec_kind),
+            kv_cache_spec_sliding_window=event.sliding_window,
+        )
     if type(event) is BlockRemoved:
-        return {
-            "type": "BlockRemoved",
-            "block_hashes": event.block_hashes,
-            "medium": event.medium,
-            "group_idx": event.group_id,
-        }
+        return wire.BlockRemoved(block_hashes=event.block_hashes, medium=event.medium, group_idx=event.group_id)
     if type(event) is AllBlocksCleared:
-        return {"type": "AllBlocksCleared"}
+        return wire.AllBlocksCleared()
     raise ConfigError(f"not a KV cache event: {event!r}")
 
 
 class _Encoder:
     """Encodes batches to vLLM's msgpack payload (one msgspec encoder, reused)."""
 
-    __slots__ = ("_encode",)
+    __slots__ = ("_encode", "_wire")
 
     def __init__(self) -> None:
+        self._wire = _wire_types()
         self._encode: Callable[[object], bytes] = _import("msgspec").msgpack.Encoder().encode
 
     def __call__(self, events: Iterable[KVCacheEvent], ts: float, data_parallel_rank: int | None) -> bytes:
-        return self._encode([ts, [_wire_event(e) for e in events], data_parallel_rank])
+        wire = self._wire
+        return self._encode(wire.Batch(ts, [_wire_event(wire, e) for e in events], data_parallel_rank))
 
 
 def encode_batch(
@@ -224,13 +264,13 @@ def _event(event: object, where: str) -> KVCacheEvent:
     tag = event.get("type")
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
+    if tag not in ("BlockStored", "BlockRemoved"):
+        raise EventStreamError(f"{where}: unknown event type {tag!r}")
     hashes = tuple(_hash(h, where) for h in _field(event, "block_hashes", list, where))
     medium = _field(event, "medium", str, where) or MEDIUM_GPU
     group = _field(event, "group_idx", int, where, None) or 0
     if tag == "BlockRemoved":
         return BlockRemoved(block_hashes=hashes, group_id=group, medium=medium)
-    if tag != "BlockStored":
-        raise EventStreamError(f"{where}: unknown event type {tag!r}")
     parent = event.get("parent_block_hash")
     lora_name = _field(event, "lora_name", str, where)
     wire_keys = _field(event, "extra_keys", list, where, None)
