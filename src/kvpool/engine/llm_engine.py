@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvpool.engine.kv_transfer import KVTiers, build_kv_tiers
 from kvpool.engine.model_store import DEFAULT_MODEL
 from kvpool.engine.outputs import IncrementalDetokenizer, RequestDelta, RequestOutput
 from kvpool.engine.sampling import SamplingParams, make_generator, sample_tokens
@@ -130,7 +131,6 @@ class LLMEngine:
             sink(line)
 
         self.setup: EngineSetup = start_engine(chosen, record)
-        self.startup_log: tuple[str, ...] = tuple(lines)
         setup = self.setup
         self.manager = KVCacheManager(
             setup.plan.num_blocks,
@@ -139,6 +139,14 @@ class LLMEngine:
             max_model_len=setup.max_model_len,
             groups=setup.groups,
         )
+        #: The KV offload tiers (``kv_tiers``), or None.
+        self.kv_tiers: KVTiers | None = build_kv_tiers(
+            chosen.kv_tiers, chosen.kv_tier_secret_file, setup.kv_caches, self.manager,
+            (getattr(setup.model.config, "architectures", None) or [type(setup.model).__name__])[0], record,
+        )  # fmt: skip
+        if self.kv_tiers is not None:
+            setup.runner.kv_load_wait = self.kv_tiers.worker.wait_for_layer_load
+        self.startup_log: tuple[str, ...] = tuple(lines)
         self.scheduler = Scheduler(
             self.manager,
             SchedulerConfig(
@@ -146,6 +154,7 @@ class LLMEngine:
                 max_num_seqs=chosen.max_num_seqs,
                 max_model_len=setup.max_model_len,
             ),
+            connector=None if self.kv_tiers is None else self.kv_tiers.connector,
         )
         self._live: dict[str, _Live] = {}
         self._next_id = 0  # automatic request IDs are str(n), n counting up from here
@@ -175,6 +184,15 @@ class LLMEngine:
     @property
     def num_blocks(self) -> int:
         return self.setup.plan.num_blocks
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Prompt tokens taken from each source since start-up: ``"gpu"`` (the pool) and each KV tier."""
+        return dict(self.scheduler.cached_tokens_by_tier)
+
+    def kv_tier_figures(self) -> dict[str, dict[str, Any]]:
+        """Per KV tier: blocks and bytes moved, failed loads, and the store's own counters (empty without tiers)."""
+        return {} if self.kv_tiers is None else self.kv_tiers.figures()
 
     # -- prompts ----------------------------------------------------------------------
 
@@ -390,11 +408,16 @@ class LLMEngine:
             if self.scheduler.has_unfinished_requests():
                 raise RequestStateError("the scheduler could not schedule any waiting request")
             return []
-        chunks = plan.chunks  # the scheduler's chunks, as they are: checked when they were made
         sampled_ids = [c.request_id for c in plan.chunks if c.sample]
         sampled: dict[str, int] = {}
+        tiers = self.kv_tiers
         try:
-            logits = self.setup.runner.execute(chunks)
+            if tiers is not None:  # loads first; a failed one is computed in this very pass
+                plan = tiers.before_forward(self.scheduler, plan)
+            # the scheduler's chunks, as they are: checked when they were made
+            logits = self.setup.runner.execute(plan.chunks)
+            if tiers is not None:
+                plan = tiers.after_forward(self.scheduler, plan)
             if sampled_ids:
                 live = [self._live[rid] for rid in sampled_ids]
                 tokens = sample_tokens(logits, [s.params for s in live], [s.generator for s in live])
@@ -444,6 +467,7 @@ class LLMEngine:
             text=text,
             finish_reason=cast(FinishReason, metrics.finish_reason),  # a finished request has its reason
             num_cached_tokens=metrics.num_cached_tokens,
+            cached_tokens_by_tier=dict(metrics.cached_tokens_by_tier),
             num_computed_tokens=metrics.num_computed_tokens,
             time_to_first_token=metrics.time_to_first_token,
             queue_time=metrics.queue_time,

@@ -196,6 +196,8 @@ class ModelRunner:
         self.backend: AttentionBackend = select_attention_backend(kv_caches.device, attention_backend)
         self.num_computed_tokens = 0
         self.num_steps = 0
+        #: Called with a layer's index just before it runs, to wait for KV loaded into it (a KV connector's worker).
+        self.kv_load_wait: Callable[[int], None] | None = None
         self._decoder = decoder
         self._modules = layers
         self._device = param.device
@@ -391,7 +393,10 @@ class ModelRunner:
 
         hidden = self._decoder.embed_tokens(token_ids)  # [T, hidden]
         rotary = self._rotary_tables(hidden, positions)
+        wait = self.kv_load_wait
         for info in self.layers:
+            if wait is not None:
+                wait(info.index)
             layer = self._modules[info.index]
             cos, sin = rotary[info.layer_type]
             meta = metadata[(info.group, info.sliding_window)]

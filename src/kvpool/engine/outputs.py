@@ -6,7 +6,8 @@ style ``decode(ids, skip_special_tokens=...)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.scheduler import FinishReason
@@ -23,7 +24,9 @@ class RequestOutput:
     first output token was sampled, ``latency`` until it finished.
     ``num_cached_tokens`` counts prompt tokens served by the prefix cache (all
     admissions, so a preempted request that hits its own blocks counts them
-    again); ``num_computed_tokens`` counts tokens fed to the model for it,
+    again); ``cached_tokens_by_tier`` splits them by source, ``"gpu"`` (the
+    pool) and each KV tier (``"cpu"``, ``"disk"``, ``"redis"``);
+    ``num_computed_tokens`` counts tokens fed to the model for it,
     recomputation included.
     """
 
@@ -39,6 +42,7 @@ class RequestOutput:
     queue_time: float | None
     latency: float | None
     num_preemptions: int
+    cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,13 +118,21 @@ class IncrementalDetokenizer:
         return after[len(before) :]
 
 
+def _by_tier(output: RequestOutput) -> str:
+    """``": 32 gpu, 16 cpu"`` when a KV tier supplied some of the cached tokens, else nothing."""
+    shares = {tier: n for tier, n in output.cached_tokens_by_tier.items() if n}
+    if not shares or set(shares) == {"gpu"}:
+        return ""
+    return ": " + ", ".join(f"{n} {tier}" for tier, n in shares.items())
+
+
 def request_log_line(output: RequestOutput) -> str:
     """One line of figures per finished request, for a serving log."""
     ttft = "-" if output.time_to_first_token is None else f"{output.time_to_first_token * 1000:.0f} ms"
     rate = output.tokens_per_second
     return (
         f"request {output.request_id}: {output.num_prompt_tokens} prompt tokens "
-        f"({output.num_cached_tokens} cached), {output.num_computed_tokens} computed, "
+        f"({output.num_cached_tokens} cached{_by_tier(output)}), {output.num_computed_tokens} computed, "
         f"{output.num_output_tokens} output tokens; time to first token {ttft}; "
         f"{'-' if rate is None else f'{rate:.1f}'} tokens/s; finished: {output.finish_reason.value}"
         + (f"; preempted {output.num_preemptions}x" if output.num_preemptions else "")

@@ -47,6 +47,7 @@ import torch
 from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.engine.batch import SequenceChunk
 from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches
+from kvpool.engine.kv_transfer import check_tier_specs
 from kvpool.engine.memory import (
     MemoryBaseline,
     MemoryProfile,
@@ -92,6 +93,11 @@ class EngineOptions:
         dtype: weight and cache dtype; None picks float32 on the CPU and the
             model's serving dtype on CUDA.
         device: ``"cpu"`` or ``"cuda"``; None picks CUDA when available.
+        kv_tiers: KV offload tiers in lookup order (``"cpu:4GiB"``,
+            ``"disk:/path:50GiB"``, ``"redis://host:6379/0"``; see
+            :mod:`kvpool.engine.kv_transfer`); empty means none.
+        kv_tier_secret_file: a file holding the secret that signs tier
+            entries (HMAC); replicas sharing a tier share it.
     """
 
     model: str | os.PathLike[str]
@@ -104,6 +110,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     dtype: torch.dtype | str | None = None
     device: torch.device | str | None = None
+    kv_tiers: tuple[str, ...] = ()
+    kv_tier_secret_file: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -127,6 +135,10 @@ class EngineOptions:
             raise ConfigError(f"dtype must be a torch.dtype, a name such as 'bfloat16', or None, got {self.dtype!r}")
         if self.device is not None and not isinstance(self.device, (str, torch.device)):
             raise ConfigError(f"device must be 'cpu', 'cuda', a torch.device or None, got {self.device!r}")
+        object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
+        secret = self.kv_tier_secret_file
+        if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
+            raise ConfigError(f"kv_tier_secret_file must be a file path, given with kv_tiers; got {secret!r}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
