@@ -14,7 +14,7 @@ torn by a power loss fails its length or checksum check and is a counted miss (t
 
 Recency lives in memory (an ordered dict: O(1) per touch and per eviction) and in each file's
 mtime, touched on every hit, so a store opened later on the same directory scans it and
-starts with the same LRU order. The size bound counts entry bytes.
+starts with the same LRU order (to the filesystem's timestamp resolution; ties go by key). The size bound counts entry bytes.
 
 Several processes may share a directory: each file appears whole or not at all, a file another
 process evicted is a miss, and a file another process wrote is found by its name and adopted.
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvpool.checks import check_int
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, InvariantViolation
 from kvpool.tiers.counters import StoreCounters, TierStats
 from kvpool.tiers.entry import EntryCodec, Payload
 
@@ -121,6 +121,25 @@ class DiskStore:
 
     def close(self) -> None:
         """Nothing to release: every entry is already a whole file, for this process or the next."""
+
+    def keys_by_recency(self) -> list[bytes]:
+        """The keys this store knows of, least recently used first (the eviction order)."""
+        with self._lock:
+            return list(self._lru)
+
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation unless the byte count, the bound and the files agree with the index.
+
+        For tests and debugging; it stats every file, and assumes no other process shares the directory.
+        """
+        with self._lock:
+            sizes = dict(self._lru)
+            used = self._used
+        if used != sum(sizes.values()) or used > self.capacity_bytes:
+            raise InvariantViolation(f"disk tier counts {used} bytes of {self.capacity_bytes}, index holds {sizes}")
+        on_disk = {bytes.fromhex(p.stem): p.stat().st_size for p in self.root.glob(f"*/*{_SUFFIX}")}
+        if on_disk != sizes:
+            raise InvariantViolation(f"disk tier index {sizes} disagrees with its files {on_disk}")
 
     # -- internals --------------------------------------------------------------------------
 
