@@ -8,6 +8,7 @@ pytest.importorskip("numpy", reason="the LRU model in kvpool.sim.optimum needs n
 
 from kvpool.errors import ConfigError  # noqa: E402
 from kvpool.eviction import POLICIES  # noqa: E402
+from kvpool.hashing import HashAlgo  # noqa: E402
 from kvpool.sim.optimum import build_block_trace, lru_hit_rate, optimal_hit_rate  # noqa: E402
 from kvpool.sim.sequential import SequentialResult, replay_sequential  # noqa: E402
 from kvpool.sim.traces import HashBlockSegment, TokenSegment, TraceRequest  # noqa: E402
@@ -63,7 +64,7 @@ def test_the_result_is_frozen_and_repeatable():
     with pytest.raises(AttributeError):
         first.hit_tokens = 0  # type: ignore[misc]
     assert 0.0 < first.token_hit_rate < 1.0 and first.elapsed_s > 0
-    assert first.policy == "frequency" and first.hash_algo == "sha256"
+    assert first.policy == "frequency" and first.hash_algo == HashAlgo.SHA256.value
 
 
 def test_fast_hash_gives_the_same_hits():

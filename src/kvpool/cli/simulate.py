@@ -3,19 +3,33 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvpool.cli.params import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_INT, fail, reports_errors, require_extra
+from kvpool.cli.params import (
+    NON_NEGATIVE_FLOAT,
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    FiniteFloatRange,
+    fail,
+    reports_errors,
+    require_extra,
+)
 from kvpool.errors import KVPoolError
+from kvpool.hashing import HashAlgo
+from kvpool.routing import Routing
 
 if TYPE_CHECKING:
-    from kvpool.sim.simulator import SimulationResult
+    from kvpool.sim.simulator import SimulationConfig, SimulationResult
+    from kvpool.sim.sizing import SizingResult
+    from kvpool.sim.tiers import TierSpec
     from kvpool.sim.traces import TraceRequest
 
 SYNTHETIC_PREFIX = "synthetic:"
@@ -61,6 +75,78 @@ def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None,
     return blocks
 
 
+class Duration(FiniteFloatRange):
+    """A positive duration in seconds: ``2``, ``2s``, ``500ms``."""
+
+    name = "duration"
+
+    def __init__(self) -> None:
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            text = value.strip().lower()
+            scale = 1.0
+            if text.endswith("ms"):
+                text, scale = text[:-2], 1e-3
+            elif text.endswith("s"):
+                text = text[:-1]
+            try:
+                number = float(text)
+            except ValueError:
+                self.fail(f"{value!r} is not a duration (e.g. 2s, 500ms or 2).", param, ctx)
+            return super().convert(number * scale, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+PERCENTILE = FiniteFloatRange(min=0, max=100, min_open=True, max_open=True)
+
+
+def _kind_values(flag: str, items: tuple[str, ...], kinds: set[str]) -> dict[str, float]:
+    """``("cpu=25", ...)`` as ``{"cpu": 25.0}``: a configured tier kind, a finite number > 0 (latency: >= 0)."""
+    values: dict[str, float] = {}
+    for item in items:
+        kind, sep, number = item.partition("=")
+        kind = kind.strip()
+        try:
+            value = float(number) if sep else math.nan
+        except ValueError:
+            value = math.nan
+        floor_ok = value >= 0 if flag == "--tier-latency" else value > 0
+        if not (math.isfinite(value) and floor_ok):
+            bound = ">= 0" if flag == "--tier-latency" else "> 0"
+            raise KVPoolError(f"{flag} {item!r}: give KIND=NUMBER with a finite number {bound}, e.g. cpu=25")
+        if kind not in kinds:
+            raise KVPoolError(f"{flag} {item!r}: no --tier {kind}=BLOCKS is given")
+        values[kind] = value
+    return values
+
+
+def _tiers(tier: tuple[str, ...], bandwidths: tuple[str, ...], latencies: tuple[str, ...]) -> tuple[TierSpec, ...]:
+    from kvpool.sim.tiers import parse_tier
+
+    kinds = {t.partition("=")[0].strip() for t in tier}
+    bandwidth = _kind_values("--tier-bandwidth", bandwidths, kinds)
+    latency = _kind_values("--tier-latency", latencies, kinds)
+    specs = []
+    for text in tier:
+        kind = text.partition("=")[0].strip()
+        specs.append(parse_tier(text, bandwidth_gb_per_s=bandwidth.get(kind), latency_us=latency.get(kind)))
+    return tuple(specs)
+
+
+def _kv_bytes_per_token(model: str | None, block_size: int) -> int | None:
+    """KV bytes per token of ``model`` (all layers), or None without a model."""
+    if model is None:
+        return None
+    from kvpool.model_config import load_model_config
+    from kvpool.model_layers import layer_specs_from_config
+    from kvpool.specs import group_layers, pool_block_bytes
+
+    groups = group_layers(layer_specs_from_config(load_model_config(model), block_size=block_size))
+    return max(1, pool_block_bytes(groups) // block_size)
+
+
 def _deltas(update: Callable[[int], object]) -> Callable[[int], None]:
     """Turn a running count into the increments a progress bar wants."""
     done = [0]
@@ -74,6 +160,20 @@ def _deltas(update: Callable[[int], object]) -> Callable[[int], None]:
 
 def _percent(x: float) -> str:
     return f"{100 * x:.2f}%"
+
+
+def _load_line(result: SimulationResult) -> str:
+    servable = f"{result.servable_prefill_tokens_per_s:,.0f} prefill tokens/s servable"
+    offered = result.offered_prefill_tokens_per_s
+    if offered is None:
+        return f"every request arrives at once; {servable}"
+    rates = f"{offered:,.0f} prefill tokens/s offered (after cache hits), {servable}"
+    if result.overloaded:
+        return (
+            f"OVERLOADED: {rates} by {result.replicas} replica(s) at most; the queue grows while this lasts, "
+            "and time to first token measures the backlog, not the model"
+        )
+    return rates
 
 
 def _print_table(result: SimulationResult, label: str) -> None:
@@ -99,6 +199,23 @@ def _print_table(result: SimulationResult, label: str) -> None:
         ),
         ("simulated time", f"{result.simulated_seconds:,.1f} s (replayed in {result.wall_seconds:.1f} s)"),
     ]
+    if len(result.hit_tokens_by_tier) > 1:
+        share = ", ".join(
+            f"{name} {_percent(n / result.prompt_tokens if result.prompt_tokens else 0.0)}"
+            for name, n in result.hit_tokens_by_tier.items()
+        )
+        rows.insert(4, ("hits by tier", f"{share} of prompt tokens"))
+        rows.insert(5, ("tier load time", f"{result.tier_load_seconds:,.1f} s in all (added to the steps that load)"))
+    if result.replicas > 1:
+        rows.insert(1, ("replicas", f"{result.replicas}, routing {result.routing}"))
+        rows.append(
+            (
+                "load imbalance",
+                f"busiest replica / mean: {result.request_imbalance:.2f} in requests, "
+                f"{result.work_imbalance:.2f} in prefill tokens computed",
+            )
+        )
+    rows.append(("load", _load_line(result)))
     click.echo(label)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -141,9 +258,54 @@ def _print_table(result: SimulationResult, label: str) -> None:
     help="Cost model: decode time per sequence per step.",
 )
 @click.option(
+    "--tier",
+    "tier_flags",
+    multiple=True,
+    metavar="KIND=BLOCKS",
+    help="An offload tier below each replica's pool (cpu, disk, redis), capacity in blocks; repeat, in lookup order.",
+)
+@click.option(
+    "--tier-bandwidth",
+    multiple=True,
+    metavar="KIND=GB/S",
+    help="A tier's load bandwidth in GB/s (defaults: cpu 25, disk 4, redis 1.25).",
+)
+@click.option(
+    "--tier-latency",
+    multiple=True,
+    metavar="KIND=US",
+    help="A tier's latency per load in microseconds (defaults: cpu 10, disk 100, redis 300).",
+)
+@click.option(
+    "--kv-bytes-per-token",
+    type=POSITIVE_INT,
+    help="KV bytes per token, to size tier loads (default: from --model, else 131072, Llama-3.1-8B in bf16).",
+)
+@click.option(
+    "--replicas", type=POSITIVE_INT, default=1, show_default=True, help="Simulated replicas, each its own pool."
+)
+@click.option(
+    "--routing",
+    "routing_rules",
+    multiple=True,
+    type=click.Choice([r.value for r in Routing]),
+    help="How arrivals are spread over replicas; repeat to compare (default: all three with --replicas > 1).",
+)
+@click.option("--ttft-slo", type=Duration(), help="Size the deployment: the fewest replicas whose TTFT meets this.")
+@click.option(
+    "--ttft-slo-percentile",
+    type=PERCENTILE,
+    default=90.0,
+    show_default=True,
+    help="The TTFT percentile --ttft-slo bounds.",
+)
+@click.option(
+    "--max-replicas", type=POSITIVE_INT, default=64, show_default=True, help="Largest count --ttft-slo tries."
+)
+@click.option(
     "--hash",
     "hash_algo",
-    type=click.Choice(["sha256", "xxh3_128"]),
+    type=click.Choice(sorted({a.value for a in HashAlgo} | {"xxh3_128"})),
     default="xxh3_128",
     show_default=True,
     help="Block hash; xxh3_128 verifies every hit, so hit rates are the same, only faster.",
@@ -160,6 +322,12 @@ def _print_table(result: SimulationResult, label: str) -> None:
     help="Sequential runs: announce the next N requests as waiting (for the 'waiting' policy).",
 )
 @click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots here.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the timeline (KV usage, requests waiting, time to first token) to this PNG.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @reports_errors("simulate")
 def simulate(
@@ -177,11 +345,21 @@ def simulate(
     step_overhead_ms: float,
     prefill_us_per_token: float,
     decode_us_per_seq: float,
+    tier_flags: tuple[str, ...],
+    tier_bandwidth: tuple[str, ...],
+    tier_latency: tuple[str, ...],
+    kv_bytes_per_token: int | None,
+    replicas: int,
+    routing_rules: tuple[str, ...],
+    ttft_slo: float | None,
+    ttft_slo_percentile: float,
+    max_replicas: int,
     hash_algo: str,
     curve: str | None,
     curve_policies: str,
     lookahead: int,
     plot_dir: Path | None,
+    plot_path: Path | None,
     as_json: bool,
 ) -> None:
     """Replay TRACE (a trace file, or synthetic:KIND) through kvpool's manager and scheduler.
@@ -190,16 +368,26 @@ def simulate(
     synthetic:shared_prefix | multi_turn | agent | multi_tenant | mixed. Times
     are simulated with the cost model (defaults: 10 ms per step, 50 us per
     prefill token, 100 us per decoding sequence). Requests larger than the
-    whole pool are counted as rejected and skipped. --curve needs numpy and
-    --plot-dir matplotlib (the sim extra).
+    whole pool are counted as rejected and skipped. --tier adds offload tiers
+    (a load costs its latency plus the blocks' bytes over the tier's bandwidth);
+    --replicas N with --routing spreads the trace over N replicas; --ttft-slo
+    searches for the fewest replicas that meet it. --curve needs numpy, and
+    --plot-dir and --plot matplotlib (the sim extra).
     """
     from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory
-    from kvpool.sim.simulator import simulate as run_simulation
 
     if curve is not None:
         require_extra("simulate", "sim", "numpy")
     if plot_dir is not None:
         _plot_folder(plot_dir)
+    if plot_path is not None:
+        _plot_folder(plot_path.parent)
+    tiers = _tiers(tier_flags, tier_bandwidth, tier_latency)
+    rules = [Routing(r) for r in dict.fromkeys(routing_rules)] or (
+        list(Routing) if replicas > 1 or ttft_slo is not None else [Routing.PREFIX]
+    )
+    if sequential and (replicas > 1 or routing_rules or ttft_slo is not None):
+        raise KVPoolError("--sequential replays one pool; drop it to use --replicas, --routing or --ttft-slo")
     requests = _load(trace, max_requests, seed)
     if not requests:
         raise KVPoolError(f"trace {trace} holds no requests")
@@ -209,6 +397,16 @@ def simulate(
     label = f"{trace}: {len(requests):,} requests"
     show = not as_json
     output: dict[str, Any] = {"trace": trace, "requests": len(requests)}
+    if kv_bytes_per_token is None:
+        kv_bytes_per_token = _kv_bytes_per_token(model, block_size)
+    cost = CostModel(
+        step_overhead_s=step_overhead_ms / 1e3,
+        prefill_s_per_token=prefill_us_per_token / 1e6,
+        decode_s_per_seq=decode_us_per_seq / 1e6,
+        **({} if kv_bytes_per_token is None else {"kv_bytes_per_token": kv_bytes_per_token}),
+    )
+    if tiers:
+        output["tiers"] = _describe_tiers(tiers, cost, block_size, show)
 
     if curve_only:
         pass
@@ -223,6 +421,7 @@ def simulate(
                 policy=policy,
                 hash_algo=hash_algo,
                 lookahead=lookahead,
+                tiers=tiers,
                 progress=_deltas(bar.update),
             )
         from dataclasses import asdict
@@ -244,24 +443,25 @@ def simulate(
             hash_algo=hash_algo,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
-            cost=CostModel(
-                step_overhead_s=step_overhead_ms / 1e3,
-                prefill_s_per_token=prefill_us_per_token / 1e6,
-                decode_s_per_seq=decode_us_per_seq / 1e6,
-            ),
+            cost=cost,
+            tiers=tiers,
+            replicas=replicas,
+            routing=rules[0],
         )
-        with click.progressbar(length=len(requests), label="replaying", file=sys.stderr, hidden=not show) as bar:
-            result = run_simulation(requests, config, progress=bar.update)
-        output["simulation"] = result.to_dict()
-        if show:
-            _print_table(result, label)
-        if plot_dir is not None:
-            from kvpool.sim.plots import plot_usage
-
-            path = plot_usage(result.usage_timeline, plot_dir / "usage.png", title=f"KV usage, {label}")
-            output["usage_plot"] = str(path)
+        if ttft_slo is not None:
+            output["sizing"] = _size(requests, config, rules, ttft_slo, ttft_slo_percentile, max_replicas, show)
+        else:
+            results = {rule: _replay(requests, replace(config, routing=rule), show) for rule in rules}
+            first = results[rules[0]]
+            output["simulation"] = first.to_dict()
+            if len(results) > 1:
+                output["routing"] = {rule.value: r.to_dict() for rule, r in results.items()}
             if show:
-                click.echo(f"  usage plot             {path}")
+                for result in results.values():
+                    _print_table(result, label)
+                if len(results) > 1:
+                    _print_routing(results)
+            _plots(first, plot_dir, plot_path, label, output, show)
 
     if curve:
         output["curve"] = _curve(
@@ -270,6 +470,122 @@ def simulate(
 
     if as_json:
         click.echo(json.dumps(output, indent=2))
+
+
+def _replay(requests: list[TraceRequest], config: SimulationConfig, show: bool) -> SimulationResult:
+    from kvpool.sim.simulator import simulate as run_simulation
+
+    label = "replaying" if config.replicas == 1 else f"replaying ({config.routing.value}, {config.replicas} replicas)"
+    with click.progressbar(length=len(requests), label=label, file=sys.stderr, hidden=not show) as bar:
+        return run_simulation(requests, config, progress=bar.update)
+
+
+def _describe_tiers(tiers: tuple[TierSpec, ...], cost: Any, block_size: int, show: bool) -> list[dict[str, Any]]:
+    block_bytes = block_size * cost.kv_bytes_per_token
+    recompute = block_size * cost.prefill_s_per_token
+    described = []
+    for spec in tiers:
+        load = spec.load_seconds(1, block_bytes)
+        described.append(
+            {
+                "kind": spec.name,
+                "capacity_blocks": spec.capacity_blocks,
+                "bandwidth_gb_per_s": spec.bandwidth_bytes_per_s / 1e9,
+                "latency_us": spec.latency_s * 1e6,
+                "shared": spec.shared,
+                "load_ms_per_block": load * 1e3,
+                "recompute_ms_per_block": recompute * 1e3,
+            }
+        )
+        if show:
+            verdict = "faster" if load < recompute else "SLOWER"
+            click.echo(
+                f"tier {spec.name}: {spec.capacity_blocks:,} blocks{' (shared by every replica)' if spec.shared else ''}, "
+                f"{spec.bandwidth_bytes_per_s / 1e9:g} GB/s, {spec.latency_s * 1e6:g} us; loading a block takes "
+                f"{load * 1e3:.2f} ms, {verdict} than recomputing it ({recompute * 1e3:.2f} ms)"
+            )
+    return described
+
+
+def _print_routing(results: dict[Routing, SimulationResult]) -> None:
+    replicas = next(iter(results.values())).replicas
+    click.echo(f"routing over {replicas} replicas")
+    click.echo(f"  {'rule':<14}{'hit rate':>10}{'TTFT p50':>11}{'p90':>10}{'p99':>10}{'req imb.':>10}{'work imb.':>11}")
+    for rule, r in results.items():
+        click.echo(
+            f"  {rule.value:<14}{_percent(r.token_hit_rate):>10}{r.ttft_p50_s:>10.2f}s{r.ttft_p90_s:>9.2f}s"
+            f"{r.ttft_p99_s:>9.2f}s{r.request_imbalance:>10.2f}{r.work_imbalance:>11.2f}"
+        )
+    prefix, rr = results.get(Routing.PREFIX), results.get(Routing.ROUND_ROBIN)
+    if prefix is not None and rr is not None:
+        click.echo(
+            f"  prefix over round-robin: hit rate {100 * (prefix.token_hit_rate - rr.token_hit_rate):+.2f} points, "
+            f"prefill tokens computed x{prefix.prefill_tokens_computed / max(rr.prefill_tokens_computed, 1):.3f}, "
+            f"TTFT p50 x{prefix.ttft_p50_s / rr.ttft_p50_s if rr.ttft_p50_s else float('nan'):.3f}"
+        )
+
+
+def _size(
+    requests: list[TraceRequest],
+    config: SimulationConfig,
+    rules: list[Routing],
+    slo: float,
+    percentile: float,
+    max_replicas: int,
+    show: bool,
+) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from kvpool.sim.simulator import ttft_quantile
+    from kvpool.sim.sizing import fewest_replicas
+
+    answers: dict[str, SizingResult] = {}
+    for rule in rules:
+
+        def run(c: SimulationConfig) -> SimulationResult:
+            result = _replay(requests, c, show)
+            click.echo(
+                f"sizing {c.routing.value}: {c.replicas} replicas -> p{percentile:g} TTFT "
+                f"{ttft_quantile(result, percentile):.3f} s{' (overloaded)' if result.overloaded else ''}",
+                err=True,
+            )
+            return result
+
+        answers[rule.value] = fewest_replicas(
+            requests,
+            replace(config, routing=rule),
+            slo_s=slo,
+            percentile=percentile,
+            max_replicas=max_replicas,
+            run=run,
+        )
+    if show:
+        click.echo(f"fewest replicas with p{percentile:g} time to first token <= {slo:g} s")
+        for name, answer in answers.items():
+            found = f"{answer.replicas}" if answer.replicas is not None else f"none up to {max_replicas}"
+            tried = ", ".join(f"{n}: {t:.2f} s" for n, t in answer.ttft_by_replicas.items())
+            click.echo(f"  {name:<14}{found:>8}   (tried {tried})")
+    return {name: asdict(answer) for name, answer in answers.items()}
+
+
+def _plots(
+    result: SimulationResult,
+    plot_dir: Path | None,
+    plot_path: Path | None,
+    label: str,
+    output: dict[str, Any],
+    show: bool,
+) -> None:
+    from kvpool.sim.plots import plot_timeline
+
+    title = f"{label}, {result.replicas} replica(s)" if result.replicas > 1 else label
+    targets = [p for p in (plot_dir / "usage.png" if plot_dir is not None else None, plot_path) if p is not None]
+    for path in targets:
+        plot_timeline(result.usage_timeline, result.queue_timeline, result.ttft_points, path, title=title)
+    if targets:
+        output["usage_plot"] = str(targets[0])
+        if show:
+            click.echo(f"  timeline plot          {', '.join(str(p) for p in targets)}")
 
 
 def _curve(

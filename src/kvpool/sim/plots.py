@@ -1,4 +1,4 @@
-"""PNG plots of a simulation: KV usage over time and the miss-ratio curve.
+"""PNG plots of a simulation: KV usage, queue and time to first token over time; the miss-ratio curve.
 
 Needs matplotlib (the ``sim`` extra); it is imported when a plot is drawn, with
 the non-interactive Agg backend, so plotting works on machines with no screen.
@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_hit_rate_curve", "plot_usage"]
+__all__ = ["plot_hit_rate_curve", "plot_timeline", "plot_usage"]
 
 
 def _pyplot() -> Any:  # matplotlib.pyplot (matplotlib is untyped here)
@@ -60,6 +60,36 @@ def plot_hit_rate_curve(
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_timeline(
+    usage: Sequence[tuple[float, float]],
+    queue: Sequence[tuple[float, int]],
+    ttft: Sequence[tuple[float, float]],
+    path: Path,
+    *,
+    title: str,
+) -> Path:
+    """Three panels over simulated time: KV usage, requests waiting, and each request's time to first token."""
+    plt = _pyplot()
+    fig, (ax_usage, ax_queue, ax_ttft) = plt.subplots(3, 1, figsize=(8, 7.5), dpi=120, sharex=True)
+    ax_usage.plot([t for t, _ in usage], [u * 100 for _, u in usage], lw=1.2, color="#0f6b63")
+    ax_usage.set_ylabel("KV blocks in use (%)")
+    ax_usage.set_ylim(0, 105)
+    ax_usage.set_title(title)
+    ax_queue.plot([t for t, _ in queue], [n for _, n in queue], lw=1.2, color="#8a4f0f")
+    ax_queue.set_ylabel("requests waiting")
+    ax_ttft.scatter([t for t, _ in ttft], [s for _, s in ttft], s=2, color="#2f3f8f", alpha=0.5)
+    ax_ttft.set_ylabel("time to first token (s)")
+    if ttft and min(s for _, s in ttft) > 0:
+        ax_ttft.set_yscale("log")
+    ax_ttft.set_xlabel("simulated time (s), at the first token")
+    for ax in (ax_usage, ax_queue, ax_ttft):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

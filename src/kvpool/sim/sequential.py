@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.checks import check_int
@@ -50,6 +50,7 @@ from kvpool.eviction import FreeQueueFactory, resolve_policy
 from kvpool.hashing import HashAlgo
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
+from kvpool.sim.tiers import TieredManager, TierSpec, chain
 from kvpool.sim.traces import TraceRequest
 
 __all__ = ["SequentialResult", "replay_sequential"]
@@ -83,6 +84,8 @@ class SequentialResult:
     evictions: int
     oversized: int
     elapsed_s: float = field(compare=False)
+    #: Hit tokens by where they were found: ``gpu``, then each tier by name (only ``gpu`` without tiers).
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def token_hit_rate(self) -> float:
@@ -128,6 +131,7 @@ def replay_sequential(
     policy: str | FreeQueueFactory = "lru",
     hash_algo: HashAlgo | str = HashAlgo.SHA256,
     lookahead: int = 0,
+    tiers: Sequence[TierSpec] = (),
     progress: Callable[[int], None] | None = None,
 ) -> SequentialResult:
     """Replay ``requests`` in order through a real manager of ``capacity_blocks`` usable blocks.
@@ -139,10 +143,13 @@ def replay_sequential(
         block_size: tokens per block.
         policy: a name from :data:`kvpool.eviction.POLICIES` or a free-queue
             factory.
-        hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` (faster; every hit
+        hash_algo: :attr:`HashAlgo.SHA256` (default) or ``"xxh3_128"`` (faster; every hit
             is verified against the block's content, so hit rates are equal).
         lookahead: how many following requests to announce as waiting before
             each request (0: none).
+        tiers: offload tiers below the pool, in lookup order
+            (:mod:`kvpool.sim.tiers`); a hit in a tier counts as a hit, by tier
+            in ``hit_tokens_by_tier``.
         progress: called with the number of requests done, every 1,000.
 
     Returns:
@@ -155,7 +162,14 @@ def replay_sequential(
     check_int("capacity_blocks", capacity_blocks)
     check_int("lookahead", lookahead, minimum=0)
     name, factory = resolve_policy(policy)
-    manager = KVCacheManager(capacity_blocks + 1, block_size, hash_algo=hash_algo, eviction_policy=factory)
+    stores = chain(tiers)
+    tiered = (
+        TieredManager(capacity_blocks + 1, block_size, tiers=stores, hash_algo=hash_algo, eviction_policy=factory)
+        if stores
+        else None
+    )
+    manager = tiered or KVCacheManager(capacity_blocks + 1, block_size, hash_algo=hash_algo, eviction_policy=factory)
+    by_tier = [0] * len(stores)
     algo = manager.hasher.algo.value
     num_requests = prompt_tokens = hit_tokens = cacheable = oversized = 0
     start = time.perf_counter()
@@ -175,6 +189,9 @@ def replay_sequential(
         if new is None:  # pragma: no cover - every block is free between requests
             raise RuntimeError(f"request {request.request_id!r} found no room in an idle pool")
         hit_tokens += num_hit
+        if tiered is not None:
+            for t, tokens in enumerate(tiered.loaded.pop(request.request_id, ())):
+                by_tier[t] += tokens
         request.num_computed_tokens = num_tokens
         manager.free(request)
         if progress is not None and num_requests % 1000 == 0:
@@ -194,4 +211,5 @@ def replay_sequential(
         evictions=manager.pool.num_evictions,
         oversized=oversized,
         elapsed_s=elapsed,
+        hit_tokens_by_tier={"gpu": hit_tokens - sum(by_tier)} | {s.spec.name: n for s, n in zip(stores, by_tier)},
     )

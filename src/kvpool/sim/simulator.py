@@ -9,6 +9,19 @@ Arrival times are honoured on the simulated clock (an idle engine jumps to the
 next arrival), so queueing, time to first token and throughput can be
 estimated along with hit rates, evictions and preemptions.
 
+Offload tiers (``tiers``, :mod:`kvpool.sim.tiers`) sit below each replica's GPU
+pool; a step that loads blocks from a tier takes that load's time on top of its
+compute (loads are not overlapped with compute: a conservative model).
+
+Several replicas (``replicas``): each has its own pool, scheduler and clock
+(private tiers too; a shared tier, Redis, is one store for all). Each arrival is
+routed by a rule of :mod:`kvpool.routing`, seeing every replica's cached prefix
+of the request (GPU and tiers) and its load: the prompt tokens it has still to
+prefill. The prefix rule weighs them with ``load_cost = 1 / block_size``, i.e. it
+sends the request where the fewest tokens must be computed before its first token.
+The replica with the earliest clock steps next, and an arrival is routed once
+every replica's clock has reached it, so routing sees each replica as it is then.
+
 Decisions never read a wall clock, so a replay is bit-for-bit repeatable.
 """
 
@@ -23,15 +36,28 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.checks import check_int
 from kvpool.errors import CapacityError, ConfigError
-from kvpool.manager import KVCacheManager
+from kvpool.hashing import HashAlgo
 from kvpool.request import Request
-from kvpool.scheduler import ChunkDetail, Scheduler, SchedulerConfig, StopConditions
+from kvpool.routing import Routing, chooser
+from kvpool.scheduler import ChunkDetail, RequestMetrics, Scheduler, SchedulerConfig, StopConditions
+from kvpool.sim.tiers import TieredManager, TierKind, TierSpec, TierStore, chain
 from kvpool.sim.traces import TraceRequest
 
 if TYPE_CHECKING:
     from kvpool.eviction import FreeQueueFactory
 
-__all__ = ["CostModel", "SimulationConfig", "SimulationResult", "policy_factory", "simulate"]
+__all__ = [
+    "CostModel",
+    "ReplicaFigures",
+    "SimulationConfig",
+    "SimulationResult",
+    "policy_factory",
+    "simulate",
+    "ttft_quantile",
+]
+
+#: KV bytes per token of Llama-3.1-8B in bf16 (32 layers x 8 KV heads x 128 x K and V x 2 bytes).
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,45 +66,87 @@ class CostModel:
 
     The defaults are of the order of an 8B model on one H100-class GPU
     (about 20k prefill tokens/s, a 10 ms decode step at small batch).
+    ``kv_bytes_per_token`` sizes the blocks a tier load moves.
     """
 
     step_overhead_s: float = 0.010
     prefill_s_per_token: float = 50e-6
     decode_s_per_seq: float = 0.1e-3
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
 
     def __post_init__(self) -> None:
         for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ConfigError(f"cost model {name} must be a finite number >= 0, got {value!r}")
+        check_int("cost model kv_bytes_per_token", self.kv_bytes_per_token)
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
         return self.step_overhead_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
 
+    def servable_prefill_tokens_per_s(self, max_num_batched_tokens: int) -> float:
+        """Prefill tokens per second one replica computes at most: full batches of prefill, no decode."""
+        batch = max_num_batched_tokens
+        return batch / (self.step_overhead_s + batch * self.prefill_s_per_token)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimulationConfig:
-    """What to simulate: the pool, the policy, the scheduler limits and the cost model."""
+    """What to simulate: the pool, its tiers, the replicas, the policy, the scheduler limits and the cost model."""
 
     num_blocks: int
     block_size: int = 16
     policy: str = "lru"
-    hash_algo: str = "sha256"
+    hash_algo: str = HashAlgo.SHA256.value
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     cost: CostModel = field(default_factory=CostModel)
     usage_interval_s: float = 1.0
+    tiers: tuple[TierSpec, ...] = ()
+    replicas: int = 1
+    routing: Routing = Routing.PREFIX
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, minimum=2)
+        check_int("replicas", self.replicas)
         interval = self.usage_interval_s
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 < interval < math.inf:
             raise ConfigError(f"usage_interval_s must be a finite number > 0, got {interval!r}")
+        kinds = [t.kind for t in self.tiers]
+        if len(set(kinds)) != len(kinds):
+            raise ConfigError(f"each tier kind may appear once, got {[k.value for k in kinds]}")
+        if not isinstance(self.routing, Routing):
+            raise ConfigError(f"routing must be a Routing, got {self.routing!r}")
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.cost.kv_bytes_per_token
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaFigures:
+    """What one replica did."""
+
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    prefill_tokens_computed: int
+    busy_seconds: float  # simulated time spent in steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimulationResult:
-    """Figures of one replay. Times are simulated seconds unless named wall_."""
+    """Figures of one replay. Times are simulated seconds unless named wall_.
+
+    ``hit_tokens_by_tier``: where each request's cached tokens were found at its
+    first admission (``gpu``, then each tier). ``request_imbalance`` and
+    ``work_imbalance``: the busiest replica's requests and prefill tokens computed,
+    over the mean (1.0 is perfectly even). ``offered_prefill_tokens_per_s``: the
+    prompt tokens not served from cache over the trace's arrival span (None when
+    every request arrives at once); ``servable_prefill_tokens_per_s``: what the
+    replicas compute at most (full prefill batches, no decode); ``overloaded`` when
+    the first exceeds the second, and the queue then grows for as long as that lasts.
+    """
 
     policy: str
     num_blocks: int
@@ -105,10 +173,26 @@ class SimulationResult:
     peak_usage: float
     usage_timeline: tuple[tuple[float, float], ...]
     wall_seconds: float
+    replicas: int = 1
+    routing: str = Routing.PREFIX.value
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    tier_load_seconds: float = 0.0
+    per_replica: tuple[ReplicaFigures, ...] = ()
+    request_imbalance: float = 1.0
+    work_imbalance: float = 1.0
+    offered_prefill_tokens_per_s: float | None = None
+    servable_prefill_tokens_per_s: float = 0.0
+    overloaded: bool = False
+    #: (time, requests waiting over all replicas), sampled with the usage.
+    queue_timeline: tuple[tuple[float, int], ...] = ()
+    #: (time of the first token, time to first token) of every finished request, in finishing order.
+    ttft_points: tuple[tuple[float, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["ttft_points"]  # one pair per request: for plots, not for the JSON summary
         out["usage_timeline"] = [list(p) for p in self.usage_timeline]
+        out["queue_timeline"] = [list(p) for p in self.queue_timeline]
         return out
 
 
@@ -127,15 +211,156 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-class _Live:
-    """A request on its way through the simulated engine."""
+def ttft_quantile(result: SimulationResult, percentile: float) -> float:
+    """The time to first token at ``percentile`` (0 < p < 100) of the finished requests, interpolated; 0.0 with none."""
+    if isinstance(percentile, bool) or not isinstance(percentile, int | float) or not 0 < percentile < 100:
+        raise ConfigError(f"percentile must be a number between 0 and 100 (exclusive), got {percentile!r}")
+    values = sorted(t for _, t in result.ttft_points)
+    if not values:
+        return 0.0
+    position = (len(values) - 1) * percentile / 100
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
 
-    __slots__ = ("request", "outputs", "first_hit")
+
+class _Live:
+    """A request on its way through a simulated replica."""
+
+    __slots__ = ("request", "outputs", "first_hit", "to_prefill")
 
     def __init__(self, request: Request, outputs: Sequence[int]) -> None:
         self.request = request
         self.outputs = outputs
         self.first_hit: int | None = None
+        self.to_prefill = request.num_prompt_tokens  # prompt tokens not yet computed or found cached
+
+
+class _Replica:
+    """One simulated engine: a pool (with its tiers), a scheduler, a clock, and its counters."""
+
+    def __init__(self, config: SimulationConfig, tiers: tuple[TierStore, ...], start: float) -> None:
+        self.config = config
+        self.manager = TieredManager(
+            config.num_blocks,
+            config.block_size,
+            tiers=tiers,
+            hash_algo=config.hash_algo,
+            eviction_policy=policy_factory(config.policy),
+        )
+        self.clock = start
+        self.scheduler = Scheduler(
+            self.manager,
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                chunk_detail=ChunkDetail.COUNTS,
+            ),
+            clock=lambda: self.clock,
+        )
+        self.live: dict[str, _Live] = {}
+        self.pending_prefill = 0  # the load a router sees: prompt tokens still to prefill here
+        self.requests = self.prompt_tokens = self.hit_tokens = self.computed = self.saved = 0
+        self.full_blocks = self.hit_blocks = 0
+        self.by_tier = [0] * len(tiers)
+        self.load_seconds = self.busy_seconds = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def add(self, trace_request: TraceRequest, request: Request) -> bool:
+        """Queue a request; False when it could never fit in this pool."""
+        stop = StopConditions(max_tokens=max(1, trace_request.output_length))
+        try:
+            self.scheduler.add_request(request, stop, arrival_time=trace_request.arrival_ms / 1000)
+        except CapacityError:
+            return False
+        # An idle replica's clock jumps to the arrival; a busy one's is already past it (see simulate).
+        self.clock = max(self.clock, trace_request.arrival_ms / 1000)
+        self.live[request.request_id] = _Live(request, trace_request.output_token_ids())
+        self.requests += 1
+        self.prompt_tokens += request.num_prompt_tokens
+        self.pending_prefill += request.num_prompt_tokens
+        return True
+
+    def step(self) -> list[RequestMetrics]:
+        """Plan, time and apply one step; the finished requests' figures."""
+        config, manager, scheduler = self.config, self.manager, self.scheduler
+        output = scheduler.schedule()
+        if output.is_empty:
+            raise CapacityError(
+                "the simulated engine cannot make progress: the pool is too small for any waiting request"
+            )
+        for rid in output.preempted:  # its prompt will be computed again (less what it then finds cached)
+            entry = self.live[rid]
+            self.pending_prefill += entry.request.num_prompt_tokens - entry.to_prefill
+            entry.to_prefill = entry.request.num_prompt_tokens
+        prefill_tokens = decode_seqs = 0
+        sampled = {}
+        bs = config.block_size
+        for chunk in output.chunks:
+            entry = self.live[chunk.request_id]
+            request = entry.request
+            if entry.first_hit is None:
+                entry.first_hit = chunk.num_cached_tokens
+                self._count_first_hit(request, chunk.num_cached_tokens)
+                full = request.num_prompt_tokens // bs
+                self.full_blocks += full
+                self.hit_blocks += min(full, chunk.num_cached_tokens // bs)
+            self.saved += chunk.num_cached_tokens
+            end = chunk.start_position + chunk.num_tokens
+            left = max(0, request.num_prompt_tokens - end)
+            self.pending_prefill -= entry.to_prefill - left
+            entry.to_prefill = left
+            if end <= request.num_prompt_tokens or chunk.num_tokens > 1:
+                prefill_tokens += chunk.num_tokens
+            else:
+                decode_seqs += 1
+            if chunk.sample:
+                n = request.num_output_tokens
+                outputs = entry.outputs
+                sampled[chunk.request_id] = outputs[n] if n < len(outputs) else 0
+        self.computed += prefill_tokens
+        seconds = config.cost.step_seconds(prefill_tokens, decode_seqs)
+        block_bytes = config.block_bytes
+        for t, blocks in manager.take_loads():
+            load = manager.tiers[t].spec.load_seconds(blocks, block_bytes)
+            self.load_seconds += load
+            seconds += load
+        self.clock += seconds
+        self.busy_seconds += seconds
+        done = scheduler.update(output, sampled)
+        for metrics in done:
+            del self.live[metrics.request_id]
+            manager.loaded.pop(metrics.request_id, None)
+            scheduler.forget(metrics.request_id)
+        return done
+
+    def _count_first_hit(self, request: Request, num_cached: int) -> None:
+        self.hit_tokens += num_cached
+        loaded = self.manager.loaded.pop(request.request_id, None)
+        if loaded is None:
+            return
+        left = num_cached  # a load whose blocks were evicted again before admission counts only once
+        for t, tokens in enumerate(loaded):
+            take = min(tokens, left)
+            self.by_tier[t] += take
+            left -= take
+
+    def figures(self) -> ReplicaFigures:
+        return ReplicaFigures(
+            requests=self.requests,
+            prompt_tokens=self.prompt_tokens,
+            hit_tokens=self.hit_tokens,
+            prefill_tokens_computed=self.computed,
+            busy_seconds=self.busy_seconds,
+        )
+
+
+def _imbalance(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean else 1.0
 
 
 def simulate(
@@ -146,43 +371,31 @@ def simulate(
 ) -> SimulationResult:
     """Replay ``trace`` (sorted by arrival) and return the figures.
 
-    A request that could never fit in the pool, even alone, is not admitted:
-    it counts in ``rejected`` and the replay goes on. ``progress`` is called
-    with the number of requests that finished since the last call.
+    A request that could never fit in a replica's pool, even alone, is not
+    admitted: it counts in ``rejected`` and the replay goes on. ``progress`` is
+    called with the number of requests that finished since the last call.
     """
     started = time.perf_counter()
     requests = sorted(trace, key=lambda r: r.arrival_ms)
-    manager = KVCacheManager(
-        config.num_blocks,
-        config.block_size,
-        hash_algo=config.hash_algo,
-        eviction_policy=policy_factory(config.policy),
-    )
-    clock = [0.0]
-    scheduler = Scheduler(
-        manager,
-        SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            chunk_detail=ChunkDetail.COUNTS,
-        ),
-        clock=lambda: clock[0],
-    )
-    cost = config.cost
-    live: dict[str, _Live] = {}
-    hits: list[int] = []
-    full_blocks = hit_blocks = 0
+    first_arrival = requests[0].arrival_ms / 1000 if requests else 0.0
+    shared: dict[TierKind, TierStore] = {}
+    replicas = [_Replica(config, chain(config.tiers, shared), first_arrival) for _ in range(config.replicas)]
+    rule = chooser(config.routing, load_cost=1 / config.block_size)
+    wants_prefixes = config.routing is Routing.PREFIX and len(replicas) > 1
+    no_prefixes = [0] * len(replicas)
     ttfts: list[float] = []
     queues: list[float] = []
-    prompt_tokens = output_tokens = rejected = saved = computed_prefill = 0
+    ttft_points: list[tuple[float, float]] = []
+    output_tokens = rejected = 0
     timeline: list[tuple[float, float]] = [(0.0, 0.0)]
-    next_sample = config.usage_interval_s
+    queue_timeline: list[tuple[float, int]] = [(0.0, 0)]
+    next_sample = first_arrival + config.usage_interval_s
     peak = 0.0
-    first_arrival = requests[0].arrival_ms / 1000 if requests else 0.0
-    clock[0] = first_arrival
     i = 0
-    while i < len(requests) or scheduler.has_unfinished_requests():
-        while i < len(requests) and requests[i].arrival_ms / 1000 <= clock[0]:
+    while True:
+        busy = [r for r in replicas if r.busy]
+        stepping = min(busy, key=lambda r: r.clock) if busy else None
+        if i < len(requests) and (stepping is None or requests[i].arrival_ms / 1000 <= stepping.clock):
             trace_request = requests[i]
             i += 1
             request = Request(
@@ -191,65 +404,54 @@ def simulate(
                 cache_salt=trace_request.cache_salt,
                 lora_name=trace_request.lora_name,
             )
-            stop = StopConditions(max_tokens=max(1, trace_request.output_length))
-            try:
-                scheduler.add_request(request, stop, arrival_time=trace_request.arrival_ms / 1000)
-            except CapacityError:
+            if len(replicas) == 1:
+                target = replicas[0]
+            else:
+                cached = (
+                    [r.manager.cached_prefix_tokens(request) // config.block_size for r in replicas]
+                    if wants_prefixes
+                    else no_prefixes
+                )
+                target = replicas[rule.choose(cached, [r.pending_prefill for r in replicas])]
+            if not target.add(trace_request, request):
                 rejected += 1
                 if progress is not None:
                     progress(1)
-                continue
-            live[request.request_id] = _Live(request, trace_request.output_token_ids())
-            prompt_tokens += request.num_prompt_tokens
-        if not scheduler.has_unfinished_requests():
-            if i == len(requests):  # the last arrivals were all rejected
-                break
-            clock[0] = max(clock[0], requests[i].arrival_ms / 1000)
             continue
-        output = scheduler.schedule()
-        if output.is_empty:
-            raise CapacityError(
-                "the simulated engine cannot make progress: the pool is too small for any waiting request"
-            )
-        prefill_tokens = decode_seqs = 0
-        sampled = {}
-        for chunk in output.chunks:
-            entry = live[chunk.request_id]
-            if entry.first_hit is None:
-                entry.first_hit = chunk.num_cached_tokens
-                hits.append(chunk.num_cached_tokens)
-                full = entry.request.num_prompt_tokens // config.block_size
-                full_blocks += full
-                hit_blocks += min(full, chunk.num_cached_tokens // config.block_size)
-            saved += chunk.num_cached_tokens
-            if chunk.start_position + chunk.num_tokens <= entry.request.num_prompt_tokens or chunk.num_tokens > 1:
-                prefill_tokens += chunk.num_tokens
-            else:
-                decode_seqs += 1
-            if chunk.sample:
-                n = entry.request.num_output_tokens
-                outputs = entry.outputs
-                sampled[chunk.request_id] = outputs[n] if n < len(outputs) else 0
-        computed_prefill += prefill_tokens
-        clock[0] += cost.step_seconds(prefill_tokens, decode_seqs)
-        usage = manager.usage
-        peak = max(peak, usage)
-        if clock[0] >= next_sample:
-            timeline.append((clock[0] - first_arrival, usage))
-            next_sample = clock[0] + config.usage_interval_s
-        done = scheduler.update(output, sampled)
+        if stepping is None:
+            break
+        done = stepping.step()
+        now = stepping.clock
+        usage = sum(r.manager.usage for r in replicas) / len(replicas)
+        peak = max(peak, stepping.manager.usage)
+        if now >= next_sample:
+            timeline.append((now - first_arrival, usage))
+            queue_timeline.append((now - first_arrival, sum(r.scheduler.num_waiting for r in replicas)))
+            next_sample = now + config.usage_interval_s
         for metrics in done:
-            del live[metrics.request_id]
-            scheduler.forget(metrics.request_id)
             output_tokens += metrics.num_output_tokens
             if metrics.time_to_first_token is not None:
                 ttfts.append(metrics.time_to_first_token)
+                ttft_points.append(
+                    (metrics.arrival_time + metrics.time_to_first_token - first_arrival, metrics.time_to_first_token)
+                )
             if metrics.queue_time is not None:
                 queues.append(metrics.queue_time)
         if done and progress is not None:
             progress(len(done))
-    span = max(clock[0] - first_arrival, 1e-9)
-    hit_tokens = sum(hits)
+    end = max(r.clock for r in replicas)
+    span = max(end - first_arrival, 1e-9)
+    prompt_tokens = sum(r.prompt_tokens for r in replicas)
+    hit_tokens = sum(r.hit_tokens for r in replicas)
+    full_blocks = sum(r.full_blocks for r in replicas)
+    by_tier = {"gpu": hit_tokens - sum(sum(r.by_tier) for r in replicas)}
+    for t, spec in enumerate(config.tiers):
+        by_tier[spec.name] = sum(r.by_tier[t] for r in replicas)
+    arrival_span = (requests[-1].arrival_ms / 1000 - first_arrival) if requests else 0.0
+    offered = (prompt_tokens - hit_tokens) / arrival_span if arrival_span > 0 else None
+    servable = len(replicas) * config.cost.servable_prefill_tokens_per_s(config.max_num_batched_tokens)
+    ttfts.sort()
+    queues.sort()
     return SimulationResult(
         policy=config.policy,
         num_blocks=config.num_blocks,
@@ -259,21 +461,33 @@ def simulate(
         prompt_tokens=prompt_tokens,
         hit_tokens=hit_tokens,
         token_hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
-        block_hit_rate=hit_blocks / full_blocks if full_blocks else 0.0,
-        prefill_tokens_computed=computed_prefill,
-        prefill_tokens_saved=saved,
-        evictions=manager.pool.num_evictions,
-        preemptions=scheduler.num_preemptions,
+        block_hit_rate=sum(r.hit_blocks for r in replicas) / full_blocks if full_blocks else 0.0,
+        prefill_tokens_computed=sum(r.computed for r in replicas),
+        prefill_tokens_saved=sum(r.saved for r in replicas),
+        evictions=sum(r.manager.pool.num_evictions for r in replicas),
+        preemptions=sum(r.scheduler.num_preemptions for r in replicas),
         output_tokens=output_tokens,
         simulated_seconds=span,
         output_tokens_per_s=output_tokens / span,
         prompt_tokens_per_s=prompt_tokens / span,
-        ttft_p50_s=_quantile(sorted(ttfts), 0.50),
-        ttft_p90_s=_quantile(sorted(ttfts), 0.90),
-        ttft_p99_s=_quantile(sorted(ttfts), 0.99),
-        queue_p50_s=_quantile(sorted(queues), 0.50),
-        queue_p90_s=_quantile(sorted(queues), 0.90),
+        ttft_p50_s=_quantile(ttfts, 0.50),
+        ttft_p90_s=_quantile(ttfts, 0.90),
+        ttft_p99_s=_quantile(ttfts, 0.99),
+        queue_p50_s=_quantile(queues, 0.50),
+        queue_p90_s=_quantile(queues, 0.90),
         peak_usage=peak,
         usage_timeline=tuple(timeline),
         wall_seconds=time.perf_counter() - started,
+        replicas=len(replicas),
+        routing=config.routing.value,
+        hit_tokens_by_tier=by_tier,
+        tier_load_seconds=sum(r.load_seconds for r in replicas),
+        per_replica=tuple(r.figures() for r in replicas),
+        request_imbalance=_imbalance([r.requests for r in replicas]),
+        work_imbalance=_imbalance([r.computed for r in replicas]),
+        offered_prefill_tokens_per_s=offered,
+        servable_prefill_tokens_per_s=servable,
+        overloaded=offered is not None and offered > servable,
+        queue_timeline=tuple(queue_timeline),
+        ttft_points=tuple(ttft_points),
     )
