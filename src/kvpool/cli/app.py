@@ -48,6 +48,9 @@ from kvpool.cli.generate import chat, generate  # noqa: E402
 
 cli.add_command(generate)
 cli.add_command(chat)
+from kvpool.cli.serve import serve  # noqa: E402
+
+cli.add_command(serve)
 from kvpool.cli.route import route  # noqa: E402
 
 cli.add_command(route)

@@ -102,7 +102,7 @@ class EngineLoop:
         self.engine = engine
         self.max_waiting = max_waiting
         self._hooks = tuple(hooks)
-        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[Any]] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -153,6 +153,10 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once); a finished or unknown one is left alone."""
         self._inbox.put(lambda: self._abort(request_id))
+
+    def run_soon(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run ``fn(engine)`` on the engine thread before its next step (thread-safe, returns at once)."""
+        self._inbox.put(lambda: fn(self.engine))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """``fn(engine)`` run on the engine thread between steps; its result (or error)."""

@@ -175,6 +175,15 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+def _utf8(text: str, param: str) -> str:
+    """``text``, refused if it holds a lone surrogate (JSON can carry one; no tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"'{param}' is not valid Unicode (it holds a lone surrogate)", param) from None
+    return text
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Options that would change the answer and that kvpool does not implement: refused, not ignored."""
     n = body.get("n")
@@ -241,7 +250,7 @@ def _cache_salt(body: Mapping[str, Any]) -> str | None:
         return None
     if not isinstance(salt, str) or not salt:
         raise bad_request(f"'cache_salt' must be a non-empty string, got {salt!r}", "cache_salt")
-    return salt
+    return _utf8(salt, "cache_salt")
 
 
 def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
@@ -251,7 +260,7 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' is empty", "prompt")
-        return prompt
+        return _utf8(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if any(t < 0 for t in prompt):
             raise bad_request("'prompt' token IDs must be >= 0", "prompt")
@@ -266,13 +275,13 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
 def _content(message: Mapping[str, Any], i: int) -> str:
     content = message.get("content")
     if isinstance(content, str):
-        return content
+        return _utf8(content, f"messages[{i}].content")
     if isinstance(content, list):  # content parts: only text is served
         texts = []
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            texts.append(part["text"])
+            texts.append(_utf8(part["text"], f"messages[{i}].content"))
         return "".join(texts)
     if content is None and message.get("role") == "assistant":
         return ""

@@ -1,0 +1,168 @@
+"""``kvpool serve``: the engine behind an OpenAI-compatible HTTP API (the ``serve`` extra).
+
+It takes the engine flags of ``kvpool generate`` (their definitions are
+``generate``'s, reused here), starts the engine once, and serves it with
+uvicorn. Tenants, cache salts and the metrics gate follow
+:mod:`kvpool.tenancy` and :mod:`kvpool.serve`; what the server decided about
+them (one tenant or many, where the secret comes from, isolation off) is said
+at start on stderr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from kvpool.cli import generate as generate_command
+from kvpool.cli.params import POSITIVE_INT, reports_errors, require_extra
+
+__all__ = ["serve"]
+
+_log = generate_command._log
+
+
+def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``generate``'s own options for the engine fields (``_ENGINE_FLAGS``), not its sampling ones."""
+    probe: Any = generate_command._engine_options(lambda **kw: None)
+    wanted = set(generate_command._ENGINE_FLAGS)
+    params: list[click.Parameter] = [p for p in probe.__click_params__ if p.name in wanted]
+    target: Any = command
+    target.__click_params__ = [*getattr(command, "__click_params__", []), *params]
+    return command
+
+
+def _engine_options(kw: dict[str, Any]) -> dict[str, Any]:
+    """The engine flags as ``EngineOptions`` fields (``generate``'s mapping, 'auto' memory included)."""
+    options = {name: kw.pop(name) for name in generate_command._ENGINE_FLAGS}
+    memory = options.get("kv_cache_memory")
+    if isinstance(memory, str) and memory.strip().lower() == "auto":
+        options["kv_cache_memory"] = None
+    return options
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port.")
+@click.option(
+    "--served-model-name", default=None, help="The name clients send as 'model' [default: the --model value]."
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="JSON object: API key -> tenant name. Without it the server is single-tenant and needs no key.",
+)
+@click.option(
+    "--tenant-secret-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The secret tenant cache salts are derived with [default: a fresh one per start].",
+)
+@click.option(
+    "--no-tenant-isolation",
+    is_flag=True,
+    help="Let every tenant share one prefix cache (the client's cache_salt passes through). Leaks prompts.",
+)
+@click.option(
+    "--admin-key-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Keys (one a line) that open /metrics, /health?verbose and /kv-events beyond the loopback interface.",
+)
+@click.option(
+    "--max-body-bytes", type=POSITIVE_INT, default=1 << 20, show_default=True, help="Largest request body (413)."
+)
+@click.option("--max-waiting", type=POSITIVE_INT, default=256, show_default=True, help="Waiting requests before 429.")
+@click.option("--metrics-prefix", default="kvpool:", show_default=True, help="Metric name prefix ('vllm:' for vLLM's).")
+@click.option("--kv-events-endpoint", default=None, help="Publish KV cache events on this ZeroMQ endpoint.")
+@click.option("--kv-events-replay-endpoint", default=None, help="Serve replays of missed KV events here.")
+@_engine_flags
+@reports_errors("serve")
+def serve(
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    api_key_file: str | None,
+    tenant_secret_file: str | None,
+    no_tenant_isolation: bool,
+    admin_key_file: str | None,
+    max_body_bytes: int,
+    max_waiting: int,
+    metrics_prefix: str,
+    kv_events_endpoint: str | None,
+    kv_events_replay_endpoint: str | None,
+    **kw: Any,
+) -> None:
+    """Serve the model over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models).
+
+    Also /health (?verbose=1: requests, owned blocks, the pool's invariants),
+    /metrics (Prometheus) and /kv-events when events are configured.
+    """
+    require_extra("serve", "engine", "torch", "transformers")
+    require_extra("serve", "serve", "starlette", "uvicorn", "prometheus_client")
+    from kvpool.serve.metrics import check_prefix
+    from kvpool.tenancy import KeyRing, SaltPolicy, load_secret
+
+    check_prefix(metrics_prefix)
+    api_keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
+    admin_keys = None if admin_key_file is None else KeyRing.load_lines(admin_key_file, "admin")
+    if no_tenant_isolation:
+        salts = SaltPolicy.shared()
+    else:
+        secret, generated = load_secret(tenant_secret_file)
+        salts = SaltPolicy.isolated(secret)
+    if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
+        raise click.UsageError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+
+    engine = _start_engine(_engine_options(kw))
+    model_name = served_model_name or str(kw.get("model") or engine.setup.model_name)
+    if api_keys is None:
+        _log("single-tenant: no --api-key-file, so every request is one tenant's and needs no API key")
+    else:
+        _log(f"{len(api_keys.names)} tenants, {len(api_keys)} API keys from {api_key_file}")
+    if no_tenant_isolation:
+        _log(
+            "WARNING: --no-tenant-isolation: all tenants share one prefix cache; a tenant can tell from "
+            "cached_tokens or time to first token which prompts another tenant sent"
+        )
+    elif generated:
+        _log("tenant cache salts use a secret generated at start (--tenant-secret-file keeps one across restarts)")
+    else:
+        _log(f"tenant cache salts use the secret in {tenant_secret_file}")
+    from kvpool.serve import ServeConfig
+
+    config = ServeConfig(
+        model_name=model_name,
+        api_keys=api_keys,
+        salts=salts,
+        admin_keys=admin_keys,
+        max_body_bytes=max_body_bytes,
+        max_waiting=max_waiting,
+        metrics_prefix=metrics_prefix,
+    )
+    _run(engine, config, host, port)
+
+
+def _start_engine(options: dict[str, Any]) -> Any:
+    import transformers
+
+    from kvpool.engine.llm_engine import LLMEngine
+
+    hf_logging: Any = transformers.utils.logging  # its functions carry no annotations
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    engine = LLMEngine(**options, log=_log)
+    _log(f"ready in {engine.setup.startup_seconds:.1f} s")
+    return engine
+
+
+def _run(engine: Any, config: Any, host: str, port: int) -> None:
+    import uvicorn
+
+    from kvpool.serve import build_app
+
+    app = build_app(engine, config)
+    _log(f"serving {config.model_name!r} on http://{host}:{port}/v1")
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
