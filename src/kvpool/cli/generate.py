@@ -18,6 +18,7 @@ import click
 
 from kvpool.cli.params import fail, require_extra
 from kvpool.errors import KVPoolError
+from kvpool.hashing import HashAlgo
 
 __all__ = ["chat", "generate"]
 
@@ -25,7 +26,7 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 
 
 #: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
-_ENGINE_FLAGS = ("model", "block_size", "max_model_len", "kv_cache_memory", "device")
+_ENGINE_FLAGS = ("model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo")
 
 
 def _log(line: str) -> None:
@@ -52,6 +53,10 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-model-len", type=int, default=None, help="Tokens per request [default: the model's context]."),
         click.option("--cache-salt", default=None, help="Requests with different salts never share cached blocks."),
         click.option("--device", default=None, help="cpu or cuda [default: cuda when available]."),
+        click.option(
+            "--hash", "hash_algo", type=click.Choice([a.value for a in HashAlgo]), default=HashAlgo.SHA256.value,
+            show_default=True, help="Block hash: kvpool's chain, or vLLM's sha256 / sha256_cbor (hashes identical to vLLM's).",
+        ),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)

@@ -138,6 +138,8 @@ class LLMEngine:
             enable_caching=chosen.enable_prefix_caching,
             max_model_len=setup.max_model_len,
             groups=setup.groups,
+            hash_algo=chosen.hash_algo,
+            enable_events=chosen.enable_kv_events,
         )
         #: The KV offload tiers (``kv_tiers``), or None.
         self.kv_tiers: KVTiers | None = build_kv_tiers(

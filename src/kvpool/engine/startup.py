@@ -60,6 +60,7 @@ from kvpool.engine.memory import (
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.model_store import load_model, pending_conversion, resolve_model
 from kvpool.errors import ConfigError
+from kvpool.hashing import HashAlgo
 from kvpool.model_config import max_position_embeddings, serving_dtype
 from kvpool.model_layers import layer_sliding_windows, layer_specs_from_config
 from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_cache
@@ -93,6 +94,11 @@ class EngineOptions:
         dtype: weight and cache dtype; None picks float32 on the CPU and the
             model's serving dtype on CUDA.
         device: ``"cpu"`` or ``"cuda"``; None picks CUDA when available.
+        hash_algo: block hash (a :class:`kvpool.HashAlgo` name): kvpool's
+            ``"kvpool_sha256"``, or vLLM's ``"sha256"`` / ``"sha256_cbor"``
+            when routers compute the hashes as vLLM does.
+        enable_kv_events: record KV cache events (``manager.take_events()``)
+            for a publisher (:mod:`kvpool.kv_events`).
         kv_tiers: KV offload tiers in lookup order (``"cpu:4GiB"``,
             ``"disk:/path:50GiB"``, ``"redis://host:6379/0"``; see
             :mod:`kvpool.engine.kv_transfer`); empty means none.
@@ -110,6 +116,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     dtype: torch.dtype | str | None = None
     device: torch.device | str | None = None
+    hash_algo: str = HashAlgo.SHA256.value
+    enable_kv_events: bool = False
     kv_tiers: tuple[str, ...] = ()
     kv_tier_secret_file: str | os.PathLike[str] | None = None
 
@@ -135,6 +143,9 @@ class EngineOptions:
             raise ConfigError(f"dtype must be a torch.dtype, a name such as 'bfloat16', or None, got {self.dtype!r}")
         if self.device is not None and not isinstance(self.device, (str, torch.device)):
             raise ConfigError(f"device must be 'cpu', 'cuda', a torch.device or None, got {self.device!r}")
+        object.__setattr__(self, "hash_algo", HashAlgo.parse(self.hash_algo).value)
+        if not isinstance(self.enable_kv_events, bool):
+            raise ConfigError(f"enable_kv_events must be a bool, got {self.enable_kv_events!r}")
         object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
         secret = self.kv_tier_secret_file
         if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
