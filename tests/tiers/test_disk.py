@@ -252,7 +252,9 @@ def test_a_full_disk_stops_saves_not_loads(tmp_path, codec, monkeypatch, caplog)
     assert not list(tmp_path.rglob("*.tmp"))  # the failed writes left nothing behind
     monkeypatch.setattr(os, "replace", real_replace)
     now[0] = 20.0
+    caplog.set_level(logging.WARNING, logger="kvpool.tiers")
     assert store.put_many(items([7])) == 1 and store.get_many([block_key(7)]) == [payload(7)]
+    assert any("work again" in r.getMessage() for r in caplog.records)
     assert store.used_bytes == 4 * ENTRY
 
 

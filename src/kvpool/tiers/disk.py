@@ -242,6 +242,10 @@ class DiskStore:
             return False
         with self._lock:
             self._counters.stats.bytes_written += len(entry)
+            if self._saves_paused_until > float("-inf"):  # the first save after a failed one
+                self._saves_paused_until = float("-inf")
+                self._counters.forget_warning("write")
+                _log.warning("kvpool disk tier: saves to %s work again", self.root)
         return True
 
     def _write(self, path: Path, entry: bytes) -> None:
