@@ -8,11 +8,12 @@ Run::
 
 Each figure is the median of ``--repeats`` batches of ``--batch`` blocks of ``--block-bytes``
 random bytes (1 MiB by default; SmolLM2-135M's 16-token block is 360 KiB), every batch under
-fresh keys, so saves really write and loads really read. ``put_many``/``get_many`` include
-encoding and verifying entries (one SHA-256 pass over each payload, one copy); the "raw" rows do
-the same I/O without entries (files written with os.replace, Redis SET/MGET), measured in the
-same run, so the ratio is what the entry format and bookkeeping cost. Disk loads come from the
-page cache when the machine has the memory for it (they do here), so they measure the store's
+fresh keys, so saves really write and loads really read. The rows take turns on each batch, so
+whatever else the machine is doing weighs on all of them alike. ``put_many``/``get_many``
+include encoding and verifying entries (one SHA-256 pass over each payload, one copy); the
+"raw" rows do the same I/O without entries (files written with os.replace, Redis SET/MGET), so
+the ratio is what the entry format and bookkeeping cost. Disk loads come from the page cache
+when the machine has the memory for it (they do here), so they measure the store's
 own cost, not the device's.
 """
 
@@ -40,31 +41,16 @@ LAYOUT = LayoutFingerprint("LlamaForCausalLM", 30, 3, 64, "bfloat16", 16, "sha25
 Batch = list[tuple[bytes, bytes]]
 
 
-def batches(repeats: int, batch: int, block_bytes: int) -> list[Batch]:
-    noise = os.urandom(block_bytes + repeats * batch)
-    out = []
-    for r in range(repeats):
-        keys = [os.urandom(32) for _ in range(batch)]
-        out.append([(k, noise[r * batch + i : r * batch + i + block_bytes]) for i, k in enumerate(keys)])
-    return out
+def one_batch(batch: int, block_bytes: int) -> Batch:
+    """``batch`` blocks of random bytes under fresh random keys."""
+    noise = os.urandom(block_bytes + batch)
+    return [(os.urandom(32), noise[i : i + block_bytes]) for i in range(batch)]
 
 
-def rate(payload_bytes: int, seconds: Sequence[float]) -> float:
-    return payload_bytes / statistics.median(seconds) / 1e9
-
-
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[Batch], object], batch: Batch) -> float:
     start = time.perf_counter()
-    fn()
+    fn(batch)
     return time.perf_counter() - start
-
-
-def measure(save: Callable[[Batch], object], load: Callable[[Batch], object], data: list[Batch]) -> tuple[float, float]:
-    """GB/s of payload saved and loaded: the median over the batches."""
-    size = sum(len(p) for _k, p in data[0])
-    saves = [timed(lambda b=b: save(b)) for b in data]
-    loads = [timed(lambda b=b: load(b)) for b in data]
-    return rate(size, saves), rate(size, loads)
 
 
 def raw_disk(root: Path) -> tuple[Callable[[Batch], object], Callable[[Batch], object]]:
@@ -129,15 +115,12 @@ def private_redis() -> Iterator[str]:
             process.wait()
 
 
-def run(args: argparse.Namespace, redis_url: str | None, disk_dir: Path) -> list[tuple[str, float, float]]:
-    codec = EntryCodec(LAYOUT, b"bench secret" if args.secret else None)
-    rows: list[tuple[str, float, float]] = []
+Row = tuple[str, Callable[[Batch], object], Callable[[Batch], object]]
 
-    def row(name: str, save: Callable[[Batch], object], load: Callable[[Batch], object]) -> None:
-        data = batches(args.repeats, args.batch, args.block_bytes)
-        put, get = measure(save, load, data)
-        rows.append((name, put, get))
-        print(f"  {name:<34} save {put:6.2f} GB/s   load {get:6.2f} GB/s", file=sys.stderr, flush=True)
+
+def rows_to_measure(args: argparse.Namespace, redis_url: str | None, disk_dir: Path) -> list[Row]:
+    codec = EntryCodec(LAYOUT, b"bench secret" if args.secret else None)
+    encoded: dict[bytes, bytes] = {}
 
     def checked_get(store: DiskStore | RedisStore) -> Callable[[Batch], object]:
         def load(batch: Batch) -> None:
@@ -146,25 +129,40 @@ def run(args: argparse.Namespace, redis_url: str | None, disk_dir: Path) -> list
 
         return load
 
-    encoded: dict[bytes, bytes] = {}
-    row(
-        "entry codec only (encode / decode)",
-        lambda batch: encoded.update((k, codec.encode(k, p)) for k, p in batch),
-        lambda batch: [codec.decode(k, encoded[k]) for k, _p in batch],
-    )
-    encoded.clear()
     capacity = 2 * args.repeats * args.batch * (args.block_bytes + 4096)
     disk = DiskStore(disk_dir / "store", capacity, codec)
-    row("disk: DiskStore put_many/get_many", disk.put_many, checked_get(disk))
-    save, load = raw_disk(disk_dir / "raw")
-    row("disk: raw files (no entries)", save, load)
+    rows: list[Row] = [
+        (
+            "entry codec only (encode / decode)",
+            lambda batch: encoded.update((k, codec.encode(k, p)) for k, p in batch),
+            lambda batch: [codec.decode(k, encoded.pop(k)) for k, _p in batch],
+        ),
+        ("disk: DiskStore put_many/get_many", disk.put_many, checked_get(disk)),
+        ("disk: raw files (no entries)", *raw_disk(disk_dir / "raw")),
+    ]
     if redis_url is not None:
         redis_store = RedisStore(redis_url, codec)
-        row("redis: RedisStore put_many/get_many", redis_store.put_many, checked_get(redis_store))
-        save, load = raw_redis(redis_url)
-        row("redis: raw SET/MGET (no entries)", save, load)
-        assert redis_store.stats.errors == 0, redis_store.stats
+        rows.append(("redis: RedisStore put_many/get_many", redis_store.put_many, checked_get(redis_store)))
+        rows.append(("redis: raw SET/MGET (no entries)", *raw_redis(redis_url)))
     return rows
+
+
+def run(args: argparse.Namespace, redis_url: str | None, disk_dir: Path) -> list[tuple[str, float, float]]:
+    """Median save and load GB/s per row; the rows take turns on each batch, so load on the machine hits all alike."""
+    rows = rows_to_measure(args, redis_url, disk_dir)
+    saves: dict[str, list[float]] = {name: [] for name, _s, _l in rows}
+    loads: dict[str, list[float]] = {name: [] for name, _s, _l in rows}
+    size = args.batch * args.block_bytes
+    for repeat in range(args.repeats):
+        batch = one_batch(args.batch, args.block_bytes)
+        for name, save, load in rows:
+            saves[name].append(timed(save, batch))
+            loads[name].append(timed(load, batch))
+        print(f"  batch {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    return [
+        (name, size / statistics.median(saves[name]) / 1e9, size / statistics.median(loads[name]) / 1e9)
+        for name, _s, _l in rows
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> list[tuple[str, float, float]]:
