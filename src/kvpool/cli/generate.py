@@ -4,11 +4,17 @@ Both start the engine the way a server does and log it (model, dtype, device,
 KV blocks, the capacity line) on stderr, stream the generated text to stdout
 as it is produced, and log one line of figures per request. Bad input is one
 line on stderr and exit status 2.
+
+``--kv-tier`` (repeatable, in lookup order) adds KV offload tiers below the
+pool: ``cpu:4GiB``, ``disk:/var/cache/kvpool:50GiB``, ``redis://host:6379/0``
+(see :mod:`kvpool.engine.kv_transfer`). ``generate --json`` prints one JSON
+object per request instead of the text (:func:`request_json`).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +32,12 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 
 
 #: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
-_ENGINE_FLAGS = ("model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo")
+_ENGINE_FLAGS = (
+    "model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo", "kv_tiers", "kv_tier_secret_file",
+)  # fmt: skip
+
+#: The sources ``--json`` always reports, in this order (the pool, then the tier kinds).
+TIER_NAMES = ("gpu", "cpu", "disk", "redis")
 
 
 def _log(line: str) -> None:
@@ -57,6 +68,15 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--hash", "hash_algo", type=click.Choice([a.value for a in HashAlgo]), default=HashAlgo.SHA256.value,
             show_default=True, help="Block hash: kvpool's chain, or vLLM's sha256 / sha256_cbor (hashes identical to vLLM's).",
         ),
+        click.option(
+            "--kv-tier", "kv_tiers", metavar="SPEC", multiple=True,
+            help="A KV offload tier, repeatable, in lookup order: cpu:4GiB, disk:/path:50GiB, "
+            "redis://host:6379/0 (rediss:// for TLS).",
+        ),
+        click.option(
+            "--kv-tier-secret-file", type=click.Path(dir_okay=False), default=None,
+            help="File holding the secret that signs KV tier entries (HMAC); replicas sharing a tier share it.",
+        ),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)
@@ -75,20 +95,43 @@ def _setup(command: str, kw: dict[str, Any]) -> tuple[Any, Any]:
     for name in ("top_p", "top_k", "seed"):
         if kw[name] is not None:
             sampling[name] = kw[name]
-    memory = kw["kv_cache_memory"]
     params = SamplingParams(**sampling)
     hf_logging: Any = transformers.utils.logging  # its functions carry no annotations
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    options = {name: kw[name] for name in _ENGINE_FLAGS}  # the flags are EngineOptions fields, by name
-    options["kv_cache_memory"] = None if memory.strip().lower() == "auto" else memory
-    engine = LLMEngine(**options, log=_log)
+    engine = LLMEngine(**engine_options(kw), log=_log)
     _log(f"ready in {engine.setup.startup_seconds:.1f} s")
     return engine, params
 
 
-def _stream(engine: Any, request_id: str) -> Any:
-    """Print a request's text as it is produced; return its output."""
+def engine_options(kw: dict[str, Any]) -> dict[str, Any]:
+    """The engine flags among a command's parameters, as :class:`~kvpool.engine.startup.EngineOptions` fields."""
+    options = {name: kw[name] for name in _ENGINE_FLAGS}  # the flags are EngineOptions fields, by name
+    memory = options["kv_cache_memory"]
+    if isinstance(memory, str) and memory.strip().lower() == "auto":
+        options["kv_cache_memory"] = None
+    options["kv_tiers"] = tuple(options["kv_tiers"] or ())
+    return options
+
+
+def request_json(output: Any) -> dict[str, Any]:
+    """One finished request as ``generate --json`` prints it."""
+    by_tier = output.cached_tokens_by_tier
+    return {
+        "request_id": output.request_id,
+        "text": output.text,
+        "num_prompt_tokens": output.num_prompt_tokens,
+        "num_cached_tokens": output.num_cached_tokens,
+        "cached_tokens_by_tier": {name: by_tier.get(name, 0) for name in TIER_NAMES},
+        "num_computed_tokens": output.num_computed_tokens,
+        "num_output_tokens": output.num_output_tokens,
+        "time_to_first_token": output.time_to_first_token,
+        "finish_reason": output.finish_reason.value,
+    }
+
+
+def _stream(engine: Any, request_id: str, *, echo: bool = True) -> Any:
+    """Print a request's text as it is produced (unless ``echo`` is off); return its output."""
     from kvpool.engine.outputs import request_log_line
 
     output = None
@@ -96,12 +139,13 @@ def _stream(engine: Any, request_id: str) -> Any:
         for delta in engine.step():
             if delta.request_id != request_id:
                 continue
-            if delta.text:
+            if delta.text and echo:
                 click.echo(delta.text, nl=False)
                 sys.stdout.flush()
             if delta.output is not None:
                 output = delta.output
-    click.echo()
+    if echo:
+        click.echo()
     _log(request_log_line(output))
     return output
 
@@ -127,13 +171,18 @@ def _guard(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 @_engine_options
 @click.option("--repeat", type=int, default=1, show_default=True, help="Send the prompt N times, one after another.")
 @click.option("--raw", is_flag=True, help="Send the prompt as plain text, not through the chat template.")
+@click.option(
+    "--json", "as_json", is_flag=True,
+    help="Print one JSON object per request (text, token counts, cached tokens by tier, time to first token).",
+)  # fmt: skip
 @_guard("generate")
-def generate(prompt: str, repeat: int, raw: bool, **kw: Any) -> None:
+def generate(prompt: str, repeat: int, raw: bool, as_json: bool, **kw: Any) -> None:
     """Generate a reply to PROMPT and stream it.
 
     With an instruct model the prompt goes through the model's chat template
     unless --raw is given. Repeats show the prefix cache at work: the second
-    request finds the first one's blocks.
+    request finds the first one's blocks. With --json, each request is one
+    line of JSON on stdout instead of its streamed text.
     """
     if repeat < 1:
         fail("generate", f"--repeat must be >= 1, got {repeat}")
@@ -147,7 +196,12 @@ def generate(prompt: str, repeat: int, raw: bool, **kw: Any) -> None:
         _log("prompt written with the model's chat template (--raw sends it as is)")
     for _ in range(repeat):
         rid = engine.add_request(text, params, cache_salt=kw["cache_salt"], add_special_tokens=not templated)
-        _stream(engine, rid)
+        output = _stream(engine, rid, echo=not as_json)
+        if as_json:
+            click.echo(json.dumps(request_json(output)))
+            sys.stdout.flush()
+    if engine.kv_tiers is not None:
+        engine.kv_tiers.close()
 
 
 @click.command("chat")
@@ -182,3 +236,5 @@ def chat(system: str | None, **kw: Any) -> None:
         rid = engine.add_request(text, params, cache_salt=kw["cache_salt"], add_special_tokens=False)
         output = _stream(engine, rid)
         conversation.append({"role": "assistant", "content": output.text})
+    if engine.kv_tiers is not None:
+        engine.kv_tiers.close()
