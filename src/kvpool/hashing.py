@@ -335,27 +335,29 @@ class BlockHasher:
         tokens.frombytes(token_bytes)
         if _BIG_ENDIAN:  # pragma: no cover
             tokens.byteswap()
-        lora: list[tuple[str, ...]] = []
+        ids = tokens.tolist()
+        lora: tuple[tuple[str, ...], ...] = ()
         if lora_key:
             name = _key_text(lora_key)
             # vLLM's request holds the name and the path as two objects; pickle must see two.
-            lora = [("lora", name, lora_path if lora_path is not None else _copy_text(name))]
-        salt = _key_text(salt_key) if salt_key else None
+            lora = (("lora", name, lora_path if lora_path is not None else _copy_text(name)),)
+        salt = (("cache_salt", _key_text(salt_key)),) if salt_key else ()
         dumps, sha = cast(Callable[[Any], bytes], self._dumps), self._sha
         chained: bytes = self.root if parent is None else parent
         hashes: list[bytes] = []
-        for k in range(len(tokens) // bs):
+        plain = lora or None  # the extra keys of a block without media, after block 0
+        for k in range(len(ids) // bs):
             start = (first_block + k) * bs
-            keys: list[tuple[object, ...]] = list(lora)
-            for item in mm_inputs:
-                if item.offset >= start + bs:
-                    break
-                if item.offset + item.length > start:
-                    keys.append(("mm", item.identifier, item.offset - start))
-            if start == 0 and salt is not None:
-                keys.append(("cache_salt", salt))
-            block = tuple(tokens[k * bs : (k + 1) * bs])
-            chained = sha(dumps((chained, block, tuple(keys) if keys else None))).digest()
+            if mm_inputs:
+                media = tuple(
+                    ("mm", item.identifier, item.offset - start)
+                    for item in mm_inputs
+                    if item.offset < start + bs and item.offset + item.length > start
+                )
+                extras = (lora + media + salt if start == 0 else lora + media) or None
+            else:
+                extras = (lora + salt or None) if start == 0 else plain
+            chained = sha(dumps((chained, tuple(ids[k * bs : (k + 1) * bs]), extras))).digest()
             hashes.append(chained)
         return cast(list[BlockHash], hashes)  # every digest is a block hash
 
