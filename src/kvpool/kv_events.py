@@ -25,7 +25,6 @@ only when used.
 from __future__ import annotations
 
 import functools
-import queue
 import threading
 import time
 from collections import deque
@@ -392,7 +391,15 @@ class KVEventPublisher:
             self._close_sockets()
             raise ConfigError(f"cannot open KV event endpoint: {exc}") from None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._outbox: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+        # Batches reach the socket thread over an in-process pair of sockets, so that
+        # one poll waits on them and on replay requests alike (no wake-ups when idle).
+        inbox = f"inproc://kv-event-publisher-{id(self)}"
+        self._outbox_in = self._ctx.socket(zmq.PAIR)
+        self._outbox_in.set_hwm(0)
+        self._outbox_in.bind(inbox)
+        self._outbox = self._ctx.socket(zmq.PAIR)
+        self._outbox.set_hwm(0)
+        self._outbox.connect(inbox)
         self._next_seq = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -421,22 +428,26 @@ class KVEventPublisher:
             raise ConfigError("this KV event publisher is closed")
         payload = self._encode(events, time.time() if ts is None else ts, self.data_parallel_rank)
         with self._lock:
+            if self._closed:
+                raise ConfigError("this KV event publisher is closed")
             seq = self._next_seq
             self._next_seq += 1
-            self._outbox.put((seq, payload))
+            self._outbox.send_multipart((seq.to_bytes(8, "big"), payload))
         return seq
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then close the sockets (waits up to ``timeout`` seconds)."""
         if self._closed:
             return
-        self._closed = True
-        self._outbox.put(None)
+        with self._lock:
+            self._closed = True
+            self._outbox.send(b"")  # the end: one frame
         self._thread.join(timeout)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
+        for name in ("_pub", "_replay", "_outbox", "_outbox_in"):
+            sock = getattr(self, name, None)
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
@@ -449,19 +460,26 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         """Own the sockets: send queued batches, serve replay requests."""
-        pub, replay, outbox, topic = self._pub, self._replay, self._outbox, self._topic
+        zmq = self._zmq
+        pub, replay, inbox, topic, buffer = self._pub, self._replay, self._outbox_in, self._topic, self._buffer
+        poller = zmq.Poller()
+        poller.register(inbox, zmq.POLLIN)
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
         while True:
-            if replay is not None and replay.poll(0):
+            ready = dict(poller.poll())
+            if replay is not None and replay in ready:
                 self._serve_replay(replay)
-            try:
-                item = outbox.get(timeout=0.01)
-            except queue.Empty:
-                continue
-            if item is None:
-                return
-            seq, payload = item
-            pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-            self._buffer.append(item)
+            while inbox in ready:
+                try:
+                    frames = inbox.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) == 1:
+                    return
+                seq_bytes, payload = frames
+                pub.send_multipart((topic, seq_bytes, payload))
+                buffer.append((int.from_bytes(seq_bytes, "big"), payload))
 
     def _serve_replay(self, replay: Any) -> None:
         frames = replay.recv_multipart()
