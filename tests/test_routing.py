@@ -125,3 +125,14 @@ def test_bad_load_cost_is_refused(load_cost):
         PrefixAware(load_cost)
     with pytest.raises(ConfigError, match="load_cost"):
         prefix_aware([0], [0], load_cost=load_cost)
+
+
+def test_chooser_objects_rotate_among_ties_so_an_idle_fleet_still_spreads():
+    for rule in (PrefixAware(), LeastLoaded()):
+        picks = [rule.choose([0, 0, 0], [0, 0, 0]) for _ in range(6)]
+        assert picks == [0, 1, 2, 0, 1, 2]
+    rule = PrefixAware()
+    assert rule.choose([0, 0, 0], [0, 0, 0]) == 0
+    assert rule.choose([3, 0, 0], [0, 0, 0]) == 0  # a strictly better replica wins whatever the rotation
+    assert rule.choose([0, 2, 2], [0, 0, 0]) == 1  # ties rotate from after the previous choice
+    assert rule.choose([0, 2, 2], [0, 0, 0]) == 2

@@ -11,7 +11,7 @@ same rules. Each rule sees, for one request and every candidate replica ``i``:
 and returns the index of the chosen replica. The rules:
 
 ``least-loaded``
-    the smallest ``loads[i]``; ties go to the lowest index.
+    the smallest ``loads[i]``.
 
 ``round-robin``
     ``0, 1, ..., n-1, 0, ...`` over the candidates, whatever the figures; the position
@@ -19,7 +19,7 @@ and returns the index of the chosen replica. The rules:
 
 ``prefix`` (:class:`PrefixAware`)
     the largest score ``cached_blocks[i] - load_cost * loads[i]``; ties go to the
-    smaller load, then to the lowest index. ``load_cost`` (> 0) says how many cached
+    smaller load. ``load_cost`` (> 0) says how many cached
     blocks one unit of load is worth. With loads in tokens still to prefill and
     ``load_cost = 1 / block_size`` the score is minus the tokens a replica must
     compute before this request's first token: the rule picks the earliest first
@@ -32,6 +32,12 @@ and returns the index of the chosen replica. The rules:
     load_cost``; past it, the request goes to the less loaded replica (which then
     caches the prefix too). With no cached prefix anywhere the rule is exactly
     least-loaded.
+
+Ties left after that: the pure functions (:func:`least_loaded`, :func:`prefix_aware`)
+take the lowest index; the chooser objects (:class:`LeastLoaded`, :class:`PrefixAware`)
+take the first tied index at or after the one after their previous choice, so that
+an idle fleet still spreads new prefixes (and their cache) over every replica
+instead of filling replica 0. A router keeps one chooser object.
 
 Every rule is O(n) in the number of replicas and allocates nothing but its answer.
 Bad figures (no replicas, lengths that differ, a negative or non-finite number) raise
@@ -110,31 +116,52 @@ def _check_load_cost(load_cost: float) -> None:
         raise ConfigError(f"load_cost must be a finite number > 0, got {load_cost!r}")
 
 
-class PrefixAware:
-    """The ``prefix`` rule with its ``load_cost`` (cached blocks one unit of load is worth)."""
+def _rotate(best: list[int], start: int) -> int:
+    """The first of ``best`` (ascending indexes) at or after ``start``, wrapping around."""
+    for i in best:
+        if i >= start:
+            return i
+    return best[0]
 
-    __slots__ = ("load_cost",)
+
+class PrefixAware:
+    """The ``prefix`` rule with its ``load_cost`` (cached blocks one unit of load is worth); ties rotate."""
+
+    __slots__ = ("load_cost", "_next")
 
     def __init__(self, load_cost: float = 1.0) -> None:
         _check_load_cost(load_cost)
         self.load_cost = float(load_cost)
+        self._next = 0
 
     def choose(self, cached_blocks: Sequence[int], loads: Sequence[float]) -> int:
-        return prefix_aware(cached_blocks, loads, load_cost=self.load_cost)
+        first = prefix_aware(cached_blocks, loads, load_cost=self.load_cost)
+        cost = self.load_cost
+        key = (cost * loads[first] - cached_blocks[first], loads[first])
+        tied = [i for i in range(len(loads)) if (cost * loads[i] - cached_blocks[i], loads[i]) == key]
+        choice = _rotate(tied, self._next % len(loads))
+        self._next = choice + 1
+        return choice
 
     def __repr__(self) -> str:
         return f"PrefixAware(load_cost={self.load_cost!r})"
 
 
 class LeastLoaded:
-    """The ``least-loaded`` rule; it ignores cached prefixes."""
+    """The ``least-loaded`` rule; it ignores cached prefixes; ties rotate."""
 
-    __slots__ = ()
+    __slots__ = ("_next",)
+
+    def __init__(self) -> None:
+        self._next = 0
 
     def choose(self, cached_blocks: Sequence[int], loads: Sequence[float]) -> int:
         _check_loads(loads)
         _check_cached(cached_blocks, len(loads))
-        return least_loaded(loads)
+        least = min(loads)
+        choice = _rotate([i for i, load in enumerate(loads) if load == least], self._next % len(loads))
+        self._next = choice + 1
+        return choice
 
 
 class RoundRobin:

@@ -17,7 +17,7 @@ Several replicas (``replicas``): each has its own pool, scheduler and clock
 (private tiers too; a shared tier, Redis, is one store for all). Each arrival is
 routed by a rule of :mod:`kvpool.routing`, seeing every replica's cached prefix
 of the request (GPU and tiers) and its load: the prompt tokens it has still to
-prefill. The prefix rule weighs them with ``load_cost = 1 / block_size``, i.e. it
+prefill (those of a step still running at the arrival included). The prefix rule weighs them with ``load_cost = 1 / block_size``, i.e. it
 sends the request where the fewest tokens must be computed before its first token.
 The replica with the earliest clock steps next, and an arrival is routed once
 every replica's clock has reached it, so routing sees each replica as it is then.
@@ -259,7 +259,8 @@ class _Replica:
             clock=lambda: self.clock,
         )
         self.live: dict[str, _Live] = {}
-        self.pending_prefill = 0  # the load a router sees: prompt tokens still to prefill here
+        self.pending_prefill = 0  # prompt tokens still to prefill here, the step in flight excluded
+        self.in_flight_prefill = 0  # prefill tokens of the step that ends at `clock`
         self.requests = self.prompt_tokens = self.hit_tokens = self.computed = self.saved = 0
         self.full_blocks = self.hit_blocks = 0
         self.by_tier = [0] * len(tiers)
@@ -268,6 +269,10 @@ class _Replica:
     @property
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def load(self, now: float) -> int:
+        """The load a router sees at ``now``: prompt tokens still to prefill, the step still running included."""
+        return self.pending_prefill + (self.in_flight_prefill if self.clock > now else 0)
 
     def add(self, trace_request: TraceRequest, request: Request) -> bool:
         """Queue a request; False when it could never fit in this pool."""
@@ -288,6 +293,7 @@ class _Replica:
         """Plan, time and apply one step; the finished requests' figures."""
         config, manager, scheduler = self.config, self.manager, self.scheduler
         output = scheduler.schedule()
+        manager.demote_evicted()  # a shared tier is current before any other replica reads it
         if output.is_empty:
             raise CapacityError(
                 "the simulated engine cannot make progress: the pool is too small for any waiting request"
@@ -322,6 +328,7 @@ class _Replica:
                 outputs = entry.outputs
                 sampled[chunk.request_id] = outputs[n] if n < len(outputs) else 0
         self.computed += prefill_tokens
+        self.in_flight_prefill = prefill_tokens
         seconds = config.cost.step_seconds(prefill_tokens, decode_seqs)
         block_bytes = config.block_bytes
         for t, blocks in manager.take_loads():
@@ -412,7 +419,8 @@ def simulate(
                     if wants_prefixes
                     else no_prefixes
                 )
-                target = replicas[rule.choose(cached, [r.pending_prefill for r in replicas])]
+                now = trace_request.arrival_ms / 1000
+                target = replicas[rule.choose(cached, [r.load(now) for r in replicas])]
             if not target.add(trace_request, request):
                 rejected += 1
                 if progress is not None:

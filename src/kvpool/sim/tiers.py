@@ -224,7 +224,7 @@ class TieredManager(KVCacheManager):
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of the request's prefix held here, in the GPU pool or a tier; changes nothing."""
         self.hash_request(request)
-        self._demote_evicted()
+        self.demote_evicted()
         _, num_hit = self.coordinator.find_longest_cache_hit(request, request.num_tokens - 1)
         return num_hit + len(self._tier_run(request, num_hit)) * self.block_size
 
@@ -249,7 +249,7 @@ class TieredManager(KVCacheManager):
         return run
 
     def get_computed_blocks(self, request: Request) -> tuple[HitBlocks, int]:
-        self._demote_evicted()
+        self.demote_evicted()
         hit, num_hit = super().get_computed_blocks(request)
         run = self._tier_run(request, num_hit)
         if not run:
@@ -275,7 +275,7 @@ class TieredManager(KVCacheManager):
             per_tier[t] += 1
         loader.num_computed_tokens = length
         self.free(loader)
-        self._demote_evicted()
+        self.demote_evicted()
         counts = self.loaded.setdefault(request.request_id, [0] * len(self.tiers))
         for t, blocks in enumerate(per_tier):
             if blocks:
@@ -283,10 +283,11 @@ class TieredManager(KVCacheManager):
                 self._loads.append((t, blocks))
         return super().get_computed_blocks(request)
 
-    def _demote_evicted(self) -> None:
+    def demote_evicted(self) -> None:
         """Blocks the GPU evicted since the last call go to tier 0's most recent end, in eviction order.
 
-        Called before every tier lookup, so the tiers are current whenever they are read.
+        Called before every tier lookup, so the tiers are current whenever this manager reads
+        them; a simulator whose tier is shared with other managers calls it after each step.
         """
         if not self.tiers:
             return
