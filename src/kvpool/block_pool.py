@@ -119,11 +119,13 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take ``n`` blocks from the free queue, evicting their cached hashes."""
         blocks = self.free_queue.popleft_n(n)
-        cached = [block for block in blocks if block.block_hash is not None]
+        cached: list[KVBlock] = []
+        for block in blocks:  # one pass: a new owner each, and the cached ones to evict
+            block.ref_cnt = 1
+            if block.block_hash is not None:
+                cached.append(block)
         if cached:
             self._evict_run(cached)
-        for block in blocks:
-            block.ref_cnt = 1
         return blocks
 
     def _evict_run(self, blocks: list[KVBlock]) -> None:
@@ -171,17 +173,20 @@ class BlockPool:
         """
         first: list[KVBlock] = []
         last: list[KVBlock] = []
-        caching = self.enable_caching
+        # Without caching no block carries a hash, so every freed block goes first.
+        cached = last if self.enable_caching else first
+        null = self.null_block
         for block in ordered:
-            if block.block_id == NULL_BLOCK_ID:
-                continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None or not caching:
+            count = block.ref_cnt - 1
+            if count == 0:
+                block.ref_cnt = 0
+                if block.block_hash is None:
                     first.append(block)
                 else:
-                    last.append(block)
-            elif block.ref_cnt < 0:
+                    cached.append(block)
+            elif count > 0:
+                block.ref_cnt = count
+            elif block is not null:  # the null block's count stays 0: it is never taken
                 raise InvariantViolation(f"block {block.block_id} was freed more often than it was taken")
         self.free_queue.release(first, last)
 

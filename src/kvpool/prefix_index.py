@@ -103,8 +103,7 @@ class PrefixIndex:
 
     def remove_run(self, blocks: Sequence[KVBlock]) -> None:
         """Drop every block of ``blocks`` from the index and clear its hash. O(1) per block."""
-        m = self._map
-        pop = m.pop
+        pop = self._map.pop
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None:
@@ -243,9 +242,16 @@ class VerifiedPrefixIndex(PrefixIndex):
         return stop
 
     def remove_run(self, blocks: Sequence[KVBlock]) -> None:
-        super().remove_run(blocks)
+        """Drop every block of ``blocks`` from the index, clearing its hash and seal. O(1) per block."""
+        pop = self._map.pop
         for block in blocks:
-            block.entry = None
+            block_hash = block.block_hash
+            if block_hash is None:
+                raise InvariantViolation(f"block {block.block_id} is evicted but carries no hash")
+            found = pop(block_hash, None)
+            if found is not block:
+                self._drop_duplicate(block, block_hash, found)
+            block.block_hash = block.entry = None
 
     def remove(self, block: KVBlock) -> None:
         super().remove(block)
