@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field, replace
 
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec
@@ -35,45 +36,65 @@ class TierStats:
 
 
 class StoreCounters:
-    """A store's counters and its warnings, each kind of trouble logged once per store."""
+    """A store's counters and its warnings, each kind of trouble logged once. Thread-safe.
+
+    Entries are verified outside its lock, so threads reading one store check checksums in parallel.
+    """
 
     def __init__(self, name: str, codec: EntryCodec, logger: logging.Logger) -> None:
         self.name = name
         self.codec = codec
-        self.stats = TierStats()
+        self._stats = TierStats()
         self._logger = logger
         self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def snapshot(self) -> TierStats:
+        with self._lock:
+            return self._stats.copy()
+
+    def add(self, *, misses: int = 0, errors: int = 0, bytes_written: int = 0, evictions: int = 0) -> None:
+        with self._lock:
+            self._stats.misses += misses
+            self._stats.errors += errors
+            self._stats.bytes_written += bytes_written
+            self._stats.evictions += evictions
 
     def warn_once(self, kind: str, message: str) -> None:
         """Log ``message`` at WARNING the first time ``kind`` happens in this store, at DEBUG after that."""
-        level = logging.DEBUG if kind in self._warned else logging.WARNING
-        self._warned.add(kind)
-        self._logger.log(level, "kvpool %s tier: %s", self.name, message)
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        self._logger.log(logging.WARNING if first else logging.DEBUG, "kvpool %s tier: %s", self.name, message)
 
     def forget_warning(self, kind: str) -> None:
         """Let ``kind`` warn again (a backend that recovered and may fail anew)."""
-        self._warned.discard(kind)
+        with self._lock:
+            self._warned.discard(kind)
 
-    def error(self, kind: str, message: str) -> None:
-        self.stats.errors += 1
+    def error(self, kind: str, message: str, *, misses: int = 0) -> None:
+        """A backend fault: counted, and warned about once per kind."""
+        self.add(errors=1, misses=misses)
         self.warn_once(kind, message)
 
     def payload(self, key: bytes, data: bytes | None) -> bytes | None:
         """The verified payload of a stored entry, or None (a miss; a corrupt entry is counted and logged)."""
         if data is None:
-            self.stats.misses += 1
+            self.add(misses=1)
             return None
         try:
             payload = self.codec.decode(key, data)
         except CorruptEntry as exc:
-            self.corrupt(exc.kind, f"refused an entry under {key.hex()[:16]}: {exc}")
+            self._corrupt(exc.kind, f"refused an entry under {key.hex()[:16]}: {exc}")
             return None
-        self.stats.hits += 1
-        self.stats.bytes_read += len(data)
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.bytes_read += len(data)
         return payload
 
-    def corrupt(self, kind: CorruptKind, message: str) -> None:
-        self.stats.misses += 1
-        self.stats.corrupt += 1
-        self.stats.corrupt_by_kind[kind.value] = self.stats.corrupt_by_kind.get(kind.value, 0) + 1
+    def _corrupt(self, kind: CorruptKind, message: str) -> None:
+        with self._lock:
+            self._stats.misses += 1
+            self._stats.corrupt += 1
+            self._stats.corrupt_by_kind[kind.value] = self._stats.corrupt_by_kind.get(kind.value, 0) + 1
         self.warn_once(f"corrupt/{kind.value}", message)

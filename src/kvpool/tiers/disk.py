@@ -85,8 +85,7 @@ class DiskStore:
 
     @property
     def stats(self) -> TierStats:
-        with self._lock:
-            return self._counters.stats.copy()
+        return self._counters.snapshot()
 
     @property
     def used_bytes(self) -> int:
@@ -196,12 +195,9 @@ class DiskStore:
             self._forget(key)
             data = None
         except OSError as exc:
-            with self._lock:
-                self._counters.error("read", f"cannot read {path}: {exc}; a miss")
-                self._counters.stats.misses += 1
+            self._counters.error("read", f"cannot read {path}: {exc}; a miss", misses=1)
             return None
-        with self._lock:
-            payload = self._counters.payload(key, data)
+        payload = self._counters.payload(key, data)
         if data is None:
             return None
         if payload is None:  # a refused entry never gets better: remove it
@@ -234,18 +230,16 @@ class DiskStore:
             self._write(path, entry)
         except OSError as exc:
             self._forget(key)
-            with self._lock:
-                self._counters.error(
-                    "write", f"cannot write {path}: {exc}; saves pause for {self._retry_after_s:g}s, loads go on"
-                )
-                self._saves_paused_until = self._clock() + self._retry_after_s
+            self._saves_paused_until = self._clock() + self._retry_after_s
+            self._counters.error(
+                "write", f"cannot write {path}: {exc}; saves pause for {self._retry_after_s:g}s, loads go on"
+            )
             return False
-        with self._lock:
-            self._counters.stats.bytes_written += len(entry)
-            if self._saves_paused_until > float("-inf"):  # the first save after a failed one
-                self._saves_paused_until = float("-inf")
-                self._counters.forget_warning("write")
-                _log.warning("kvpool disk tier: saves to %s work again", self.root)
+        self._counters.add(bytes_written=len(entry))
+        if self._saves_paused_until > float("-inf"):  # the first save after a failed one
+            self._saves_paused_until = float("-inf")
+            self._counters.forget_warning("write")
+            _log.warning("kvpool disk tier: saves to %s work again", self.root)
         return True
 
     def _write(self, path: Path, entry: bytes) -> None:
@@ -267,7 +261,7 @@ class DiskStore:
         while self._used > budget and self._lru:
             key, size = self._lru.popitem(last=False)
             self._used -= size
-            self._counters.stats.evictions += 1
+            self._counters.add(evictions=1)
             self._unlink(self._path(key))
 
     @staticmethod

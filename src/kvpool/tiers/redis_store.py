@@ -94,14 +94,13 @@ class RedisStore:
         self._failures = 0
         self._retry_at = float("-inf")
         self._closed = False
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
 
     # -- the BlockStore contract ------------------------------------------------------------
 
     @property
     def stats(self) -> TierStats:
-        with self._lock:
-            return self._counters.stats.copy()
+        return self._counters.snapshot()
 
     @property
     def available(self) -> bool:
@@ -131,11 +130,10 @@ class RedisStore:
             return []
         names = [self._prefix + key for key in keys]
         values = self._call("read", lambda c: c.mget_nonatomic(names) if self.cluster else c.mget(names))
-        with self._lock:
-            if values is None:
-                self._counters.stats.misses += len(keys)
-                return [None] * len(keys)
-            return [self._counters.payload(key, value) for key, value in zip(keys, values)]
+        if values is None:
+            self._counters.add(misses=len(keys))
+            return [None] * len(keys)
+        return [self._counters.payload(key, value) for key, value in zip(keys, values)]
 
     def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> int:
         if not items or not self.available:
@@ -151,13 +149,13 @@ class RedisStore:
         stored: int | None = self._call("write", store)
         if stored is None:
             return 0
-        with self._lock:
-            self._counters.stats.bytes_written += sum(len(entry) for _name, entry in entries)
+        self._counters.add(bytes_written=sum(len(entry) for _name, entry in entries))
         return stored
 
     def close(self) -> None:
-        self._closed = True
-        self._drop_client()
+        with self._lock:
+            self._closed = True
+            self._drop_client()
 
     # -- faults -----------------------------------------------------------------------------
 
