@@ -274,6 +274,8 @@ def test_bad_urls():
     for url in ["redis://127.0.0.1:6379/0?ttl=0", "redis://127.0.0.1:6379/0?ttl=soon", "redis+cluster://"]:
         with pytest.raises(ConfigError, match="ttl|redis"):
             open_store(url, codec)
+    with pytest.raises(ConfigError, match="decode_responses"):
+        open_store("redis://127.0.0.1:6379/0?decode_responses=true", codec)
     with pytest.raises(ConfigError, match="notaport"):
         open_store("redis://127.0.0.1:notaport/0", codec)
 

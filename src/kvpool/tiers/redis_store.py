@@ -73,6 +73,8 @@ class RedisStore:
         self.cluster = scheme.endswith("+cluster")
         options = dict(parse_qsl(query, keep_blank_values=True))
         self.ttl_s = _ttl(options.pop("ttl", None), url)
+        if "decode_responses" in options:
+            raise ConfigError(f"redis tier URL {url!r}: entries are bytes, so decode_responses cannot be set")
         self._url = f"{scheme.removesuffix('+cluster')}://{location}" + (f"?{urlencode(options)}" if options else "")
         self.display_url = f"{scheme}://{location.rpartition('@')[2]}"  # no password in logs
         try:
