@@ -216,6 +216,14 @@ def _print_table(result: SimulationResult, label: str) -> None:
             )
         )
     rows.append(("load", _load_line(result)))
+    if not result.overloaded and result.queue_p90_s > 1.0 and result.peak_usage >= 0.99:
+        rows.append(
+            (
+                "queueing",
+                f"requests wait for KV blocks, not compute: the pool filled up (peak usage "
+                f"{_percent(result.peak_usage)}, {result.preemptions:,} preemptions)",
+            )
+        )
     click.echo(label)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -1,0 +1,122 @@
+"""``kvpool simulate`` with tiers, replicas, routing, sizing and the timeline plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvpool.cli.app import cli
+
+
+def invoke(*args: str, requests: int = 60):
+    return CliRunner().invoke(
+        cli, ["simulate", "synthetic:multi_turn", "--requests", str(requests), "--kv-blocks", "300", *args]
+    )
+
+
+@pytest.mark.slow
+def test_tiers_report_hits_per_tier_and_their_links():
+    result = invoke("--tier", "cpu=600", "--tier", "disk=2000", "--tier-bandwidth", "disk=2", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    sim = data["simulation"]
+    assert set(sim["hit_tokens_by_tier"]) == {"gpu", "cpu", "disk"}
+    assert sum(sim["hit_tokens_by_tier"].values()) == sim["hit_tokens"]
+    assert sim["hit_tokens_by_tier"]["cpu"] > 0 and sim["tier_load_seconds"] > 0
+    disk = data["tiers"][1]
+    assert disk["kind"] == "disk" and disk["bandwidth_gb_per_s"] == 2.0 and disk["latency_us"] == 100.0
+    plain = json.loads(invoke("--json").stdout)["simulation"]
+    assert sim["token_hit_rate"] > plain["token_hit_rate"]
+
+
+@pytest.mark.slow
+def test_the_table_compares_each_tier_load_with_the_recompute():
+    result = invoke("--tier", "redis=600", "--tier-bandwidth", "redis=0.01")
+    assert result.exit_code == 0, result.output
+    assert "tier redis: 600 blocks (shared by every replica)" in result.stdout
+    assert "SLOWER than recomputing it" in result.stdout and "hits by tier" in result.stdout
+
+
+def test_replicas_compare_every_routing_rule():
+    result = invoke("--replicas", "3", "--json", requests=40)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data["routing"]) == {"prefix", "round-robin", "least-loaded"}
+    for rule, sim in data["routing"].items():
+        assert sim["replicas"] == 3 and sim["routing"] == rule
+        assert len(sim["per_replica"]) == 3 and sim["request_imbalance"] >= 1.0
+    table = invoke("--replicas", "3", "--routing", "prefix", "--routing", "round-robin", requests=20)
+    assert "routing over 3 replicas" in table.stdout and "prefix over round-robin" in table.stdout
+
+
+@pytest.mark.slow
+def test_sizing_answers_per_rule(tmp_path):
+    result = invoke("--ttft-slo", "500ms", "--ttft-slo-percentile", "50", "--max-replicas", "4", "--json", requests=30)
+    assert result.exit_code == 0, result.output
+    sizing = json.loads(result.stdout)["sizing"]
+    assert set(sizing) == {"prefix", "round-robin", "least-loaded"}
+    for answer in sizing.values():
+        assert answer["slo_s"] == 0.5 and answer["percentile"] == 50
+        if answer["replicas"] is not None:
+            assert answer["ttft_by_replicas"][str(answer["replicas"])] <= 0.5
+    assert "sizing prefix: 1 replicas" in result.stderr
+
+
+def test_an_overloaded_replay_says_so_with_both_rates():
+    result = CliRunner().invoke(
+        cli,
+        [
+            "simulate",
+            "synthetic:shared_prefix",
+            "--requests",
+            "60",
+            "--kv-blocks",
+            "2000",
+            "--prefill-us-per-token",
+            "2000",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if "OVERLOADED" in line)
+    assert "prefill tokens/s offered" in line and "prefill tokens/s servable" in line
+
+
+@pytest.mark.slow
+def test_plot_draws_the_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.png"
+    result = invoke("--plot", str(path))
+    assert result.exit_code == 0, result.output
+    assert path.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tier", "gpu=5"], "unknown kind 'gpu'"),
+        (["--tier", "cpu=-5"], "KIND=BLOCKS"),
+        (["--tier", "cpu=5", "--tier", "cpu=6"], "each tier kind may appear once"),
+        (["--tier", "cpu=5", "--tier-bandwidth", "disk=3"], "no --tier disk=BLOCKS"),
+        (["--tier", "cpu=5", "--tier-bandwidth", "cpu=0"], "finite number > 0"),
+        (["--tier", "cpu=5", "--tier-latency", "cpu=nan"], "finite number >= 0"),
+        (["--ttft-slo", "soon"], "is not a duration"),
+        (["--ttft-slo", "-2s"], "--ttft-slo"),
+        (["--ttft-slo", "2s", "--ttft-slo-percentile", "100"], "--ttft-slo-percentile"),
+        (["--replicas", "0"], "--replicas"),
+        (["--routing", "random"], "--routing"),
+        (["--sequential", "--replicas", "2"], "--sequential replays one pool"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_value(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_sequential_replay_takes_tiers():
+    result = invoke("--sequential", "--tier", "cpu=600", "--json")
+    assert result.exit_code == 0, result.output
+    seq = json.loads(result.stdout)["sequential"]
+    assert seq["hit_tokens_by_tier"]["cpu"] > 0
