@@ -9,7 +9,17 @@ import pytest
 
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.planner import parse_size as planner_parse_size
-from kvpool.tiers import BlockStore, DiskStore, EntryCodec, RedisStore, open_store, parse_size
+from kvpool.tiers import (
+    BlockStore,
+    DiskStore,
+    DiskTarget,
+    EntryCodec,
+    RedisStore,
+    RedisTarget,
+    open_store,
+    parse_size,
+    parse_spec,
+)
 from tests.tiers.conftest import LAYOUT, block_key
 
 
@@ -47,6 +57,15 @@ def test_open_store_kinds(tmp_path, codec):
     assert open_store("redis://h:1/0?ttl=30", codec).ttl_s == 30  # type: ignore[attr-defined]  # a RedisStore
 
 
+def test_parse_spec_checks_without_opening(tmp_path):
+    target = parse_spec(f"disk:{tmp_path}/never/made:2GiB")
+    assert target == DiskTarget(f"{tmp_path}/never/made", 2 * 2**30) and target.kind == "disk"
+    assert not (tmp_path / "never").exists()
+    redis_target = parse_spec("rediss+cluster://:pw@h:7000?ttl=5&ssl_ca_certs=/ca.pem")
+    assert redis_target == RedisTarget("rediss://:pw@h:7000?ssl_ca_certs=%2Fca.pem", True, 5, "rediss+cluster://h:7000")
+    assert redis_target.kind == "redis"
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -63,9 +82,10 @@ def test_open_store_kinds(tmp_path, codec):
     ],
 )
 def test_bad_specs_name_the_value(spec, codec):
-    with pytest.raises(ConfigError) as info:
-        open_store(spec, codec)
-    assert repr(spec) in str(info.value)
+    for check in (parse_spec, lambda spec: open_store(spec, codec)):
+        with pytest.raises(ConfigError) as info:
+            check(spec)
+        assert repr(spec) in str(info.value)
 
 
 def test_a_spec_that_is_not_a_string(codec):

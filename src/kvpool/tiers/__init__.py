@@ -11,18 +11,21 @@ Torch-free; the Redis client is imported only when a Redis store is opened (the 
 from kvpool.tiers.counters import TierStats
 from kvpool.tiers.disk import DiskStore
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, LayoutFingerprint
-from kvpool.tiers.redis_store import RedisStore
-from kvpool.tiers.store import BlockStore, open_store, parse_size
+from kvpool.tiers.redis_store import RedisStore, RedisTarget
+from kvpool.tiers.store import BlockStore, DiskTarget, open_store, parse_size, parse_spec
 
 __all__ = [
     "BlockStore",
     "CorruptEntry",
     "CorruptKind",
     "DiskStore",
+    "DiskTarget",
     "EntryCodec",
     "LayoutFingerprint",
     "RedisStore",
+    "RedisTarget",
     "TierStats",
     "open_store",
     "parse_size",
+    "parse_spec",
 ]

@@ -28,14 +28,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode
 
 from kvpool.errors import ConfigError
 from kvpool.tiers.counters import StoreCounters, TierStats
 from kvpool.tiers.entry import EntryCodec, Payload
 
-__all__ = ["REDIS_SCHEMES", "RedisStore"]
+__all__ = ["REDIS_SCHEMES", "RedisStore", "RedisTarget"]
 
 #: URL schemes a Redis tier spec may start with.
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"})
@@ -52,6 +53,37 @@ def _import_redis() -> Any:
     return redis
 
 
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    """A Redis tier URL, checked: what redis-py is given, and kvpool's own options taken out of it."""
+
+    url: str  # for redis-py: the scheme without "+cluster", the query without ttl
+    cluster: bool
+    ttl_s: int | None
+    display_url: str  # for logs: no password, no query
+
+    kind: ClassVar[str] = "redis"
+
+    @classmethod
+    def parse(cls, url: str) -> RedisTarget:
+        """The target ``url`` names; ConfigError naming it if it is malformed (needs the redis client)."""
+        redis = _import_redis()
+        scheme, _, rest = url.partition("://")
+        location, _, query = rest.partition("?")
+        if scheme not in REDIS_SCHEMES or not location.strip("/"):
+            raise ConfigError(f"redis tier URL {url!r} must be redis://, rediss://, unix:// or redis+cluster://")
+        options = dict(parse_qsl(query, keep_blank_values=True))
+        ttl_s = _ttl(options.pop("ttl", None), url)
+        if "decode_responses" in options:
+            raise ConfigError(f"redis tier URL {url!r}: entries are bytes, so decode_responses cannot be set")
+        plain = f"{scheme.removesuffix('+cluster')}://{location}" + (f"?{urlencode(options)}" if options else "")
+        try:
+            redis.connection.parse_url(plain)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"redis tier URL {url!r} is not a valid Redis URL: {exc}") from exc
+        return cls(plain, scheme.endswith("+cluster"), ttl_s, f"{scheme}://{location.rpartition('@')[2]}")
+
+
 class RedisStore:
     """Blocks in Redis under a per-layout key prefix. Thread-safe: calls take turns on one client."""
 
@@ -59,28 +91,18 @@ class RedisStore:
 
     def __init__(
         self,
-        url: str,
+        url: str | RedisTarget,
         codec: EntryCodec,
         *,
         backoff_s: tuple[float, float] = (0.25, 8.0),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        target = url if isinstance(url, RedisTarget) else RedisTarget.parse(url)
         redis = _import_redis()
-        scheme, _, rest = url.partition("://")
-        location, _, query = rest.partition("?")
-        if scheme not in REDIS_SCHEMES or not location.strip("/"):
-            raise ConfigError(f"redis tier URL {url!r} must be redis://, rediss://, unix:// or redis+cluster://")
-        self.cluster = scheme.endswith("+cluster")
-        options = dict(parse_qsl(query, keep_blank_values=True))
-        self.ttl_s = _ttl(options.pop("ttl", None), url)
-        if "decode_responses" in options:
-            raise ConfigError(f"redis tier URL {url!r}: entries are bytes, so decode_responses cannot be set")
-        self._url = f"{scheme.removesuffix('+cluster')}://{location}" + (f"?{urlencode(options)}" if options else "")
-        self.display_url = f"{scheme}://{location.rpartition('@')[2]}"  # no password in logs
-        try:
-            redis.connection.parse_url(self._url)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"redis tier URL {url!r} is not a valid Redis URL: {exc}") from exc
+        self.cluster = target.cluster
+        self.ttl_s = target.ttl_s
+        self.display_url = target.display_url
+        self._url = target.url
         self._redis = redis
         self._faults: tuple[type[BaseException], ...] = (
             redis.exceptions.RedisError,

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from decimal import Decimal
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from kvpool.errors import ConfigError
 from kvpool.tiers.counters import TierStats
 from kvpool.tiers.disk import DiskStore
 from kvpool.tiers.entry import EntryCodec
-from kvpool.tiers.redis_store import REDIS_SCHEMES, RedisStore
+from kvpool.tiers.redis_store import REDIS_SCHEMES, RedisStore, RedisTarget
 
-__all__ = ["BlockStore", "TierStats", "open_store", "parse_size"]
+__all__ = ["BlockStore", "DiskTarget", "TierStats", "open_store", "parse_size", "parse_spec"]
 
 
 class BlockStore(Protocol):
@@ -57,22 +58,42 @@ class BlockStore(Protocol):
         ...
 
 
-def open_store(spec: str, codec: EntryCodec) -> BlockStore:
-    """The store ``spec`` names (see the module docstring); ConfigError naming the spec if it is malformed."""
+@dataclass(frozen=True, slots=True)
+class DiskTarget:
+    """A disk tier spec, checked: the directory and its bound in bytes."""
+
+    path: str
+    capacity_bytes: int
+
+    kind: ClassVar[str] = "disk"
+
+
+def parse_spec(spec: str) -> DiskTarget | RedisTarget:
+    """What ``spec`` names, checked without opening anything (``.kind`` is "disk" or "redis").
+
+    ConfigError naming the spec if it is malformed, or if a Redis spec needs the missing redis client.
+    """
     if not isinstance(spec, str):
         raise ConfigError(f"a tier spec must be a string, got {spec!r}")
     if spec.startswith("disk:"):
         path, sep, size = spec[len("disk:") :].rpartition(":")
         if not sep or not path:
             raise ConfigError(f"disk tier spec {spec!r} must be disk:PATH:SIZE, e.g. disk:/var/cache/kvpool:50GiB")
-        return DiskStore(path, parse_size(size, field=f"size in tier spec {spec!r}"), codec)
-    scheme = spec.partition("://")[0]
-    if scheme in REDIS_SCHEMES and "://" in spec:
-        return RedisStore(spec, codec)
+        return DiskTarget(path, parse_size(size, field=f"size in tier spec {spec!r}"))
+    if spec.partition("://")[0] in REDIS_SCHEMES and "://" in spec:
+        return RedisTarget.parse(spec)
     raise ConfigError(
         f"unknown tier spec {spec!r}: expected disk:PATH:SIZE, redis://HOST:PORT/DB, rediss://... (TLS), "
         "redis+cluster://HOST:PORT or unix:///PATH"
     )
+
+
+def open_store(spec: str, codec: EntryCodec) -> BlockStore:
+    """The store ``spec`` names (see the module docstring); ConfigError naming the spec if it is malformed."""
+    target = parse_spec(spec)
+    if isinstance(target, DiskTarget):
+        return DiskStore(target.path, target.capacity_bytes, codec)
+    return RedisStore(target, codec)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
