@@ -303,6 +303,22 @@ def test_without_a_replay_socket_a_gap_is_reported_and_a_restart_is_seen():
         assert sub.replay(0) == []
 
 
+def test_a_replay_socket_that_does_not_answer_leaves_the_gap_reported():
+    bind, _, connect, _ = endpoints()
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    with KVEventPublisher(bind) as publisher:
+        for i in range(3):
+            publisher.publish(batch_of(i))
+        with KVEventSubscriber(connect, replay_endpoint=nobody, last_seq=0, replay_timeout=0.3) as sub:
+            time.sleep(0.3)
+            publisher.publish(batch_of(3))
+            got = collect(sub, 1)
+    assert got == [LostBatches(1, 2), SequencedBatch(3, got[1].batch)]
+    with KVEventSubscriber(connect, replay_endpoint=nobody, replay_timeout=0.1) as sub:
+        with pytest.raises(EventStreamError, match="did not finish"):
+            sub.replay(0)
+
+
 def test_the_replay_socket_answers_a_plain_zmq_client_as_vllm_does():
     import zmq
 

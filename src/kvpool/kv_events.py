@@ -510,7 +510,9 @@ class KVEventSubscriber:
 
     :meth:`receive` returns, in sequence order, :class:`SequencedBatch` items
     and, where batches were lost for good, :class:`LostBatches`; a sequence
-    that starts over yields :class:`PublisherRestarted`.
+    that starts over yields :class:`PublisherRestarted`. A gap is repaired
+    within the call (waiting up to ``replay_timeout`` for the replay socket);
+    when the replay socket does not answer, the gap is reported as lost.
     """
 
     def __init__(
@@ -579,7 +581,10 @@ class KVEventSubscriber:
         """Fetch batches ``first .. stop-1`` from the replay socket; report what it no longer holds."""
         got: list[SequencedBatch] = []
         if self.replay_endpoint is not None:
-            got = [b for b in self.replay(first) if b.seq < stop]
+            try:
+                got = [b for b in self.replay(first) if b.seq < stop]
+            except EventStreamError:
+                got = []  # no answer or a bad one: the gap stays, and is reported
         expected = first
         for batch in got:
             if batch.seq < expected:
