@@ -26,8 +26,10 @@ Both insert and evict whole runs of blocks in one call (``insert_run``,
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from itertools import islice
-from typing import Any
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
+from typing import Any, cast
 
 from kvpool.block import KVBlock
 from kvpool.errors import InvariantViolation
@@ -35,16 +37,21 @@ from kvpool.hashing import BlockHash
 
 __all__ = ["PrefixIndex", "VerifiedPrefixIndex"]
 
+#: ``found(x)``: ``x is not None``, called from C (a lookup's run of hits never enters Python per block).
+_found = partial(is_not, None)
+
 
 class PrefixIndex:
     """Hash -> block index for cryptographic hashes. All operations are O(1) per block."""
 
-    __slots__ = ("_map",)
+    __slots__ = ("_map", "_num_shared")
 
     verifies_content = False
 
     def __init__(self) -> None:
         self._map: dict[BlockHash, KVBlock | dict[int, KVBlock]] = {}
+        #: Hashes that map to a dict of duplicates (lookups unwrap them only when there are any).
+        self._num_shared = 0
 
     def __len__(self) -> int:
         return len(self._map)
@@ -59,17 +66,15 @@ class PrefixIndex:
     def longest_prefix(
         self, hashes: Sequence[BlockHash], contents: Sequence[bytes] | None, max_blocks: int
     ) -> list[KVBlock]:
-        """Cached blocks for ``hashes[0], hashes[1], ...`` up to the first miss or ``max_blocks``."""
-        get = self._map.get
-        hits: list[KVBlock] = []
-        for block_hash in islice(hashes, max_blocks):
-            found = get(block_hash)
-            if found is None:
-                break
-            if found.__class__ is not KVBlock:  # hot loop: cheaper than isinstance, invisible to mypy
-                found = next(iter(found.values()))  # type: ignore[union-attr]  # a dict of duplicates here
-            hits.append(found)  # type: ignore[arg-type]  # one block by now
-        return hits
+        """Cached blocks for ``hashes[0], hashes[1], ...`` up to the first miss or ``max_blocks``.
+
+        The run of hits is one C-level pass (map, takewhile); a second pass
+        unwraps duplicates only while the index holds any.
+        """
+        found = list(takewhile(_found, map(self._map.get, islice(hashes, max_blocks))))
+        if self._num_shared:
+            return [f if f.__class__ is KVBlock else next(iter(f.values())) for f in found]  # type: ignore[union-attr, misc]  # a dict of duplicates unwrapped; mypy cannot narrow by __class__
+        return cast(list[KVBlock], found)  # no duplicates: every value is a block
 
     def insert_run(
         self,
@@ -126,6 +131,7 @@ class PrefixIndex:
         """Cache ``block`` beside what ``block_hash`` already maps to (rare: a recomputed block)."""
         if isinstance(found, KVBlock):
             self._map[block_hash] = {found.block_id: found, block.block_id: block}
+            self._num_shared += 1
         else:
             found[block.block_id] = block
 
@@ -138,9 +144,12 @@ class PrefixIndex:
         del found[block.block_id]
         if found:
             self._map[block_hash] = found
+        else:
+            self._num_shared -= 1
 
     def clear(self) -> None:
         self._map.clear()
+        self._num_shared = 0
 
     def items(self) -> Iterator[tuple[BlockHash, KVBlock]]:
         """Every (hash, block) pair in the index."""
@@ -261,3 +270,4 @@ class VerifiedPrefixIndex(PrefixIndex):
         for _, block in self.items():
             block.entry = None
         self._map.clear()
+        self._num_shared = 0
