@@ -9,7 +9,7 @@ For a generation request the router
    the replicas do;
 3. asks the block index how many leading blocks each replica that is up holds, and
    lets the ``prefix`` routing rule (:mod:`kvpool.routing`) weigh that against each
-   replica's load; ties go round the replicas in turn, so new prefixes spread out;
+   replica's load; its ties go round the replicas in turn, so new prefixes spread out;
 4. forwards the request's bytes unchanged, with the client's ``Authorization``, and
    streams the answer back as it comes. The replica that served writes the usage,
    ``cached_tokens`` included.
@@ -35,7 +35,7 @@ from kvpool.router.index import BlockIndex
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompts import Tokenizer, block_hashes
 from kvpool.router.replicas import Replica
-from kvpool.routing import PrefixAware
+from kvpool.routing import PrefixAware, prefix_aware
 from kvpool.serve.protocol import APIError, Endpoint, GenerationRequest, error_body, parse_generation
 from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
 
@@ -85,7 +85,6 @@ class Router:
         self.replicas = [Replica(url) for url in options.replicas]
         self.rule = PrefixAware(options.load_cost)
         self.monitor = ReplicaMonitor(self.replicas, index, options.health_interval, options.health_timeout)
-        self._turn = 0  # where ties start: advanced on every choice
         self._client: httpx.AsyncClient | None = None
 
     @property
@@ -110,6 +109,12 @@ class Router:
             await self._client.aclose()
 
     # -- choosing -------------------------------------------------------------------------
+
+    @property
+    def prefix_routing(self) -> bool:
+        """Whether requests are routed by cached prefix now: a tokenizer loaded and a replica's hashing known."""
+        tokenizer = self.options.tokenizer
+        return tokenizer is not None and tokenizer.loaded and bool(self.monitor.hashers())
 
     def tenant(self, authorization: str | None) -> str:
         """The tenant an ``Authorization`` header names; raises 401 for a missing or unknown key."""
@@ -150,17 +155,18 @@ class Router:
         Replicas that are up come first, best first by the ``prefix`` rule; those believed
         down follow (tried only when every replica that is up has failed).
         """
-        up = [r for r in self.replicas if r.up]
+        candidates = [r for r in self.replicas if r.up]
         down = [r for r in self.replicas if not r.up]
         ranked: list[tuple[Replica, int]] = []
-        if up:
-            start = self._turn % len(up)
-            self._turn += 1
-            candidates = up[start:] + up[:start]
+        if candidates:
             cached = self._cached_blocks(candidates, hashes)
-            while candidates:
-                i = self.rule.choose(cached, [r.load for r in candidates])
+            i = self.rule.choose(cached, [r.load for r in candidates])  # its ties rotate: new prefixes spread
+            while True:
                 ranked.append((candidates.pop(i), cached.pop(i)))
+                if not candidates:
+                    break
+                # the fallbacks, for a retry: the same rule, without moving the chooser's rotation
+                i = prefix_aware(cached, [r.load for r in candidates], load_cost=self.rule.load_cost)
         return ranked + [(r, 0) for r in down]
 
     def _cached_blocks(
@@ -296,7 +302,7 @@ def build_app(router: Router) -> Starlette:
 
     async def health(request: Request) -> Response:
         up = sum(r.up for r in router.replicas)
-        body: dict[str, Any] = {"status": "ok" if up else "no replica up"}
+        body: dict[str, Any] = {"status": "ok" if up else "no replica up", "prefix_routing": router.prefix_routing}
         body["replicas"] = [r.describe() for r in router.replicas]
         if request.query_params.get("verbose"):
             body["index_blocks"] = {r.url: router.index.num_blocks(r.url) for r in router.replicas}
