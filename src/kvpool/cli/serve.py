@@ -10,6 +10,7 @@ at start on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -116,7 +117,9 @@ def serve(
     if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
         raise click.UsageError("--kv-events-replay-endpoint needs --kv-events-endpoint")
 
-    engine = _start_engine(_engine_options(kw))
+    options = _engine_options(kw)
+    options["enable_kv_events"] = kv_events_endpoint is not None
+    engine = _start_engine(options)
     model_name = served_model_name or str(kw.get("model") or engine.setup.model_name)
     if api_keys is None:
         _log("single-tenant: no --api-key-file, so every request is one tenant's and needs no API key")
@@ -142,7 +145,33 @@ def serve(
         max_waiting=max_waiting,
         metrics_prefix=metrics_prefix,
     )
-    _run(engine, config, host, port)
+    if kv_events_endpoint is None:
+        _run(engine, config, host, port)
+        return
+    require_extra("serve", "events", "zmq", "msgspec")
+    from kvpool.kv_events import KVEventPublisher, describe_events
+
+    publisher = KVEventPublisher(kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint)
+    try:
+        where = describe_events(
+            engine.manager.hasher,
+            endpoint=publisher.endpoint,
+            replay_endpoint=publisher.replay_endpoint,
+            topic=publisher.topic,
+        )
+        _log(
+            f"KV events on {publisher.endpoint}"
+            + (f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+        )
+
+        def publish(engine: Any, deltas: Any) -> None:
+            events = engine.manager.take_events()
+            if events:
+                publisher.publish(events)
+
+        _run(engine, dataclasses.replace(config, kv_events=lambda: where), host, port, hooks=(publish,))
+    finally:
+        publisher.close()
 
 
 def _start_engine(options: dict[str, Any]) -> Any:
@@ -158,11 +187,11 @@ def _start_engine(options: dict[str, Any]) -> Any:
     return engine
 
 
-def _run(engine: Any, config: Any, host: str, port: int) -> None:
+def _run(engine: Any, config: Any, host: str, port: int, hooks: tuple[Any, ...] = ()) -> None:
     import uvicorn
 
     from kvpool.serve import build_app
 
-    app = build_app(engine, config)
+    app = build_app(engine, config, hooks=hooks)
     _log(f"serving {config.model_name!r} on http://{host}:{port}/v1")
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()

@@ -13,6 +13,8 @@ suffix                                  type       what
 ``kv_cache_usage_perc``                 gauge      fraction of KV blocks in use, 0..1
 ``prefix_cache_queries_total``          counter    prompt tokens looked up in the prefix cache
 ``prefix_cache_hits_total``             counter    of those, tokens found cached
+``prefix_cache_hits_by_tier_total``     counter    prompt tokens taken from each source, by ``tier``
+                                                   (``gpu``: the pool; then each KV offload tier)
 ``num_preemptions_total``               counter    requests preempted (their blocks taken back)
 ``prompt_tokens_total``                 counter    prompt tokens of finished requests
 ``generation_tokens_total``             counter    tokens generated
@@ -96,6 +98,12 @@ class ServerMetrics:
             ("model_name", "finished_reason"),
             registry=registry,
         )
+        self._by_tier = Counter(
+            prefix + "prefix_cache_hits_by_tier",
+            "Prompt tokens taken from each cache tier (gpu: the pool, then each KV offload tier).",
+            ("model_name", "tier"),
+            registry=registry,
+        )
         self._model_name = model_name
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", _TOKEN_BUCKETS)
@@ -107,6 +115,7 @@ class ServerMetrics:
         self._queries_seen = 0
         self._hits_seen = 0
         self._preemptions_seen = 0
+        self._tier_seen: dict[str, int] = {}
         self._last_token: dict[str, float] = {}
 
     def after_step(self, engine: LLMEngine, deltas: Sequence[RequestDelta]) -> None:
@@ -124,6 +133,11 @@ class ServerMetrics:
         self._queries_seen, self._hits_seen = queries, hits
         self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.num_preemptions
+        for tier, tokens in engine.cached_tokens_by_tier.items():
+            seen = self._tier_seen.get(tier, 0)
+            if tokens != seen:
+                self._by_tier.labels(self._model_name, tier).inc(tokens - seen)
+                self._tier_seen[tier] = tokens
         last_token = self._last_token
         for delta in deltas:
             self.generation_tokens.inc(len(delta.token_ids))

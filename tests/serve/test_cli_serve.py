@@ -1,0 +1,74 @@
+"""``kvpool serve`` as a process: what it says at start, KV events wired to a subscriber, bad flags."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from kvpool.cli.app import cli
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from bench_timing_leak import MODEL, serving  # noqa: E402
+
+
+@pytest.mark.slow
+def test_serve_process_single_tenant_unisolated_with_kv_events() -> None:
+    pytest.importorskip("zmq")
+    from kvpool.events import BlockStored
+    from kvpool.kv_events import KVEventSubscriber, SequencedBatch
+
+    args = [
+        "--no-tenant-isolation",
+        "--kv-events-endpoint", "tcp://*:0",
+        "--kv-events-replay-endpoint", "tcp://*:0",
+        "--metrics-prefix", "vllm:",
+        "--kv-cache-memory", "32MiB",
+        "--max-model-len", "512",
+    ]  # fmt: skip
+    with serving(args, threads=1) as server:
+        log = server.log()
+        assert "single-tenant" in log
+        assert "WARNING: --no-tenant-isolation" in log
+        where = httpx.get(f"{server.url}/kv-events", timeout=30).json()
+        assert where["enabled"] is True and where["block_size"] == 16
+        port = where["endpoint"].rsplit(":", 1)[1]
+        with KVEventSubscriber(f"tcp://127.0.0.1:{port}") as subscriber:
+            time.sleep(0.5)  # PUB/SUB: a subscription needs a moment before messages reach it
+            body = {"model": MODEL, "prompt": list(range(1000, 1040)), "max_tokens": 2}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)  # no key: single tenant
+            assert response.status_code == 200, response.text
+            stored = []
+            deadline = time.monotonic() + 20
+            while not stored and time.monotonic() < deadline:
+                for item in subscriber.receive(timeout=1.0):
+                    if isinstance(item, SequencedBatch):
+                        stored += [e for e in item.batch.events if isinstance(e, BlockStored)]
+            assert stored, "no BlockStored event reached the subscriber"
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        assert 'vllm:prompt_tokens_total{model_name="smollm2-135m"} 40.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--api-key-file", "{missing}"], "cannot read the API key file"),
+        (["--api-key-file", "{keys}"], "names no API key"),
+        (["--tenant-secret-file", "{short}"], "at least 16"),
+        (["--metrics-prefix", "9bad"], "metrics prefix"),
+        (["--kv-events-replay-endpoint", "tcp://*:0"], "needs --kv-events-endpoint"),
+    ],
+)
+def test_bad_flags_are_refused_before_the_engine_starts(tmp_path: Path, flags: list[str], words: str) -> None:
+    (tmp_path / "keys.json").write_text(json.dumps({}))
+    (tmp_path / "short").write_text("tiny")
+    paths = {"missing": tmp_path / "nope.json", "keys": tmp_path / "keys.json", "short": tmp_path / "short"}
+    result = CliRunner().invoke(cli, ["serve", *(f.format(**paths) for f in flags)])
+    assert result.exit_code == 2, result.output
+    assert words in result.output
