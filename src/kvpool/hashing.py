@@ -38,12 +38,13 @@ adapter and multimodal identifiers. Each block hashes the serialised triple
 this order, ``("lora", name, path)``, ``("mm", identifier, offset in the
 block)`` per overlapping item and ``("cache_salt", salt)`` on block 0; the
 root is the hash of the seed string: ``PYTHONHASHSEED`` when it is set, else
-vLLM's fixed ``"vllm-none-hash"``. They cost several times kvpool's chain
-(BENCHMARKS.md).
+vLLM's fixed ``"vllm-none-hash"``. They cost 2-4 times kvpool's chain per
+token (BENCHMARKS.md), about what they cost vLLM itself.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -435,12 +436,7 @@ def _cbor_dumps() -> Callable[[Any], bytes]:
             "hash algorithm 'sha256_cbor' needs the cbor2 package, which comes with kvpool's 'events' extra: "
             "pip install 'kvpool[events]'"
         ) from None
-    dumps = cbor2.dumps
-
-    def cbor_dumps(value: Any) -> bytes:
-        return dumps(value, canonical=True)
-
-    return cbor_dumps
+    return functools.partial(cbor2.dumps, canonical=True)
 
 
 def _key_text(key: bytes) -> str:
