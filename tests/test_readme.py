@@ -15,6 +15,9 @@ block:
   ``kvpool`` command must exist, and CI must run the test line verbatim.
 * ``test command`` (bash): not run (it is this suite); it must be the set-up
   block's test command, which CI runs.
+* ``two replicas`` (bash): not run (it starts servers). Each line's options are
+  parsed by its click command, as on the command line, without invoking it; the
+  router's replicas are the two servers' ports, whose event endpoints differ.
 
 The ``kvpool`` commands in the command table are run through the CLI where
 they need no model or trace file (``plan``); the others must exist and take
@@ -73,6 +76,9 @@ RULES = (
     ),
     Rule("set-up", "bash", r"^pip install ", "not run; extras, model pin, commands and CI checked"),
     Rule("test command", "bash", r"\Apython -m pytest -q\n?\Z", "not run; must be the command CI runs"),
+    Rule(
+        "two replicas", "bash", r"\Akvpool serve ", "not run (servers); every command's options parse, and they agree"
+    ),
 )
 
 
@@ -272,3 +278,21 @@ def test_the_table_plan_command_runs():
         r"KV cache size: [\d,]+ tokens; maximum concurrency for 131,072 tokens per request: [\d.]+x",
         result.stdout.splitlines()[-1],
     )
+
+
+# -- the two-replica example ---------------------------------------------------------------
+
+
+def test_the_two_replica_commands_parse_and_agree():
+    cli = _cli()
+    lines = _commands(block_for("two replicas"))
+    assert [words[:2] for words in lines] == [["kvpool", "serve"], ["kvpool", "serve"], ["kvpool", "route"]]
+    parsed = []
+    for words in lines:
+        command = cli.commands[words[1]]
+        with command.make_context(words[1], words[2:]) as ctx:  # parses and checks every option; runs nothing
+            parsed.append(ctx.params)
+    first, second, router = parsed
+    assert router["replicas"] == (f"http://127.0.0.1:{first['port']}", f"http://127.0.0.1:{second['port']}")
+    assert first["kv_events_endpoint"] != second["kv_events_endpoint"]
+    assert first["tenant_secret_file"] == second["tenant_secret_file"] == router["tenant_secret_file"]
