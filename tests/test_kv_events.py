@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -404,3 +405,12 @@ def test_describe_events_tells_a_router_everything_it_needs(monkeypatch):
 def test_importing_kv_events_needs_neither_zmq_nor_msgspec():
     code = "import sys; sys.modules['zmq'] = sys.modules['msgspec'] = None; import kvpool.kv_events"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
+def test_the_documented_example_runs():
+    """docs/kv_events.md: publish a manager's events, receive them, recompute their hashes from the prompt."""
+    text = (ROOT / "docs" / "kv_events.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    namespace: dict = {}
+    exec(compile(code, "docs/kv_events.md", "exec"), namespace)
+    assert namespace["stored"].block_hashes and namespace["info"]["hash_algorithm"] == "sha256_cbor"
