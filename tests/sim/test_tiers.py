@@ -160,3 +160,18 @@ def test_a_tier_hit_costs_its_load_instead_of_the_recompute():
     assert [s for _, s in plain.ttft_points][-1] == pytest.approx(0.01 + 0.072)  # c recomputed all 72 tokens
     assert [s for _, s in tiered.ttft_points][-1] == pytest.approx(0.01 + 0.008 + 0.005)  # 8 computed, 64 loaded
     assert ttft["a"] == pytest.approx(0.01 + 0.008 + 0.005)
+
+
+@pytest.mark.slow
+def test_on_the_conversation_trace_a_cpu_tier_is_a_pool_of_the_combined_size(conversation_trace_path):
+    """The first 1,500 Mooncake requests, 512-token blocks; 2 of them are block-aligned (the duplicate case)."""
+    from itertools import islice
+
+    from kvpool.sim.traces import iter_trace
+
+    trace = list(islice(iter_trace(conversation_trace_path), 1500))
+    single = replay_sequential(trace, 1200, block_size=512, hash_algo="xxh3_128")
+    tiered = replay_sequential(trace, 300, block_size=512, hash_algo="xxh3_128", tiers=[parse_tier("cpu=900")])
+    assert tiered.oversized == single.oversized == 0
+    assert tiered.hit_tokens_by_tier["cpu"] > 0.05 * tiered.hit_tokens
+    assert tiered.hit_tokens == pytest.approx(single.hit_tokens, rel=0.002)
