@@ -38,12 +38,14 @@ from kvpool.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStore
 from kvpool.hashing import BlockHash, BlockHasher, ExtraKey
 
 __all__ = [
+    "END_OF_REPLAY",
     "EventBatch",
     "EventStreamError",
     "KVEventPublisher",
     "KVEventSubscriber",
     "LostBatches",
     "PublisherRestarted",
+    "Received",
     "SequencedBatch",
     "decode_batch",
     "describe_events",
@@ -100,6 +102,7 @@ class PublisherRestarted:
     seq: int
 
 
+#: What :meth:`KVEventSubscriber.receive` returns, item by item.
 Received = SequencedBatch | LostBatches | PublisherRestarted
 
 
