@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import enum
 import math
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -235,7 +234,7 @@ class TieredManager(KVCacheManager):
         tiers = self.tiers
         if not tiers:
             return []
-        hashes = request._block_hashes
+        hashes = request.block_hashes
         limit = (request.num_tokens - 1) // self.block_size
         run: list[int] = []
         for k in range(num_hit // self.block_size, min(limit, len(hashes))):
@@ -259,7 +258,7 @@ class TieredManager(KVCacheManager):
         self._num_loads += 1
         loader = Request(
             f"{request.request_id}\x00load{self._num_loads}",
-            array(request.all_token_ids.typecode, request.all_token_ids[:length]),
+            request.all_token_ids[:length],
             cache_salt=request.cache_salt,
             lora_name=request.lora_name,
         )
@@ -267,7 +266,7 @@ class TieredManager(KVCacheManager):
         if self.allocate_slots(loader, length - loader_num_hit, loader_num_hit, loader_hit) is None:
             return hit, num_hit  # no free GPU blocks to load into: the request computes them
         # The run leaves the tiers before the evictions it caused come down, as hits never count as evictions.
-        hashes = request._block_hashes
+        hashes = request.block_hashes
         first = num_hit // bs
         per_tier = [0] * len(self.tiers)
         for k, t in enumerate(run):
