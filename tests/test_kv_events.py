@@ -241,16 +241,30 @@ def endpoints() -> tuple[str, str, str, str]:
     return f"tcp://*:{pub}", f"tcp://*:{replay}", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
 
 
-def collect(sub: KVEventSubscriber, count: int, timeout: float = 5.0) -> list:
+def batch_of(i: int) -> list:
+    return [BlockRemoved(block_hashes=(h(i % 256),))]
+
+
+def publish_until_heard(publisher: KVEventPublisher, sub: KVEventSubscriber, timeout: float = 10.0) -> list:
+    """Publish ``batch_of(seq)`` until the subscriber hears one live; return all it received.
+
+    A SUB socket hears nothing until its subscription reaches the publisher, so
+    a fixed sleep would make these tests depend on the machine's load.
+    """
     got: list = []
     deadline = time.monotonic() + timeout
-    while sum(isinstance(x, SequencedBatch) for x in got) < count and time.monotonic() < deadline:
+    while not any(isinstance(x, SequencedBatch) and not x.replayed for x in got):
+        assert time.monotonic() < deadline, f"nothing heard within {timeout} s"
+        publisher.publish(batch_of(publisher.next_seq))
         got += sub.receive(timeout=0.1)
     return got
 
 
-def batch_of(i: int) -> list:
-    return [BlockRemoved(block_hashes=(h(i),))]
+def assert_in_order(got: list, first: int) -> None:
+    """Batches ``first, first+1, ...`` with their contents; the last one live."""
+    assert [x.seq for x in got] == list(range(first, first + len(got)))
+    assert all(x.batch.events == tuple(batch_of(x.seq)) for x in got)
+    assert not got[-1].replayed
 
 
 def test_publish_and_subscribe_with_a_gap_repaired_through_replay():
@@ -259,20 +273,18 @@ def test_publish_and_subscribe_with_a_gap_repaired_through_replay():
         assert publisher.endpoint == bind and publisher.replay_endpoint == bind_replay
         # a subscriber that wants everything from the start: what it joined too late for is replayed
         with KVEventSubscriber(connect, replay_endpoint=connect_replay, topic="kv", last_seq=-1) as sub:
-            time.sleep(0.3)
-            assert [publisher.publish(batch_of(i)) for i in range(3)] == [0, 1, 2]
-            got = collect(sub, 3)
-            assert [(x.seq, x.batch.events) for x in got] == [(i, tuple(batch_of(i))) for i in range(3)]
-        # it disconnects; batches 3 and 4 go out while no one listens
-        publisher.publish(batch_of(3))
-        publisher.publish(batch_of(4))
-        time.sleep(0.1)
-        with KVEventSubscriber(connect, replay_endpoint=connect_replay, topic="kv", last_seq=2) as sub:
-            time.sleep(0.3)
-            publisher.publish(batch_of(5))
-            got = collect(sub, 3)
-        assert [(x.seq, x.replayed) for x in got] == [(3, True), (4, True), (5, False)]
-        assert [x.batch.events for x in got] == [tuple(batch_of(i)) for i in (3, 4, 5)]
+            for i in range(3):
+                assert publisher.publish(batch_of(i)) == i
+            got = publish_until_heard(publisher, sub)
+            assert_in_order(got, 0)
+            last = got[-1].seq
+        # it disconnects; two batches go out while no one listens
+        publisher.publish(batch_of(last + 1))
+        publisher.publish(batch_of(last + 2))
+        with KVEventSubscriber(connect, replay_endpoint=connect_replay, topic="kv", last_seq=last) as sub:
+            got = publish_until_heard(publisher, sub)
+        assert_in_order(got, last + 1)
+        assert got[0].replayed and got[1].replayed
         assert all(x.batch.data_parallel_rank == 0 for x in got)
 
 
@@ -281,26 +293,26 @@ def test_a_gap_the_replay_buffer_no_longer_holds_is_reported():
     with KVEventPublisher(bind, replay_endpoint=bind_replay, buffer_steps=2) as publisher:
         for i in range(5):  # nobody listens
             publisher.publish(batch_of(i))
-        time.sleep(0.1)
         with KVEventSubscriber(connect, replay_endpoint=connect_replay, last_seq=0) as sub:
-            time.sleep(0.3)
-            publisher.publish(batch_of(5))  # the buffer now holds 4 and 5
-            got = collect(sub, 2)
-    assert got[0] == LostBatches(1, 3)
-    assert [(x.seq, x.replayed) for x in got[1:]] == [(4, True), (5, False)]
+            got = publish_until_heard(publisher, sub)
+    live = got[-1].seq  # the buffer held live - 1 and live when the gap was seen
+    assert got[0] == LostBatches(1, live - 2)
+    assert_in_order(got[1:], live - 1)
+    assert got[1].replayed
 
 
 def test_without_a_replay_socket_a_gap_is_reported_and_a_restart_is_seen():
     bind, _, connect, _ = endpoints()
-    with KVEventSubscriber(connect, last_seq=6) as sub:
+    with KVEventSubscriber(connect, last_seq=600) as sub:
         with KVEventPublisher(bind) as publisher:  # a new publisher: its sequence starts at 0
-            time.sleep(0.3)
-            publisher.publish(batch_of(0))
-            got = collect(sub, 1)
-            assert got == [PublisherRestarted(0), SequencedBatch(0, got[1].batch)]
-            publisher.publish(batch_of(1))
-            assert [x.seq for x in collect(sub, 1)] == [1]
-        assert sub.last_seq == 1
+            got = publish_until_heard(publisher, sub)
+            first = got[-1].seq
+            assert got[0] == PublisherRestarted(first)
+            assert got[1:-1] == ([LostBatches(0, first - 1)] if first else [])
+            assert_in_order(got[-1:], first)
+            publisher.publish(batch_of(first + 1))
+            assert [x.seq for x in collect(sub, 1)] == [first + 1]
+        assert sub.last_seq == first + 1
         assert sub.replay(0) == []
 
 
@@ -311,13 +323,21 @@ def test_a_replay_socket_that_does_not_answer_leaves_the_gap_reported():
         for i in range(3):
             publisher.publish(batch_of(i))
         with KVEventSubscriber(connect, replay_endpoint=nobody, last_seq=0, replay_timeout=0.3) as sub:
-            time.sleep(0.3)
-            publisher.publish(batch_of(3))
-            got = collect(sub, 1)
-    assert got == [LostBatches(1, 2), SequencedBatch(3, got[1].batch)]
+            got = publish_until_heard(publisher, sub)
+    live = got[-1].seq
+    assert got[0] == LostBatches(1, live - 1)
+    assert_in_order(got[1:], live)
     with KVEventSubscriber(connect, replay_endpoint=nobody, replay_timeout=0.1) as sub:
         with pytest.raises(EventStreamError, match="did not finish"):
             sub.replay(0)
+
+
+def collect(sub: KVEventSubscriber, count: int, timeout: float = 5.0) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout
+    while sum(isinstance(x, SequencedBatch) for x in got) < count and time.monotonic() < deadline:
+        got += sub.receive(timeout=0.1)
+    return got
 
 
 def test_the_replay_socket_answers_a_plain_zmq_client_as_vllm_does():
@@ -327,7 +347,6 @@ def test_the_replay_socket_answers_a_plain_zmq_client_as_vllm_does():
     with KVEventPublisher(bind, replay_endpoint=bind_replay, topic="t") as publisher:
         for i in range(3):
             publisher.publish(batch_of(i), ts=float(i))
-        time.sleep(0.1)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(connect_replay)
@@ -350,12 +369,12 @@ def test_the_replay_socket_answers_a_plain_zmq_client_as_vllm_does():
 
 def test_a_managers_events_go_over_the_wire_intact():
     events = manager_events()
-    bind, _, connect, _ = endpoints()
-    with KVEventPublisher(bind) as publisher, KVEventSubscriber(connect, last_seq=-1) as sub:
-        time.sleep(0.3)
-        publisher.publish(events)
-        (got,) = collect(sub, 1)
-    assert got.batch.events == tuple(events)
+    bind, bind_replay, connect, connect_replay = endpoints()
+    with KVEventPublisher(bind, replay_endpoint=bind_replay) as publisher:
+        publisher.publish(events)  # perhaps before the subscription is up: then it is replayed
+        with KVEventSubscriber(connect, replay_endpoint=connect_replay, last_seq=-1) as sub:
+            got = publish_until_heard(publisher, sub)
+    assert got[0].seq == 0 and got[0].batch.events == tuple(events)
 
 
 def test_publisher_arguments_are_checked():

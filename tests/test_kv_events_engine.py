@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("torch")
@@ -53,15 +51,12 @@ def test_engine_events_carry_hashes_a_router_computes_from_the_prompt(hybrid):
     full_attention = [h for e in stored if e.spec_kind == "full_attention" for h in e.block_hashes]
     assert full_attention[: len(expected)] == expected
     # Over the wire, with every field.
-    port = free_port()
-    with KVEventPublisher(f"tcp://*:{port}") as publisher:
-        with KVEventSubscriber(f"tcp://127.0.0.1:{port}", last_seq=-1) as subscriber:
-            time.sleep(0.3)
+    port, replay = free_port(), free_port()
+    with KVEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}") as publisher:
+        with KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}") as subscriber:
             publisher.publish(events)
-            received = []
-            deadline = time.monotonic() + 5
-            while not received and time.monotonic() < deadline:
-                received = subscriber.receive(timeout=0.2)
+            # heard live, or (when the subscription was not up yet) from the replay socket
+            received = subscriber.receive(timeout=1.0) or subscriber.replay(0)
     assert received[0].batch.events == tuple(events)
 
 

@@ -471,8 +471,7 @@ class KVEventPublisher:
             poller.register(replay, zmq.POLLIN)
         while True:
             ready = dict(poller.poll())
-            if replay is not None and replay in ready:
-                self._serve_replay(replay)
+            # Batches first: a replay asked for after publish() returned includes that batch.
             while inbox in ready:
                 try:
                     frames = inbox.recv_multipart(zmq.NOBLOCK)
@@ -483,6 +482,8 @@ class KVEventPublisher:
                 seq_bytes, payload = frames
                 pub.send_multipart((topic, seq_bytes, payload))
                 buffer.append((int.from_bytes(seq_bytes, "big"), payload))
+            if replay is not None and replay in ready:
+                self._serve_replay(replay)
 
     def _serve_replay(self, replay: Any) -> None:
         frames = replay.recv_multipart()
