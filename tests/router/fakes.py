@@ -51,8 +51,9 @@ class ByteTokenizer:
 class FakeReplica:
     """One replica: HTTP on ``port``, KV events on ``events_port`` with replay on ``replay_port``."""
 
-    def __init__(self, name: str, salts: SaltPolicy, *, delay: float = 0.0) -> None:
+    def __init__(self, name: str, salts: SaltPolicy, *, delay: float = 0.0, admin_key: str | None = None) -> None:
         self.name = name
+        self.admin_key = admin_key  # when set, /kv-events needs it (as a replica reached off its loopback)
         self.salts = salts
         self.delay = delay
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
@@ -148,6 +149,8 @@ class FakeReplica:
 
         async def kv_events(request: Request) -> Response:
             assert self.publisher is not None
+            if self.admin_key and request.headers.get("authorization") != f"Bearer {self.admin_key}":
+                return JSONResponse({"error": {"message": "this route needs an admin key"}}, status_code=401)
             return JSONResponse(
                 describe_events(
                     self.hasher, endpoint=self.publisher.endpoint, replay_endpoint=self.publisher.replay_endpoint

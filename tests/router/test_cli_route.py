@@ -39,3 +39,10 @@ def test_an_unreachable_index_redis_is_refused(tmp_path: Path) -> None:
         "--replica", "http://127.0.0.1:1", "--no-tenant-isolation", "--index-redis", "redis://127.0.0.1:1/0"
     )
     assert code == 2 and "does not answer" in out
+
+
+def test_an_empty_admin_key_file_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "admin"
+    empty.write_text("\n")
+    code, out = run("--replica", "http://127.0.0.1:1", "--no-tenant-isolation", "--admin-key-file", str(empty))
+    assert code == 2 and "holds no key" in out

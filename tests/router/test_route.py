@@ -208,3 +208,19 @@ def test_two_routers_share_one_redis_index(replicas: list[FakeReplica], redis_ur
     finally:
         first.stop()
         second.stop()
+
+
+def test_kv_events_behind_an_admin_key_are_read_with_one() -> None:
+    guarded = [FakeReplica(name, SALTS, admin_key="sk-admin").start() for name in ("r0", "r1")]
+    without, with_key = route(guarded), route(guarded, admin_key="sk-admin")
+    try:
+        wait_for(lambda: up(with_key), "the replicas' events followed with the key")
+        wait_for(lambda: all(r.up for r in without.router.replicas), "the replicas up without it")
+        assert not without.router.monitor.feeds and not without.router.prefix_routing  # routed by load only
+        assert "401" in (without.router.replicas[0].last_error or "")
+        assert without.chat([system(0), ask("hi")]).status_code == 200
+    finally:
+        without.stop()
+        with_key.stop()
+        for r in guarded:
+            r.kill()

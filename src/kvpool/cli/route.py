@@ -54,6 +54,12 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 )
 @click.option("--no-tenant-isolation", is_flag=True, help="The replicas run with --no-tenant-isolation.")
 @click.option(
+    "--admin-key-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A replica admin key (the first line): replicas on other hosts show /kv-events only with one.",
+)
+@click.option(
     "--index-redis",
     metavar="URL",
     default=None,
@@ -82,6 +88,7 @@ def route(
     api_key_file: str | None,
     tenant_secret_file: str | None,
     no_tenant_isolation: bool,
+    admin_key_file: str | None,
     index_redis: str | None,
     load_cost: float,
     health_interval: float,
@@ -99,6 +106,7 @@ def route(
 
     urls = tuple(dict.fromkeys(check_replica_url(url) for url in replicas))
     keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
+    admin_key = None if admin_key_file is None else _first_key(admin_key_file)
     if no_tenant_isolation:
         salts, salts_known = SaltPolicy.shared(), True
     else:
@@ -118,10 +126,25 @@ def route(
         tokenizer=tokenizer,
         keys=keys,
         salts=salts,
+        admin_key=admin_key,
         load_cost=load_cost,
         health_interval=health_interval,
     )
     _serve(Router(options, index), host, port)
+
+
+def _first_key(path: str) -> str:
+    """The first key of a key file (one a line, as the replicas' ``--admin-key-file``)."""
+    from kvpool.errors import ConfigError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            keys = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the admin key file {path!r}: {exc}") from None
+    if not keys:
+        raise ConfigError(f"the admin key file {path!r} holds no key")
+    return keys[0]
 
 
 def _tokenizer(model: str) -> Any:

@@ -60,7 +60,8 @@ class RouteOptions:
     """Everything ``kvpool route`` is told on its command line, checked.
 
     ``load_cost``: cached blocks one request queued or running at a replica is worth
-    (the ``prefix`` rule's exchange rate). ``keys`` None: the replicas are
+    (the ``prefix`` rule's exchange rate). ``admin_key``: sent to the replicas'
+    ``/kv-events``, which only their loopback interface may read without one. ``keys`` None: the replicas are
     single-tenant. ``salts`` must be the replicas' own rule (the same secret file, or
     shared when they run without tenant isolation), or no prefix will ever match.
     """
@@ -70,6 +71,7 @@ class RouteOptions:
     keys: KeyRing | None
     salts: SaltPolicy
     load_cost: float = 8.0
+    admin_key: str | None = None
     health_interval: float = 0.5
     health_timeout: float = 2.0
     connect_timeout: float = 2.0
@@ -84,7 +86,9 @@ class Router:
         self.index = index
         self.replicas = [Replica(url) for url in options.replicas]
         self.rule = PrefixAware(options.load_cost)
-        self.monitor = ReplicaMonitor(self.replicas, index, options.health_interval, options.health_timeout)
+        self.monitor = ReplicaMonitor(
+            self.replicas, index, options.health_interval, options.health_timeout, options.admin_key
+        )
         self._client: httpx.AsyncClient | None = None
 
     @property

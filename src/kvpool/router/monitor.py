@@ -36,8 +36,17 @@ log = logging.getLogger("kvpool.route")
 class ReplicaMonitor:
     """Health checks and event feeds for a fixed set of replicas."""
 
-    def __init__(self, replicas: Sequence[Replica], index: BlockIndex, interval: float, timeout: float) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        index: BlockIndex,
+        interval: float,
+        timeout: float,
+        admin_key: str | None = None,
+    ) -> None:
         self.replicas = list(replicas)
+        # /kv-events is open on a replica's loopback interface, elsewhere only with an admin key
+        self._operator = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.index = index
         self.interval = interval
         self.timeout = timeout
@@ -103,8 +112,9 @@ class ReplicaMonitor:
 
         assert self._client is not None
         replica.events = None
+        replica.last_error = None
         try:
-            response = await self._client.get(replica.url + "/kv-events", timeout=self.timeout)
+            response = await self._client.get(replica.url + "/kv-events", headers=self._operator, timeout=self.timeout)
             if response.status_code == 200:
                 replica.events = EventsInfo.from_json(response.json(), replica.url)
             else:
