@@ -398,3 +398,25 @@ def test_the_hierarchy_refuses_what_it_cannot_serve():
         TierHierarchyConnector(KVCacheManager(8, BS), [HostTier(2), HostTier(2)])
     with pytest.raises(ConfigError, match="at least one"):
         TierHierarchyConnector(KVCacheManager(8, BS), [])
+
+
+def test_the_connector_example_in_the_docs_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tiers.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    namespace: dict[str, object] = {}
+    exec(compile(code, "docs/tiers.md", "exec"), namespace)
+    mgr = KVCacheManager(32, BS)
+    probe = Request("probe", prompt(13))
+    mgr.hash_request(probe)
+    known = {bytes(h) for h in probe.block_hashes[:2]}
+    conn = namespace["DictConnector"](known, BS)  # type: ignore[operator]  # defined by the example
+    assert isinstance(conn, KVConnector)
+    sched = Scheduler(mgr, SchedulerConfig(), connector=conn)
+    sched.add_request(Request("a", prompt(13)), StopConditions(max_tokens=1))
+    out = sched.schedule()
+    assert out.chunks[0].start_position == 8 and len(conn.loads["a"]) == 2
+    (metrics,) = sched.update(out, {"a": 1})
+    assert metrics.cached_tokens_by_tier == {"gpu": 0, "dict": 8}
