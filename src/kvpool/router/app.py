@@ -14,9 +14,9 @@ For a generation request the router
    streams the answer back as it comes. The replica that served writes the usage,
    ``cached_tokens`` included.
 
-A connection error before any byte came back marks the replica down and retries the
-request on the next best replica. A replica believed down is never chosen while one
-is up.
+A transport error before any byte came back retries the request on the next best
+replica; a refused connection marks the replica down at once, any other error has it
+checked at once. A replica believed down is never chosen while one is up.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class Router:
             except httpx.TransportError as exc:
                 replica.in_flight -= 1
                 errors.append(f"{replica.url}: {type(exc).__name__}")
-                self.monitor.mark_down(replica, f"forward failed: {exc!r}")
+                self.monitor.suspect(replica, exc)
                 continue
             except BaseException:
                 replica.in_flight -= 1
@@ -235,7 +235,7 @@ class Router:
         except httpx.TransportError as exc:
             # Bytes already went to the client: the request cannot move. End the stream; the
             # client sees it cut short, and the replica is checked.
-            self.monitor.mark_down(replica, f"stream broke: {exc!r}")
+            self.monitor.suspect(replica, exc)
         finally:
             replica.in_flight -= 1
             await response.aclose()
@@ -250,7 +250,7 @@ class Router:
             try:
                 response = await self.client.get(replica.url + path, headers=headers)
             except httpx.TransportError as exc:
-                self.monitor.mark_down(replica, f"GET {path} failed: {exc!r}")
+                self.monitor.suspect(replica, exc)
                 continue
             out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
             return Response(response.content, status_code=response.status_code, headers=out_headers)

@@ -52,6 +52,7 @@ class ReplicaMonitor:
         self.timeout = timeout
         self.feeds: dict[str, EventFeed] = {}
         self._checks: list[asyncio.Task[None]] = []
+        self._pending: set[asyncio.Task[None]] = set()  # checks asked for by failed requests
         self._hashers: dict[tuple[int, str, str | None], BlockHasher | None] = {}
         self._client: httpx.AsyncClient | None = None
 
@@ -63,9 +64,10 @@ class ReplicaMonitor:
         self._checks = [asyncio.create_task(self._watch(r)) for r in self.replicas]
 
     async def stop(self) -> None:
-        for task in self._checks:
+        tasks = [*self._checks, *self._pending]
+        for task in tasks:
             task.cancel()
-        for task in self._checks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._checks.clear()
@@ -129,6 +131,22 @@ class ReplicaMonitor:
             feed = EventFeed(replica.url, replica.events, self.index)
             self.feeds[replica.url] = feed
             feed.start(asyncio.get_running_loop())
+
+    def suspect(self, replica: Replica, error: Exception) -> None:
+        """A request to ``replica`` failed: a refused connection takes it down now, anything else is checked now.
+
+        (A keep-alive connection the replica closed as it was reused fails the same way as
+        a crash mid-answer; the health check tells them apart.)
+        """
+        import httpx
+
+        if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
+            self.mark_down(replica, f"connection refused: {error!r}")
+        elif replica.up and self._client is not None:
+            replica.last_error = f"request failed: {error!r}"
+            task = asyncio.create_task(self.check(replica))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
 
     def mark_down(self, replica: Replica, why: str) -> None:
         """Out of rotation at once: its entries dropped, its feed stopped (a health check brings it back)."""
