@@ -13,6 +13,7 @@ the torch-backed names below is first used.
 * :mod:`.memory`: the KV cache budget (measured on CUDA, estimated on the CPU).
 * :mod:`.startup`: loading, profiling and the one-time KV cache allocation.
 * :class:`LLMEngine` (:mod:`.llm_engine`): the step loop (scheduler, runner, sampler).
+* :class:`KVTransferWorker` (:mod:`.kv_transfer`): KV tiers' copies (CPU host memory, disk, Redis).
 * :class:`LLM` (:mod:`.llm`): the offline API, ``generate`` and ``chat``.
 * :class:`RequestOutput`, :class:`RequestDelta` (:mod:`.outputs`): what requests return.
 """
@@ -29,6 +30,7 @@ __all__ = [
     "EngineOptions",
     "KVCacheSpec",
     "KVCaches",
+    "KVTransferWorker",
     "LLM",
     "LLMEngine",
     "ModelRunner",
@@ -51,6 +53,7 @@ _LAZY = {
     "allocate_kv_caches": "kv_cache",
     "num_blocks_for_budget": "kv_cache",
     "ModelRunner": "model_runner",
+    "KVTransferWorker": "kv_transfer",
     "LLM": "llm",
     "LLMEngine": "llm_engine",
     "RequestOutput": "outputs",
