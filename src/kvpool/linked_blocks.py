@@ -27,6 +27,7 @@ on a single list reads its size as an attribute.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import repeat
 
 from kvpool.block import KVBlock
 from kvpool.errors import InvariantViolation
@@ -165,27 +166,31 @@ class FreeList:
             raise InvariantViolation(f"asked the free queue for {n} blocks, it holds {self.num_free_blocks}")
         self.num_free_blocks -= n
         out: list[KVBlock] = []
+        append = out.append
         head, fresh = self.head, self._fresh
         node = head.next_free
-        while n:
-            if node is fresh:
-                start = self._next_fresh
-                stop = min(self._end, start + n)
-                new = [KVBlock(i) for i in range(start, stop)]
-                self._blocks.extend(new)
-                out.extend(new)
-                n -= stop - start
-                self._next_fresh = stop
-                if stop == self._end:  # the never-used range is exhausted
-                    nxt = fresh.next_free
-                    fresh.prev_free = fresh.next_free = None
-                    node = nxt  # type: ignore[assignment]  # a linked node's next is never None
-            else:
+        while len(out) < n:
+            # A run of linked blocks, up to the never-used marker...
+            for _ in repeat(None, n - len(out)):
+                if node is fresh:
+                    break
                 nxt = node.next_free
                 node.prev_free = node.next_free = None
-                out.append(node)
+                append(node)
                 node = nxt  # type: ignore[assignment]  # a linked node's next is never None
-                n -= 1
+            else:
+                break
+            # ...then never-used IDs in order, materialised as one run.
+            start = self._next_fresh
+            stop = min(self._end, start + n - len(out))
+            new = [KVBlock(i) for i in range(start, stop)]
+            self._blocks.extend(new)
+            out.extend(new)
+            self._next_fresh = stop
+            if stop == self._end:  # the never-used range is exhausted
+                nxt = fresh.next_free
+                fresh.prev_free = fresh.next_free = None
+                node = nxt  # type: ignore[assignment]  # a linked node's next is never None
         head.next_free = node
         node.prev_free = head
         return out

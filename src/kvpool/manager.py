@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = ["HitBlocks", "KVCacheManager"]
 
 _NO_LIMIT = 2**62
+_ZERO = 0
 
 
 def _check_request(request: object) -> None:
@@ -346,7 +347,7 @@ class KVCacheManager:
                 request needs more blocks than the pool holds.
         """
         try:
-            held = self._owners.get(request.request_id)
+            held = self._owners.get(request._request_id)
         except AttributeError:
             held = None  # not a Request: the general path says so
         single = self._single_group
@@ -357,14 +358,12 @@ class KVCacheManager:
             and new_computed_blocks is None
             and type(num_new_tokens) is int
             and num_new_tokens > 0
-            and type(num_new_computed_tokens) is int
-            and num_new_computed_tokens == 0
-            and type(num_lookahead_tokens) is int
-            and num_lookahead_tokens == 0
-            and type(num_encoder_tokens) is int
-            and num_encoder_tokens == 0
-            and type(num_external_computed_tokens) is int
-            and num_external_computed_tokens == 0
+            # The int 0, by identity (CPython keeps one): any other zero (False,
+            # 0.0, a NumPy zero) fails here and meets the general path's checks.
+            and num_new_computed_tokens is _ZERO
+            and num_lookahead_tokens is _ZERO
+            and num_encoder_tokens is _ZERO
+            and num_external_computed_tokens is _ZERO
         ):
             # The common step of a running request (a decode or a prefill chunk)
             # in a single-group model: the same checks and decisions as the

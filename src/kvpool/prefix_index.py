@@ -90,15 +90,12 @@ class PrefixIndex:
         Sets each block's hash and group. Returns where the run ended (always
         ``stop``: a trusted hash never refuses). O(1) per block, one call per run.
         """
-        m = self._map
-        setdefault = m.setdefault
-        for k in range(start, stop):
-            block = table[k]
+        setdefault = self._map.setdefault
+        for block, block_hash in zip(table[start:stop], hashes[start:stop]):
             if block.block_id == 0:
                 continue
             if block.block_hash is not None:
                 raise InvariantViolation(f"block {block.block_id} is cached twice")
-            block_hash = hashes[k]
             found = setdefault(block_hash, block)
             if found is not block:  # the hash is cached already: keep both, earliest first
                 self._keep_duplicate(block_hash, found, block)
@@ -227,12 +224,10 @@ class VerifiedPrefixIndex(PrefixIndex):
         parent = table[start - 1].entry if start else None
         if start and parent is None:
             return start
-        for k in range(start, stop):
-            block = table[k]
+        run = zip(range(start, stop), table[start:stop], hashes[start:stop], contents[start:stop])  # type: ignore[index]  # a sequence of bytes for the verified index
+        for k, block, block_hash, content in run:
             if block.block_hash is not None:
                 raise InvariantViolation(f"block {block.block_id} is cached twice")
-            block_hash = hashes[k]
-            content = contents[k]  # type: ignore[index]  # a sequence of bytes for the verified index
             found = get(block_hash)
             seal: Any
             if found is None:
