@@ -224,3 +224,15 @@ def test_kv_events_behind_an_admin_key_are_read_with_one() -> None:
         with_key.stop()
         for r in guarded:
             r.kill()
+
+
+def test_round_robin_for_comparison_ignores_prefixes(replicas: list[FakeReplica]) -> None:
+    from kvpool.routing import Routing
+
+    router = route(replicas, routing=Routing.ROUND_ROBIN)
+    try:
+        wait_for(lambda: all(r.up for r in router.router.replicas), "both replicas up")
+        served = [router.chat([system(0), ask(f"q{k}")]).json()["replica"] for k in range(4)]
+        assert served == ["r0", "r1", "r0", "r1"] and not router.router.prefix_routing
+    finally:
+        router.stop()

@@ -66,6 +66,13 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
     help="Keep the block index in this Redis (redis://host:6379/0), shared by every router naming it.",
 )
 @click.option(
+    "--routing",
+    type=click.Choice(["prefix", "round-robin", "least-loaded"]),
+    default="prefix",
+    show_default=True,
+    help="The routing rule (kvpool.routing); the other two ignore cached prefixes, for comparison.",
+)
+@click.option(
     "--load-cost",
     type=FiniteFloatRange(min=0, min_open=True),
     default=8.0,
@@ -90,6 +97,7 @@ def route(
     no_tenant_isolation: bool,
     admin_key_file: str | None,
     index_redis: str | None,
+    routing: str,
     load_cost: float,
     health_interval: float,
 ) -> None:
@@ -102,6 +110,7 @@ def route(
     require_extra("route", "events", "zmq", "msgspec")
     from kvpool.router import RouteOptions, Router, index_from_url
     from kvpool.router.replicas import check_replica_url
+    from kvpool.routing import Routing
     from kvpool.tenancy import KeyRing, SaltPolicy, load_secret
 
     urls = tuple(dict.fromkeys(check_replica_url(url) for url in replicas))
@@ -127,6 +136,7 @@ def route(
         keys=keys,
         salts=salts,
         admin_key=admin_key,
+        routing=Routing(routing),
         load_cost=load_cost,
         health_interval=health_interval,
     )

@@ -35,7 +35,7 @@ from kvpool.router.index import BlockIndex
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompts import Tokenizer, block_hashes
 from kvpool.router.replicas import Replica
-from kvpool.routing import PrefixAware, prefix_aware
+from kvpool.routing import Routing, chooser, prefix_aware
 from kvpool.serve.protocol import APIError, Endpoint, GenerationRequest, error_body, parse_generation
 from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
 
@@ -60,7 +60,7 @@ class RouteOptions:
     """Everything ``kvpool route`` is told on its command line, checked.
 
     ``load_cost``: cached blocks one request queued or running at a replica is worth
-    (the ``prefix`` rule's exchange rate). ``admin_key``: sent to the replicas'
+    (the ``prefix`` rule's exchange rate); ``routing``: the rule (the others, for comparison, ignore prefixes). ``admin_key``: sent to the replicas'
     ``/kv-events``, which only their loopback interface may read without one. ``keys`` None: the replicas are
     single-tenant. ``salts`` must be the replicas' own rule (the same secret file, or
     shared when they run without tenant isolation), or no prefix will ever match.
@@ -72,6 +72,7 @@ class RouteOptions:
     salts: SaltPolicy
     load_cost: float = 8.0
     admin_key: str | None = None
+    routing: Routing = Routing.PREFIX
     health_interval: float = 0.5
     health_timeout: float = 2.0
     connect_timeout: float = 2.0
@@ -85,7 +86,7 @@ class Router:
         self.options = options
         self.index = index
         self.replicas = [Replica(url) for url in options.replicas]
-        self.rule = PrefixAware(options.load_cost)
+        self.rule = chooser(options.routing, load_cost=options.load_cost)
         self.monitor = ReplicaMonitor(
             self.replicas, index, options.health_interval, options.health_timeout, options.admin_key
         )
@@ -118,7 +119,9 @@ class Router:
     def prefix_routing(self) -> bool:
         """Whether requests are routed by cached prefix now: a tokenizer loaded and a replica's hashing known."""
         tokenizer = self.options.tokenizer
-        return tokenizer is not None and tokenizer.loaded and bool(self.monitor.hashers())
+        if self.options.routing is not Routing.PREFIX or tokenizer is None:
+            return False
+        return tokenizer.loaded and bool(self.monitor.hashers())
 
     def tenant(self, authorization: str | None) -> str:
         """The tenant an ``Authorization`` header names; raises 401 for a missing or unknown key."""
@@ -142,7 +145,7 @@ class Router:
     ) -> dict[tuple[int, str, str | None], list[BlockHash]]:
         """The request's block hashes under each hashing the replicas use (usually one); empty until tokenized."""
         tokenizer = self.options.tokenizer
-        if tokenizer is None or not tokenizer.loaded:
+        if tokenizer is None or not tokenizer.loaded or self.options.routing is not Routing.PREFIX:
             return {}
         if request.messages is not None:
             tokens = tokenizer.chat_tokens(request.messages)
@@ -170,7 +173,7 @@ class Router:
                 if not candidates:
                     break
                 # the fallbacks, for a retry: the same rule, without moving the chooser's rotation
-                i = prefix_aware(cached, [r.load for r in candidates], load_cost=self.rule.load_cost)
+                i = prefix_aware(cached, [r.load for r in candidates], load_cost=self.options.load_cost)
         return ranked + [(r, 0) for r in down]
 
     def _cached_blocks(
