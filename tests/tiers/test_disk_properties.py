@@ -7,6 +7,7 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -101,4 +102,4 @@ class DiskTier(RuleBasedStateMachine):
 
 
 DiskTier.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
-TestDiskTier = DiskTier.TestCase
+TestDiskTier = pytest.mark.slow(DiskTier.TestCase)
