@@ -308,6 +308,11 @@ class HostTier:
         blocks: list[KVBlock] = [self.pool.block(slot) for slot in slots]
         self.pool.free_blocks(blocks)
 
+    def clear(self) -> None:
+        """Forget every stored block and pin (after a step failed: a reserved block may never have been written)."""
+        self.pool = BlockPool(self.num_blocks + 1)
+        self._index = self.pool.indexes[0]
+
     @property
     def num_stored(self) -> int:
         return len(self._index)
@@ -516,6 +521,22 @@ class TierHierarchyConnector:
             if slots and self._host is not None:
                 self._host.release(slots)
         return rid in self._saving
+
+    def reset(self) -> None:
+        """Forget every transfer in flight and the CPU tier's contents (the engine's recovery after a failed step).
+
+        A host block is indexed when its save is planned, so a step that failed
+        before its saves ran may have left keys over blocks never written: the
+        CPU tier starts empty again. Byte tiers are untouched: a store only
+        holds what a completed save wrote.
+        """
+        self._pending_loads.clear()
+        self._saved_upto.clear()
+        self._origin.clear()
+        self._pinned.clear()
+        self._saving.clear()
+        if self._host is not None:
+            self._host.clear()
 
     # -- figures ---------------------------------------------------------------------
 

@@ -196,3 +196,25 @@ def test_bad_tier_specs_are_refused_before_loading(folder):
         LLMEngine(folder, **TINY_POOL, kv_tiers=["cpu:1MiB"], kv_tier_secret_file="/nonexistent/secret", log=None)
     with pytest.raises(ConfigError, match="holds no block"):
         LLMEngine(folder, **TINY_POOL, kv_tiers=["cpu:100B"], log=None)
+
+
+def test_a_failed_step_leaves_no_tier_holding_unwritten_blocks(folder, reference, monkeypatch):
+    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=["cpu:1MiB"], log=None)
+    batch = prompts(7, count=2)
+    run(engine, batch[:1])
+    assert engine.kv_tiers.host.num_stored > 0
+    runner = engine.setup.runner
+
+    def broken(chunks):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(runner, "execute", broken)
+    engine.add_request(batch[1], PARAMS)
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.step()  # its saves were planned (host blocks reserved) but never written
+    monkeypatch.undo()
+    assert engine.kv_tiers.host.num_stored == 0
+    assert engine.scheduler.num_saving == 0 and engine.manager.num_free_blocks == engine.num_blocks - 1
+    outs = run(engine, batch)
+    assert_same_tokens(outs, batch, reference)
+    assert all(o.num_cached_tokens == 0 for o in outs)  # nothing was trusted after the failure

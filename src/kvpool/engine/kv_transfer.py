@@ -51,7 +51,7 @@ from kvpool.connector import (
 )
 from kvpool.engine.kv_cache import KVCaches
 from kvpool.engine.memory import format_bytes
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.manager import KVCacheManager
 from kvpool.planner import parse_size
 
@@ -242,6 +242,7 @@ class KVTransferWorker:
         staging = staging.pin_memory()
         self._staging = staging
         events = []
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks' last readers first
         with torch.cuda.stream(self._stream):
             device_ids = ids.to(self.device, non_blocking=True)
             for layer in range(caches.num_layers):
@@ -345,6 +346,18 @@ class KVTiers:
             return plan
         self.worker.save(meta)
         return scheduler.apply_transfers(plan, self.worker.get_finished())
+
+    def recover(self, scheduler: Scheduler, plan: SchedulerOutput) -> None:
+        """After the step of ``plan`` failed: drop its transfers, so that no tier keeps what was never written."""
+        self.worker.get_finished()  # whatever it had finished belongs to the failed step
+        self.connector.reset()
+        meta = plan.connector_meta
+        if meta:
+            rids = frozenset([*(t.request_id for t in meta.loads), *(t.request_id for t in meta.saves)])
+            try:
+                scheduler.apply_transfers(plan, TransferResult(finished_loads=rids, finished_saves=rids))
+            except KVPoolError:
+                pass  # the plan was already applied or superseded: nothing waits on it
 
     def figures(self) -> dict[str, dict[str, Any]]:
         """Per tier: what the worker moved, what the connector decided, and the store's own counters."""

@@ -425,6 +425,8 @@ class LLMEngine:
                 tokens = sample_tokens(logits, [s.params for s in live], [s.generator for s in live])
                 sampled = dict(zip(sampled_ids, tokens))
         except BaseException:
+            if tiers is not None:
+                tiers.recover(self.scheduler, plan)
             self._recover()
             raise
         finished = {m.request_id: m for m in self.scheduler.update(plan, sampled)}
