@@ -37,6 +37,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MODEL = "smollm2-135m"
 KEYS = {"key-victim": "victim", "key-attacker": "attacker"}
@@ -127,12 +128,12 @@ class Trial:
     cached_tokens: int  # what the attacker's usage said
 
 
-def _first_token(client: object, prompt: list[int]) -> tuple[float, int]:
+def _first_token(client: Any, prompt: list[int]) -> tuple[float, int]:
     """Time to the first streamed token and the cached tokens reported, for one attacker request."""
     start = time.perf_counter()
     ttft = None
     cached = 0
-    stream = client.completions.create(  # type: ignore[attr-defined]
+    stream = client.completions.create(
         model=MODEL,
         prompt=prompt,
         max_tokens=1,

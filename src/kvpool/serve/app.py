@@ -120,8 +120,9 @@ class _EventStream:
     waiting (nothing sent yet) is noticed too.
     """
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_abandon: Callable[[], None]) -> None:
         self._events = events
+        self._on_abandon = on_abandon  # a stream cut short (even before it began) calls this
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         done = asyncio.Event()
@@ -147,6 +148,8 @@ class _EventStream:
             for task in (streamer, listener):
                 task.cancel()
             await asyncio.gather(streamer, listener, return_exceptions=True)
+            if not done.is_set():
+                self._on_abandon()
         if streamer.done() and not streamer.cancelled() and streamer.exception() is not None and not done.is_set():
             exc = streamer.exception()
             if not isinstance(exc, OSError):  # a closed connection is the client leaving, not a fault
@@ -263,7 +266,8 @@ class _Server:
         num_prompt_tokens, stream = await self.admit(job)
         created = int(time.time())
         if gen.stream:
-            return _EventStream(self._events(gen, response_id, created, num_prompt_tokens, stream))
+            events = self._events(gen, response_id, created, num_prompt_tokens, stream)
+            return _EventStream(events, lambda: self.loop.abort(response_id))
         collected = asyncio.ensure_future(_collect(stream))
         gone = asyncio.ensure_future(_disconnected(request.receive))
         try:

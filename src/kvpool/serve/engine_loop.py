@@ -230,7 +230,10 @@ class EngineLoop:
                 for command in commands:
                     if command is None:
                         return
-                    command()
+                    try:
+                        command()
+                    except Exception:  # a command's own failure must not stop the engine thread
+                        _LOGGER.exception("an engine command failed")
                 if engine.has_unfinished_requests():
                     self._step()
                 else:
