@@ -34,15 +34,6 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-def _engine_options(kw: dict[str, Any]) -> dict[str, Any]:
-    """The engine flags as ``EngineOptions`` fields (``generate``'s mapping, 'auto' memory included)."""
-    options = {name: kw.pop(name) for name in generate_command._ENGINE_FLAGS}
-    memory = options.get("kv_cache_memory")
-    if isinstance(memory, str) and memory.strip().lower() == "auto":
-        options["kv_cache_memory"] = None
-    return options
-
-
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port.")
@@ -109,6 +100,7 @@ def serve(
     check_prefix(metrics_prefix)
     api_keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
     admin_keys = None if admin_key_file is None else KeyRing.load_lines(admin_key_file, "admin")
+    generated = False
     if no_tenant_isolation:
         salts = SaltPolicy.shared()
     else:
@@ -117,41 +109,49 @@ def serve(
     if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
         raise click.UsageError("--kv-events-replay-endpoint needs --kv-events-endpoint")
 
-    options = _engine_options(kw)
+    options = generate_command.engine_options(kw)  # generate's mapping of its engine flags
     options["enable_kv_events"] = kv_events_endpoint is not None
     engine = _start_engine(options)
-    model_name = served_model_name or str(kw.get("model") or engine.setup.model_name)
-    if api_keys is None:
-        _log("single-tenant: no --api-key-file, so every request is one tenant's and needs no API key")
-    else:
-        _log(f"{len(api_keys.names)} tenants, {len(api_keys)} API keys from {api_key_file}")
-    if no_tenant_isolation:
-        _log(
-            "WARNING: --no-tenant-isolation: all tenants share one prefix cache; a tenant can tell from "
-            "cached_tokens or time to first token which prompts another tenant sent"
-        )
-    elif generated:
-        _log("tenant cache salts use a secret generated at start (--tenant-secret-file keeps one across restarts)")
-    else:
-        _log(f"tenant cache salts use the secret in {tenant_secret_file}")
-    from kvpool.serve import ServeConfig
+    try:
+        if api_keys is None:
+            _log("single-tenant: no --api-key-file, so every request is one tenant's and needs no API key")
+        else:
+            _log(f"{len(api_keys.names)} tenants, {len(api_keys)} API keys from {api_key_file}")
+        if no_tenant_isolation:
+            _log(
+                "WARNING: --no-tenant-isolation: all tenants share one prefix cache; a tenant can tell from "
+                "cached_tokens or time to first token which prompts another tenant sent"
+            )
+        elif generated:
+            _log("tenant cache salts use a secret generated at start (--tenant-secret-file keeps one across restarts)")
+        else:
+            _log(f"tenant cache salts use the secret in {tenant_secret_file}")
+        from kvpool.serve import ServeConfig
 
-    config = ServeConfig(
-        model_name=model_name,
-        api_keys=api_keys,
-        salts=salts,
-        admin_keys=admin_keys,
-        max_body_bytes=max_body_bytes,
-        max_waiting=max_waiting,
-        metrics_prefix=metrics_prefix,
-    )
-    if kv_events_endpoint is None:
+        config = ServeConfig(
+            model_name=served_model_name or str(kw["model"]),
+            api_keys=api_keys,
+            salts=salts,
+            admin_keys=admin_keys,
+            max_body_bytes=max_body_bytes,
+            max_waiting=max_waiting,
+            metrics_prefix=metrics_prefix,
+        )
+        _serve(engine, config, host, port, kv_events_endpoint, kv_events_replay_endpoint)
+    finally:
+        if engine.kv_tiers is not None:
+            engine.kv_tiers.close()
+
+
+def _serve(engine: Any, config: Any, host: str, port: int, events: str | None, replay: str | None) -> None:
+    """Serve until interrupted; with an events endpoint, publish the pool's events after every step."""
+    if events is None:
         _run(engine, config, host, port)
         return
     require_extra("serve", "events", "zmq", "msgspec")
     from kvpool.kv_events import KVEventPublisher, describe_events
 
-    publisher = KVEventPublisher(kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint)
+    publisher = KVEventPublisher(events, replay_endpoint=replay)
     try:
         where = describe_events(
             engine.manager.hasher,
@@ -159,15 +159,13 @@ def serve(
             replay_endpoint=publisher.replay_endpoint,
             topic=publisher.topic,
         )
-        _log(
-            f"KV events on {publisher.endpoint}"
-            + (f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
-        )
+        replaying = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+        _log(f"KV events on {publisher.endpoint}{replaying}")
 
         def publish(engine: Any, deltas: Any) -> None:
-            events = engine.manager.take_events()
-            if events:
-                publisher.publish(events)
+            taken = engine.manager.take_events()
+            if taken:
+                publisher.publish(taken)
 
         _run(engine, dataclasses.replace(config, kv_events=lambda: where), host, port, hooks=(publish,))
     finally:
