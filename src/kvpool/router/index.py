@@ -136,6 +136,25 @@ class MemoryIndex:
         return len(self._held.get(replica, ()))
 
 
+# KEYS: the prompt's block keys, in order; ARGV: replica names. Returns the matched depth per replica.
+_MATCH_SCRIPT = """
+local matched, alive = {}, {}
+for i, replica in ipairs(ARGV) do matched[i] = 0; alive[replica] = true end
+for depth, key in ipairs(KEYS) do
+  local holders = {}
+  for _, member in ipairs(redis.call('SMEMBERS', key)) do
+    holders[string.match(member, '^(.*)|[^|]*$')] = true
+  end
+  local running = false
+  for i, replica in ipairs(ARGV) do
+    if alive[replica] and holders[replica] then matched[i] = depth; running = true else alive[replica] = false end
+  end
+  if not running then break end
+end
+return matched
+"""
+
+
 class RedisIndex:
     """The index in Redis, shared by every router that names the same server and prefix.
 
@@ -147,14 +166,16 @@ class RedisIndex:
 
     Every write is a set insertion or deletion, so routers that apply the same event
     stream converge on the same index whatever order their writes interleave in; a
-    lookup is one pipelined round trip of ``SMEMBERS`` over the request's blocks.
+    lookup is one call of a server-side script that walks the request's blocks and
+    stops where every replica's run has ended.
     """
 
-    __slots__ = ("_redis", "_prefix")
+    __slots__ = ("_redis", "_prefix", "_match")
 
     def __init__(self, client: Redis, prefix: str = "kvpool:route") -> None:
         self._redis = client
         self._prefix = prefix.encode()
+        self._match = client.register_script(_MATCH_SCRIPT)
 
     def _block(self, key: bytes) -> bytes:
         return self._prefix + b":b:" + key
@@ -204,22 +225,13 @@ class RedisIndex:
             pipe.execute()
 
     def match(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[int]:
-        if not hashes:
+        if not hashes or not replicas:
             return [0] * len(replicas)
-        pipe = self._redis.pipeline(transaction=False)
-        for h in hashes:
-            pipe.smembers(self._block(_key(h)))
-        answers: list[Any] = pipe.execute()
-        matched = dict.fromkeys(replicas, 0)
-        alive = set(replicas)
-        for depth, members in enumerate(answers):
-            holders = {m.decode().rpartition("|")[0] for m in members}
-            alive &= holders
-            if not alive:
-                break
-            for replica in alive:
-                matched[replica] = depth + 1
-        return [matched[r] for r in replicas]
+        # One script call walks the chain on the server and stops at the first block no
+        # replica still in the run holds: one round trip, a reply of one number per replica.
+        keys = [self._block(_key(h)) for h in hashes]
+        found: list[Any] = self._match(keys=keys, args=list(replicas))
+        return [int(n) for n in found]
 
     def num_blocks(self, replica: str) -> int:
         media: set[bytes] = self._redis.smembers(self._media(replica))  # type: ignore[assignment]  # the sync client returns the set itself
