@@ -120,3 +120,15 @@ def test_sequential_replay_takes_tiers():
     assert result.exit_code == 0, result.output
     seq = json.loads(result.stdout)["sequential"]
     assert seq["hit_tokens_by_tier"]["cpu"] > 0
+
+
+def test_tier_loads_are_sized_from_the_model_or_the_flag():
+    from kvpool.model_config import load_model_config
+    from kvpool.model_layers import layer_specs_from_config
+    from kvpool.specs import group_layers, pool_block_bytes
+
+    block = pool_block_bytes(group_layers(layer_specs_from_config(load_model_config("smollm2-135m"), block_size=16)))
+    sized = json.loads(invoke("--tier", "cpu=50", "--model", "smollm2-135m", "--json", requests=5).stdout)
+    assert sized["tiers"][0]["load_ms_per_block"] == pytest.approx((10e-6 + block / 25e9) * 1e3)
+    given = json.loads(invoke("--tier", "cpu=50", "--kv-bytes-per-token", "1000", "--json", requests=5).stdout)
+    assert given["tiers"][0]["load_ms_per_block"] == pytest.approx((10e-6 + 16_000 / 25e9) * 1e3)

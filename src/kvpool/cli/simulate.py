@@ -47,13 +47,13 @@ def _load(trace: str, requests: int | None, seed: int) -> list[TraceRequest]:
     return list(islice(iter_trace(trace), requests))  # reads no further than the requests replayed
 
 
-def _plot_folder(plot_dir: Path) -> None:
-    """Make ``--plot-dir`` before any work, so a folder that cannot exist fails fast."""
+def _plot_folder(plot_dir: Path, flag: str) -> None:
+    """Make the folder a plot goes to before any work, so a folder that cannot exist fails fast."""
     require_extra("simulate", "sim", "matplotlib")
     try:
         plot_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        fail("simulate", f"--plot-dir {str(plot_dir)!r} cannot be created: {exc.strerror or exc}")
+        fail("simulate", f"{flag} {str(plot_dir)!r} cannot be created: {exc.strerror or exc}")
 
 
 def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None, block_size: int) -> int:
@@ -61,14 +61,10 @@ def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None,
         return kv_blocks + 1  # plus the null block
     if kv_memory is None or model is None:
         raise KVPoolError("give --kv-blocks N, or --kv-memory SIZE with --model CONFIG")
-    from kvpool.model_config import load_model_config
-    from kvpool.model_layers import layer_specs_from_config
     from kvpool.planner import parse_size
-    from kvpool.specs import group_layers, pool_block_bytes
 
     budget = parse_size(kv_memory, field="--kv-memory")
-    groups = group_layers(layer_specs_from_config(load_model_config(model), block_size=block_size))
-    block_bytes = pool_block_bytes(groups)
+    block_bytes = _block_bytes(model, block_size)
     blocks = budget // block_bytes
     if blocks < 2:
         raise KVPoolError(f"--kv-memory {kv_memory} holds {blocks} blocks of {block_bytes:,} B for {model}")
@@ -135,16 +131,18 @@ def _tiers(tier: tuple[str, ...], bandwidths: tuple[str, ...], latencies: tuple[
     return tuple(specs)
 
 
-def _kv_bytes_per_token(model: str | None, block_size: int) -> int | None:
-    """KV bytes per token of ``model`` (all layers), or None without a model."""
-    if model is None:
-        return None
+def _block_bytes(model: str, block_size: int) -> int:
+    """Bytes of one pool block of ``model`` (every layer group) at ``block_size``."""
     from kvpool.model_config import load_model_config
     from kvpool.model_layers import layer_specs_from_config
     from kvpool.specs import group_layers, pool_block_bytes
 
-    groups = group_layers(layer_specs_from_config(load_model_config(model), block_size=block_size))
-    return max(1, pool_block_bytes(groups) // block_size)
+    return pool_block_bytes(group_layers(layer_specs_from_config(load_model_config(model), block_size=block_size)))
+
+
+def _kv_bytes_per_token(model: str | None, block_size: int) -> int | None:
+    """KV bytes per token of ``model`` (all layers), or None without a model."""
+    return None if model is None else max(1, _block_bytes(model, block_size) // block_size)
 
 
 def _deltas(update: Callable[[int], object]) -> Callable[[int], None]:
@@ -387,9 +385,9 @@ def simulate(
     if curve is not None:
         require_extra("simulate", "sim", "numpy")
     if plot_dir is not None:
-        _plot_folder(plot_dir)
+        _plot_folder(plot_dir, "--plot-dir")
     if plot_path is not None:
-        _plot_folder(plot_path.parent)
+        _plot_folder(plot_path.parent, "--plot")
     tiers = _tiers(tier_flags, tier_bandwidth, tier_latency)
     rules = [Routing(r) for r in dict.fromkeys(routing_rules)] or (
         list(Routing) if replicas > 1 or ttft_slo is not None else [Routing.PREFIX]
