@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -38,11 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy
 import torch
 
 from kvpool.connector import (
     BlockLoad,
-    BlockSave,
     ByteTier,
     ConnectorMetadata,
     HostTier,
@@ -142,14 +143,17 @@ class KVTransferWorker:
         spec = kv_caches.spec
         self.kv_caches = kv_caches
         self.block_size = spec.block_size
+        #: One block's KV for every layer, as a byte tier stores it.
         self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.block_bytes = spec.block_bytes
         self.device = kv_caches.device
         self._cuda = self.device.type == "cuda"
         self.host: torch.Tensor | None = None
         if host_blocks:
+            # The pool's own layout, [layers, 2, blocks, bs, heads, dim]: a layer's copy is one index op.
             # Never read before written: a host block is read only after a save filled it.
-            self.host = torch.empty((host_blocks, *self.block_shape), dtype=spec.dtype, pin_memory=self._cuda)
+            shape = (spec.num_layers, 2, host_blocks, *self.block_shape[2:])
+            self.host = torch.empty(shape, dtype=spec.dtype, pin_memory=self._cuda)
         self.stores = {store.name: store for store in stores}
         self.figures: dict[str, TierFigures] = {
             name: TierFigures(name) for name in (["cpu"] if host_blocks else []) + list(self.stores)
@@ -158,10 +162,25 @@ class KVTransferWorker:
         self._stream = cuda.Stream(self.device) if self._cuda else None
         self._new_event: Callable[[], Any] = cuda.Event
         self._events: list[Any] | None = None
-        self._staging: torch.Tensor | None = None  # kept alive until the side stream has copied it
+        # Byte tiers' blocks on their way in and out, kept between steps (fresh pages cost more than the copy).
+        self._buffers: dict[str, torch.Tensor] = {}
         self._loaded: set[str] = set()
         self._saved: set[str] = set()
         self._failed: dict[str, int] = {}
+
+    def _rows(self, purpose: str, n: int) -> torch.Tensor:
+        """``n`` blocks of host staging for ``purpose`` (``"load"`` or ``"save"``), grown on demand."""
+        buffer = self._buffers.get(purpose)
+        if buffer is None or buffer.shape[0] < n:
+            size = max(n, 2 * buffer.shape[0]) if buffer is not None else n
+            buffer = torch.empty((size, *self.block_shape), dtype=self.kv_caches.spec.dtype, pin_memory=self._cuda)
+            self._buffers[purpose] = buffer
+        return buffer[:n]
+
+    def _host(self) -> torch.Tensor:
+        if self.host is None:
+            raise ConfigError("a CPU-tier transfer was planned, but this worker has no CPU tier")
+        return self.host
 
     # -- loads ------------------------------------------------------------------------
 
@@ -169,90 +188,89 @@ class KVTransferWorker:
         self._events = None
         if not meta.loads:
             return
-        sources: dict[int, torch.Tensor] = {}  # index in meta.loads -> that block's KV, [layers, 2, bs, heads, dim]
-        failed: dict[str, int] = {}
+        failed: dict[str, int] = {}  # request -> first block position that did not arrive
+        payloads: dict[int, bytes] = {}  # index in meta.loads -> verified payload
         by_tier: dict[str, list[int]] = {}
         for i, load in enumerate(meta.loads):
             by_tier.setdefault(load.tier, []).append(i)
         for tier, indices in by_tier.items():
-            figures = self.figures[tier]
+            if tier == "cpu":
+                continue
             started = time.perf_counter()
             loads = [meta.loads[i] for i in indices]
-            if tier == "cpu":
-                host = self._host()
-                for i, load in zip(indices, loads):
-                    sources[i] = host[load.host_slot - 1]  # type: ignore[operator]  # CPU-tier loads name their host slot
-            else:
-                for i, load, block in zip(indices, loads, self._fetch(tier, loads)):
-                    if block is None:
-                        failed[load.request_id] = min(failed.get(load.request_id, 1 << 62), load.position)
-                    else:
-                        sources[i] = block
-            figures.load_seconds += time.perf_counter() - started
-        kept: list[tuple[BlockLoad, torch.Tensor]] = []
+            for i, load, payload in zip(indices, loads, self._fetch(tier, loads)):
+                if payload is None:
+                    failed[load.request_id] = min(failed.get(load.request_id, 1 << 62), load.position)
+                else:
+                    payloads[i] = payload
+            self.figures[tier].load_seconds += time.perf_counter() - started
+        from_host: list[BlockLoad] = []
+        from_bytes: list[tuple[BlockLoad, bytes]] = []
         for i, load in enumerate(meta.loads):
             first_failed = failed.get(load.request_id)
             if first_failed is not None and load.position >= first_failed:
                 self.figures[load.tier].failed_loads += 1
                 continue  # computed instead, with every later block of the request
-            kept.append((load, sources[i]))
-        if kept:
-            self._copy_in(kept)
-        for load, _ in kept:
+            if load.tier == "cpu":
+                from_host.append(load)
+            else:
+                from_bytes.append((load, payloads[i]))
+        started = time.perf_counter()
+        self._copy_in(from_host, from_bytes)
+        seconds = (time.perf_counter() - started) / max(1, len(from_host) + len(from_bytes))
+        for load in (*from_host, *(load for load, _ in from_bytes)):
             figures = self.figures[load.tier]
             figures.blocks_loaded += 1
             figures.bytes_loaded += self.block_bytes
+            figures.load_seconds += seconds
         self._loaded.update(load.request_id for load in meta.loads)
         for rid, position in failed.items():
             self._failed[rid] = position * self.block_size
 
-    def _host(self) -> torch.Tensor:
-        if self.host is None:
-            raise ConfigError("a CPU-tier transfer was planned, but this worker has no CPU tier")
-        return self.host
-
-    def _fetch(self, tier: str, loads: Sequence[BlockLoad]) -> list[torch.Tensor | None]:
-        """The blocks' KV from a byte tier; None where it misses, fails or returns the wrong size."""
-        store = self.stores[tier]
+    def _fetch(self, tier: str, loads: Sequence[BlockLoad]) -> list[bytes | None]:
+        """The blocks' payloads from a byte tier; None where it misses, fails or returns the wrong size."""
         try:
-            payloads = store.get_many([load.key for load in loads])
+            payloads = self.stores[tier].get_many([load.key for load in loads])
         except Exception as exc:  # noqa: BLE001  # a store should not raise; if it does, these are misses
             _LOGGER.warning("KV tier %s: a load failed (%s); those tokens are computed instead", tier, exc)
             return [None] * len(loads)
-        blocks: list[torch.Tensor | None] = []
-        dtype = self.kv_caches.spec.dtype
-        for payload in payloads:
-            if payload is None or len(payload) != self.block_bytes:
-                blocks.append(None)
-                continue
-            raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            blocks.append(raw.view(dtype).view(self.block_shape))
-        return blocks
+        return [p if p is not None and len(p) == self.block_bytes else None for p in payloads]
 
-    def _copy_in(self, kept: list[tuple[BlockLoad, torch.Tensor]]) -> None:
+    def _copy_in(self, from_host: list[BlockLoad], from_bytes: list[tuple[BlockLoad, bytes]]) -> None:
         """Write the loaded blocks into the pool, layer by layer (on CUDA on a side stream, one event per layer)."""
-        staging = torch.stack([block for _, block in kept])  # [n, layers, 2, bs, heads, dim]
-        ids = torch.tensor([load.block_id for load, _ in kept], dtype=torch.int64)
-        caches = self.kv_caches
-        if self._stream is None:
-            for layer in range(caches.num_layers):
-                caches.key_caches[layer].index_copy_(0, ids, staging[:, layer, 0])
-                caches.value_caches[layer].index_copy_(0, ids, staging[:, layer, 1])
+        if not from_host and not from_bytes:
             return
-        staging = staging.pin_memory()
-        self._staging = staging
-        events = []
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks' last readers first
-        with torch.cuda.stream(self._stream):
-            device_ids = ids.to(self.device, non_blocking=True)
+        caches = self.kv_caches
+        device = self.device
+        host_src = torch.tensor([load.host_slot - 1 for load in from_host], dtype=torch.int64)  # type: ignore[operator]  # CPU-tier loads name their host slot
+        host_dst = torch.tensor([load.block_id for load in from_host], dtype=torch.int64)
+        bytes_dst = torch.tensor([load.block_id for load, _ in from_bytes], dtype=torch.int64)
+        staging = self._rows("load", len(from_bytes))
+        if from_bytes:
+            raw = staging.view(torch.uint8).reshape(len(from_bytes), -1).numpy()
+            for j, (_, payload) in enumerate(from_bytes):
+                raw[j] = numpy.frombuffer(payload, dtype=numpy.uint8)
+        host = self.host
+        stream = self._stream
+        events: list[Any] = []
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))  # the blocks' last readers first
+            host_dst, bytes_dst = host_dst.to(device), bytes_dst.to(device)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for layer in range(caches.num_layers):
-                chunk = staging[:, layer].to(self.device, non_blocking=True)
-                caches.key_caches[layer].index_copy_(0, device_ids, chunk[:, 0])
-                caches.value_caches[layer].index_copy_(0, device_ids, chunk[:, 1])
-                event = self._new_event()
-                event.record(self._stream)
-                events.append(event)
-        self._events = events
+                pair = (caches.key_caches[layer], caches.value_caches[layer])
+                if from_host:
+                    stored = host[layer].index_select(1, host_src)  # type: ignore[index]  # CPU-tier loads only with a host buffer
+                    for kv in (0, 1):
+                        pair[kv].index_copy_(0, host_dst, stored[kv].to(device, non_blocking=True))
+                if from_bytes:
+                    for kv in (0, 1):
+                        pair[kv].index_copy_(0, bytes_dst, staging[:, layer, kv].to(device, non_blocking=True))
+                if stream is not None:
+                    event = self._new_event()
+                    event.record(stream)
+                    events.append(event)
+        self._events = events or None
 
     def wait_for_layer_load(self, layer: int) -> None:
         events = self._events
@@ -267,35 +285,48 @@ class KVTransferWorker:
             return
         started = time.perf_counter()
         caches = self.kv_caches
+        to_host = [j for j, s in enumerate(saves) if "cpu" in s.tiers]
+        to_bytes = [j for j, s in enumerate(saves) if any(t != "cpu" for t in s.tiers)]
         ids = torch.tensor([s.block_id for s in saves], dtype=torch.int64, device=self.device)
-        staging = torch.empty((len(saves), *self.block_shape), dtype=caches.spec.dtype, pin_memory=self._cuda)
+        host_pick = None if len(to_host) == len(saves) else torch.tensor(to_host, dtype=torch.int64, device=self.device)
+        bytes_pick = (
+            None if len(to_bytes) == len(saves) else torch.tensor(to_bytes, dtype=torch.int64, device=self.device)
+        )
+        slots = torch.tensor([saves[j].host_slot - 1 for j in to_host], dtype=torch.int64)  # type: ignore[operator]  # CPU-tier saves name their host slot
+        staging = self._rows("save", len(to_bytes))
+        host = self.host
         for layer in range(caches.num_layers):
-            staging[:, layer, 0].copy_(caches.key_caches[layer].index_select(0, ids))
-            staging[:, layer, 1].copy_(caches.value_caches[layer].index_select(0, ids))
-        gathered = time.perf_counter() - started
+            for kv, cache in enumerate((caches.key_caches[layer], caches.value_caches[layer])):
+                blocks = cache.index_select(0, ids)
+                if to_host:
+                    picked = blocks if host_pick is None else blocks.index_select(0, host_pick)
+                    host[layer, kv].index_copy_(0, slots, picked.cpu())  # type: ignore[index]  # CPU-tier saves only with a host buffer
+                if to_bytes:
+                    staging[:, layer, kv].copy_(blocks if bytes_pick is None else blocks.index_select(0, bytes_pick))
+        copied = (time.perf_counter() - started) / len(saves)
         by_tier: dict[str, list[int]] = {}
-        for j, save in enumerate(saves):
-            for tier in save.tiers:
-                by_tier.setdefault(tier, []).append(j)
+        for row, j in enumerate(to_bytes):
+            for tier in saves[j].tiers:
+                if tier != "cpu":
+                    by_tier.setdefault(tier, []).append(row)
+        if to_host:
+            figures = self.figures["cpu"]
+            figures.blocks_saved += len(to_host)
+            figures.bytes_saved += len(to_host) * self.block_bytes
+            figures.save_seconds += copied * len(to_host)
         for tier, rows in by_tier.items():
             figures = self.figures[tier]
             started = time.perf_counter()
-            if tier == "cpu":
-                host = self._host()
-                slots = torch.tensor([saves[j].host_slot - 1 for j in rows], dtype=torch.int64)  # type: ignore[operator]  # CPU-tier saves name their host slot
-                host.index_copy_(0, slots, staging[rows])
-                stored = len(rows)
-            else:
-                stored = self._put(tier, saves, rows, staging)
-            figures.save_seconds += time.perf_counter() - started + gathered * len(rows) / len(saves)
+            stored = self._put(tier, [saves[to_bytes[row]].key for row in rows], rows, staging)
+            figures.save_seconds += time.perf_counter() - started + copied * len(rows)
             figures.blocks_saved += stored
             figures.bytes_saved += stored * self.block_bytes
             figures.failed_saves += len(rows) - stored
         self._saved.update(s.request_id for s in saves)
 
-    def _put(self, tier: str, saves: Sequence[BlockSave], rows: list[int], staging: torch.Tensor) -> int:
-        raw = staging.view(torch.uint8).reshape(len(saves), -1).numpy()
-        items = [(saves[j].key, raw[j].tobytes()) for j in rows]
+    def _put(self, tier: str, keys: Sequence[bytes], rows: list[int], staging: torch.Tensor) -> int:
+        raw = staging.view(torch.uint8).reshape(staging.shape[0], -1).numpy()
+        items = [(key, raw[row].tobytes()) for key, row in zip(keys, rows)]
         try:
             return int(self.stores[tier].put_many(items))
         except Exception as exc:  # noqa: BLE001  # a store should not raise; if it does, the blocks are unsaved
