@@ -1,4 +1,7 @@
-"""The one integer rule: a count or size argument is an ``int`` (never a ``bool``) at or above a minimum.
+"""The rules of every count and size argument.
+
+A count or size argument is an ``int`` (never a ``bool``) at or above a minimum;
+a memory size may also be written with a unit (:func:`parse_size`).
 
 Every public entry point that takes a count or a size asks :func:`check_int`,
 so each such argument is refused the same way, with a
@@ -13,9 +16,13 @@ request generates: a prompt token plus one generated token.
 
 from __future__ import annotations
 
+import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+
 from kvpool.errors import ConfigError
 
-__all__ = ["MIN_MODEL_LEN", "check_int"]
+__all__ = ["GB", "KB", "MB", "MIN_MODEL_LEN", "TB", "GiB", "KiB", "MiB", "TiB", "check_int", "parse_size"]
 
 #: Shortest ``max_model_len`` a serving loop accepts: one prompt token and one output token.
 MIN_MODEL_LEN = 2
@@ -27,3 +34,51 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
         bound = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
         raise ConfigError(f"{name} must be {bound}, got {value!r}")
     return value
+
+
+KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
+KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
+
+_UNITS = {"": 1, "b": 1, "kb": KB, "mb": MB, "gb": GB, "tb": TB, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, *, field: str = "size") -> int:
+    """Parse a memory size into bytes.
+
+    ``"80GB"`` is 80 * 10**9 bytes, ``"80GiB"`` is 80 * 2**30; KB/MB/TB and
+    KiB/MiB/TiB likewise, ``B`` or no unit means bytes; units ignore case and
+    fractional values are allowed (``"74.5GiB"``), rounded down to whole bytes.
+    A bare ``G``/``M``/``K``/``T`` is rejected as ambiguous. Raises
+    :class:`ConfigError` naming ``field`` and the text for malformed or
+    negative input.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ConfigError(f"{field} must not be negative, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise ConfigError(f"{field} must be a size such as '80GB' or '80GiB', got {text!r}")
+    if text.strip().startswith("-"):
+        raise ConfigError(f"{field} must not be negative, got {text!r}")
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ConfigError(
+            f"{field} {text!r} is not a size; write e.g. 80GB (10^9 bytes), 80GiB (2^30) or 1000000 (bytes)"
+        )
+    number, unit = match.groups()
+    unit = unit.lower()
+    if unit in ("k", "m", "g", "t"):
+        raise ConfigError(
+            f"{field} {text!r} has an ambiguous unit {match.group(2)!r}: write {unit.upper()}B "
+            f"(powers of 10) or {unit.upper()}iB (powers of 2)"
+        )
+    if unit not in _UNITS:
+        raise ConfigError(
+            f"{field} {text!r} has an unknown unit {match.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
+    try:
+        value = Fraction(Decimal(number.replace("_", "")))
+    except InvalidOperation:
+        raise ConfigError(f"{field} {text!r} is not a size") from None
+    return int(value * _UNITS[unit])

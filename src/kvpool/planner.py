@@ -25,15 +25,14 @@ and marked as estimates in the result.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from enum import Enum
 from fractions import Fraction
 from typing import Any
 
-from kvpool.checks import MIN_MODEL_LEN, check_int
+from kvpool.checks import GB, MIN_MODEL_LEN, GiB, check_int, parse_size
 from kvpool.errors import ConfigError
 from kvpool.estimates import (
     ACTIVATION_BATCH_TOKENS,
@@ -80,55 +79,8 @@ __all__ = [
     "plan_kv_cache",
 ]
 
-KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
-KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
-
 #: The estimate of memory outside weights, activations and KV cache.
 OTHER_OVERHEAD_BYTES = GiB
-
-_UNITS = {"": 1, "b": 1, "kb": KB, "mb": MB, "gb": GB, "tb": TB, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
-_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int, *, field: str = "size") -> int:
-    """Parse a memory size into bytes.
-
-    ``"80GB"`` is 80 * 10**9 bytes, ``"80GiB"`` is 80 * 2**30; KB/MB/TB and
-    KiB/MiB/TiB likewise, ``B`` or no unit means bytes; units ignore case and
-    fractional values are allowed (``"74.5GiB"``), rounded down to whole bytes.
-    A bare ``G``/``M``/``K``/``T`` is rejected as ambiguous. Raises
-    :class:`ConfigError` naming ``field`` and the text for malformed or
-    negative input.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ConfigError(f"{field} must not be negative, got {text}")
-        return text
-    if not isinstance(text, str):
-        raise ConfigError(f"{field} must be a size such as '80GB' or '80GiB', got {text!r}")
-    if text.strip().startswith("-"):
-        raise ConfigError(f"{field} must not be negative, got {text!r}")
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise ConfigError(
-            f"{field} {text!r} is not a size; write e.g. 80GB (10^9 bytes), 80GiB (2^30) or 1000000 (bytes)"
-        )
-    number, unit = match.groups()
-    unit = unit.lower()
-    if unit in ("k", "m", "g", "t"):
-        raise ConfigError(
-            f"{field} {text!r} has an ambiguous unit {match.group(2)!r}: write {unit.upper()}B "
-            f"(powers of 10) or {unit.upper()}iB (powers of 2)"
-        )
-    if unit not in _UNITS:
-        raise ConfigError(
-            f"{field} {text!r} has an unknown unit {match.group(2)!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
-        )
-    try:
-        value = Fraction(Decimal(number.replace("_", "")))
-    except InvalidOperation:
-        raise ConfigError(f"{field} {text!r} is not a size") from None
-    return int(value * _UNITS[unit])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

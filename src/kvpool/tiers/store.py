@@ -16,12 +16,11 @@ Specs::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import ClassVar, Protocol
 
+from kvpool import checks
 from kvpool.errors import ConfigError
 from kvpool.tiers.counters import TierStats
 from kvpool.tiers.disk import DiskStore
@@ -96,22 +95,11 @@ def open_store(spec: str, codec: EntryCodec) -> BlockStore:
     return RedisStore(target, codec)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)")
-
-
 def parse_size(text: str, *, field: str = "size") -> int:
-    """Bytes in ``text``: 50GiB (2**30), 500MB (10**6), 4096 (bytes); a positive whole number of bytes.
-
-    The same units as :func:`kvpool.planner.parse_size` (a test keeps the two in step; this layer
-    sits below the planner and cannot import it).
-    """
-    match = _SIZE.fullmatch(text.strip())
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
+    """Bytes in ``text`` (50GiB, 500MB, 4096), in :func:`kvpool.checks.parse_size`'s units; at least one byte."""
+    if not isinstance(text, str):
         raise ConfigError(f"{field} must be a size such as 50GiB, 500MB or 1048576 (bytes), got {text!r}")
-    size = int(Decimal(match.group(1).replace("_", "")) * _UNITS[unit])
+    size = checks.parse_size(text, field=field)
     if size <= 0:
-        raise ConfigError(f"{field} must be positive, got {text!r}")
+        raise ConfigError(f"{field} must be a positive size, got {text!r}")
     return size
