@@ -236,3 +236,25 @@ def test_round_robin_for_comparison_ignores_prefixes(replicas: list[FakeReplica]
         assert served == ["r0", "r1", "r0", "r1"] and not router.router.prefix_routing
     finally:
         router.stop()
+
+
+class BrokenTokenizer(ByteTokenizer):
+    def chat_tokens(self, messages: object) -> list[int]:  # type: ignore[override]  # any messages
+        raise RuntimeError("the chat template failed")
+
+
+def test_a_prompt_that_cannot_be_hashed_is_routed_by_load(replicas: list[FakeReplica]) -> None:
+    settings = RouteOptions(
+        replicas=tuple(r.url for r in replicas),
+        tokenizer=BrokenTokenizer(),
+        keys=None,
+        salts=SALTS,
+        health_interval=0.1,
+    )
+    router = RouterThread(Router(settings, MemoryIndex()))
+    try:
+        wait_for(lambda: up(router), "both replicas up")
+        served = [router.chat([system(0), ask(f"q{k}")]).json()["replica"] for k in range(2)]
+        assert sorted(served) == ["r0", "r1"]  # no prefix known: the rule's ties rotate
+    finally:
+        router.stop()

@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import KVPoolError
 from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
 from kvpool.router.monitor import ReplicaMonitor
@@ -287,8 +286,9 @@ def build_app(router: Router) -> Starlette:
             parsed = parse_generation(endpoint, payload)
             try:
                 hashes = router.prompt_hashes(parsed, tenant)
-            except KVPoolError as exc:
-                log.debug("routing by load: the prompt could not be hashed: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - the hashes are a hint: without them, route by load
+                # (the replica that takes the request reports what is wrong with it, if anything is)
+                log.warning("routing by load: the prompt could not be hashed: %r", exc)
                 hashes = {}
         except APIError as error:
             return refuse(error)
