@@ -14,6 +14,11 @@ Two measurements, SmolLM2-135M-Instruct's KV layout (30 layers, 3 KV heads of
   never saw the prompt, or a pool that evicted it, gets. Each repetition uses
   a new cache salt, so no run finds another's blocks.
 
+* Two separate ``kvpool generate --json`` processes sharing one Redis
+  (``--processes``): the first computes a ~1,500-token prompt (and saves it),
+  the second, started afterwards, loads it; their time to first token and
+  the second one's tokens from Redis, as each process reports them.
+
 Redis: ``--redis URL``, or else a private ``redis-server`` on a free loopback
 port (killed at the end). Medians of ``--repeats`` (3), on ``--threads`` (1)
 torch threads. Run::
@@ -157,6 +162,38 @@ def ttft(tier: str, spec_text: str, prompt_tokens: int, repeats: int) -> dict[st
     }
 
 
+def two_processes(redis: str, prompt_tokens: int, threads: int) -> dict[str, float]:
+    """Two ``kvpool generate --json`` processes, one after the other, sharing ``redis``."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from kvpool.engine.model_store import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    words = [f"w{i * 7919 % 100003}" for i in range(prompt_tokens)]
+    while len(tokenizer(" ".join(words))["input_ids"]) > prompt_tokens:
+        words.pop()
+    text = " ".join(words)
+    code = "import sys; from kvpool.cli import main; sys.exit(main())"
+    args = ["generate", text, "--raw", "--json", "--max-tokens", "1", "--kv-tier", redis, "--device", "cpu"]
+    args += ["--max-model-len", str(prompt_tokens + 64), "--cache-salt", f"bench-{time.time_ns()}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    records = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=True)
+        records.append(json.loads(done.stdout.splitlines()[-1]))
+    first, second = records
+    return {
+        "prompt_tokens": first["num_prompt_tokens"],
+        "first_ttft_s": first["time_to_first_token"],
+        "second_ttft_s": second["time_to_first_token"],
+        "speedup": first["time_to_first_token"] / second["time_to_first_token"],
+        "second_tokens_from_redis": second["cached_tokens_by_tier"]["redis"],
+        "first_full_prompt_blocks": first["num_prompt_tokens"] // 16,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, default=64)
@@ -165,6 +202,7 @@ def main() -> None:
     parser.add_argument("--redis", default=None, help="a Redis URL [default: start a private redis-server]")
     parser.add_argument("--tiers", default=",".join(TIERS))
     parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--processes", action="store_true", help="also: two kvpool generate processes, one Redis")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine, where OpenMP "
         "threads that wait on each other make small copies ten times slower)",
@@ -187,6 +225,9 @@ def main() -> None:
                 )
             results[tier] = row
             print(json.dumps({tier: row}), flush=True)
+        if args.processes:
+            print("two kvpool generate processes sharing Redis ...", file=sys.stderr, flush=True)
+            print(json.dumps({"two_processes": two_processes(redis, args.prompt_tokens, args.threads)}), flush=True)
     print()
     print("| tier | save GB/s | load GB/s | TTFT computed | TTFT loaded | speed-up | tokens loaded |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -218,3 +218,29 @@ def test_a_failed_step_leaves_no_tier_holding_unwritten_blocks(folder, reference
     outs = run(engine, batch)
     assert_same_tokens(outs, batch, reference)
     assert all(o.num_cached_tokens == 0 for o in outs)  # nothing was trusted after the failure
+
+
+def test_damaged_and_foreign_redis_entries_are_computed_and_counted(folder, reference, redis_server):
+    import redis
+
+    batch = prompts(8, count=2)
+    writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], log=None)
+    run(writer, batch)
+    writer.kv_tiers.close()
+    client = redis.Redis.from_url(redis_server.url)
+    keys = sorted(client.scan_iter(match=b"kvpool:*"))
+    values = [client.get(k) for k in keys]
+    assert len(keys) >= 6
+    for i, (key, value) in enumerate(zip(keys, values)):
+        if i % 3 == 0:
+            client.set(key, value[: len(value) // 2])  # truncated
+        elif i % 3 == 1:
+            client.set(key, value[:-3] + bytes(b ^ 0x55 for b in value[-3:]))  # corrupted payload
+        else:
+            client.set(key, values[i - 1])  # another block's entry: stored under another key
+    reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], log=None)
+    outs = run(reader, batch)
+    assert_same_tokens(outs, batch, reference)
+    figures = reader.kv_tier_figures()["redis"]
+    assert figures["corrupt"] > 0 and figures["failed_loads"] > 0
+    assert sum(o.cached_tokens_by_tier.get("redis", 0) for o in outs) == figures["blocks_loaded"] * BLOCK
