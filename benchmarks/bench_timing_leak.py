@@ -162,8 +162,14 @@ def run_trials(url: str, trials: int, prompt_tokens: int, seed: int, progress: b
 
     for _ in range(3):  # warm-up: first requests pay for lazy set-up
         _first_token(attacker, prompt())
-    labels = [i % 2 == 0 for i in range(trials)]
-    rng.shuffle(labels)
+    # Trials come in pairs, one positive and one negative in a random order: a server whose speed
+    # drifts (other load on the machine) then slows both kinds alike instead of whichever came first.
+    labels = []
+    for _ in range((trials + 1) // 2):
+        pair = [True, False]
+        rng.shuffle(pair)
+        labels += pair
+    labels = labels[:trials]
     results = []
     for i, positive in enumerate(labels):
         secret = prompt()

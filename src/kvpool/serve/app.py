@@ -150,10 +150,9 @@ class _EventStream:
             await asyncio.gather(streamer, listener, return_exceptions=True)
             if not done.is_set():
                 self._on_abandon()
-        if streamer.done() and not streamer.cancelled() and streamer.exception() is not None and not done.is_set():
-            exc = streamer.exception()
-            if not isinstance(exc, OSError):  # a closed connection is the client leaving, not a fault
-                raise exc  # type: ignore[misc]  # checked not None above
+        failure = None if streamer.cancelled() else streamer.exception()
+        if failure is not None and not isinstance(failure, OSError):  # a closed connection is the client leaving
+            raise failure
 
 
 class _Server:
