@@ -6,10 +6,12 @@ the in-memory index and, with ``--redis URL``, for the Redis one, beside Redis' 
 (block, replica) entry.
 
 ``--fleet``: two live ``kvpool serve`` replicas (SmolLM2 on this machine) behind ``kvpool
-route``, once per routing rule: ``--conversations`` conversations with distinct long system
-prompts, ``--turns`` follow-ups each, sent one at a time. Each rule gets conversations of its
-own (the replicas' caches carry over from one rule to the next, so no rule reuses another's
-prefixes). Reported per rule: the share of prompt tokens the replicas found cached, the
+route``, one router per routing rule, all at once: ``--conversations`` conversations with
+distinct long system prompts per rule, ``--turns`` follow-ups each, sent one at a time, the
+rules' requests interleaved so that every rule meets the same machine. Each rule's
+conversations are its own (the replicas are shared, so no rule reuses another's prefixes).
+An odd number of conversations keeps round-robin from landing every follow-up on its
+conversation's replica by parity. Reported per rule: the share of prompt tokens the replicas found cached, the
 median and 90th percentile latency of a follow-up (``max_tokens`` 4), and how many requests
 each replica served.
 
@@ -110,9 +112,10 @@ def _wait(url: str, ready: Any, what: str, timeout: float = 900) -> None:
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def _system(rule: str, i: int) -> dict[str, str]:
-    rules = " ".join(f"Rule {k}: answer questions on topic {rule}-{i} in one sentence." for k in range(14))
-    return {"role": "system", "content": f"Topic {rule}-{i}. You are the guide for topic {rule}-{i}. {rules}"}
+def _system(run: int, i: int) -> dict[str, str]:
+    topic = f"{run}{i:02d}"
+    rules = " ".join(f"Rule {k}: answer questions on topic {topic} in one sentence." for k in range(14))
+    return {"role": "system", "content": f"Topic {topic}. You are the guide for topic {topic}. {rules}"}
 
 
 def run_fleet(args: argparse.Namespace) -> None:
@@ -121,84 +124,87 @@ def run_fleet(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-route-"))
     secret = tmp / "secret"
     secret.write_text("the fleet's shared tenant secret")
-    replicas, urls = [], []
-    for k in range(2):
-        port = _free_port()
-        events = [
-            "--kv-events-endpoint",
-            f"tcp://*:{_free_port()}",
-            "--kv-events-replay-endpoint",
-            f"tcp://*:{_free_port()}",
-        ]
-        replicas.append(
-            _kvpool(
-                ["serve", "--port", str(port), "--kv-cache-memory", "256MiB", "--max-model-len", "2048", *events]
-                + ["--tenant-secret-file", str(secret)],
-                tmp / f"replica{k}.log",
-            )
-        )
-        urls.append(f"http://127.0.0.1:{port}")
+    processes, urls = [], []
     try:
-        for url in urls:
-            _wait(url + "/health", lambda r: r.status_code == 200, f"replica {url} (logs in {tmp})")
-        print(f"two replicas up (SmolLM2, CPU); {args.conversations} conversations x {args.turns} follow-ups per rule")
+        for k in range(2):
+            port = _free_port()
+            events = ["--kv-events-endpoint", f"tcp://*:{_free_port()}"]
+            events += ["--kv-events-replay-endpoint", f"tcp://*:{_free_port()}"]
+            serve = ["serve", "--port", str(port), "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
+            processes.append(_kvpool(serve + events + ["--tenant-secret-file", str(secret)], tmp / f"replica{k}.log"))
+            urls.append(f"http://127.0.0.1:{port}")
+        routers = {}
         for rule in args.rules:
             port = _free_port()
             cmd = ["route", "--port", str(port), "--routing", rule, "--tenant-secret-file", str(secret)]
-            router = _kvpool(cmd + [a for url in urls for a in ("--replica", url)], tmp / f"router-{rule}.log")
-            base = f"http://127.0.0.1:{port}"
-            try:
-                _wait(
-                    base + "/health",
-                    lambda r, rule=rule: r.status_code == 200
-                    and all(x["up"] for x in r.json()["replicas"])
-                    and (rule != "prefix" or r.json()["prefix_routing"]),
-                    f"the {rule} router",
-                )
-                print(_workload(httpx, base, rule, args))
-            finally:
-                router.send_signal(signal.SIGTERM)
-                router.wait(30)
+            processes.append(_kvpool(cmd + [a for url in urls for a in ("--replica", url)], tmp / f"router-{rule}.log"))
+            routers[rule] = f"http://127.0.0.1:{port}"
+        for rule, base in routers.items():
+            _wait(
+                base + "/health",
+                lambda r, rule=rule: r.status_code == 200
+                and all(x["up"] for x in r.json()["replicas"])
+                and (rule != "prefix" or r.json()["prefix_routing"]),
+                f"the {rule} router and its replicas (logs in {tmp})",
+            )
+        print(
+            f"two replicas (SmolLM2, CPU), one router per rule; {args.conversations} conversations x "
+            f"{args.turns} follow-ups per rule, the rules' requests interleaved one by one"
+        )
+        for line in _workload(httpx, routers, args):
+            print(line)
     finally:
-        for p in replicas:
+        for p in processes:
             p.send_signal(signal.SIGTERM)
-        for p in replicas:
+        for p in processes:
             p.wait(60)
 
 
-def _workload(httpx: Any, base: str, rule: str, args: argparse.Namespace) -> str:
-    prompt = cached = 0
-    latencies: list[float] = []
-    served: Counter[str] = Counter()
-    histories = [[_system(rule, i), {"role": "user", "content": "Hello."}] for i in range(args.conversations)]
+class _Run:
+    """One rule's conversations and figures."""
 
-    def send(messages: list[dict[str, str]]) -> float:
-        nonlocal prompt, cached
+    def __init__(self, base: str, number: int, conversations: int) -> None:
+        self.base = base
+        self.histories = [[_system(number, i), {"role": "user", "content": "Hello."}] for i in range(conversations)]
+        self.prompt = self.cached = 0
+        self.latencies: list[float] = []
+        self.served: Counter[str] = Counter()
+
+    def send(self, httpx: Any, messages: list[dict[str, str]]) -> float:
         t0 = time.perf_counter()
         body = {"model": "smollm2-135m", "messages": messages, "max_tokens": 4, "temperature": 0}
-        reply = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+        reply = httpx.post(self.base + "/v1/chat/completions", json=body, timeout=300)
         elapsed = time.perf_counter() - t0
         reply.raise_for_status()
         usage = reply.json()["usage"]
-        prompt += usage["prompt_tokens"]
-        cached += usage["prompt_tokens_details"]["cached_tokens"]
-        served[reply.headers["x-kvpool-replica"]] += 1
+        self.prompt += usage["prompt_tokens"]
+        self.cached += usage["prompt_tokens_details"]["cached_tokens"]
+        self.served[reply.headers["x-kvpool-replica"]] += 1
         return elapsed
 
-    for history in histories:
-        send(history)
-    time.sleep(0.5)  # the replicas' events reach the router
+
+def _workload(httpx: Any, routers: dict[str, str], args: argparse.Namespace) -> list[str]:
+    runs = {rule: _Run(base, n, args.conversations) for n, (rule, base) in enumerate(routers.items())}
+    for i in range(args.conversations):
+        for run in runs.values():
+            run.send(httpx, run.histories[i])
+    time.sleep(0.5)  # the replicas' events reach the routers
     for turn in range(args.turns):
-        for history in histories:
-            history += [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": f"And {turn}?"}]
-            latencies.append(send(history))
-    latencies.sort()
-    p90 = latencies[int(0.9 * (len(latencies) - 1))]
-    split = "/".join(str(n) for _, n in sorted(served.items()))
-    return (
-        f"  {rule:>12}: cached {cached / prompt:6.1%} of {prompt} prompt tokens; follow-up latency median "
-        f"{statistics.median(latencies) * 1000:.0f} ms, p90 {p90 * 1000:.0f} ms; served {split}"
-    )
+        for i in range(args.conversations):
+            for run in runs.values():
+                history = run.histories[i]
+                history += [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": f"And {turn}?"}]
+                run.latencies.append(run.send(httpx, history))
+    lines = []
+    for rule, run in runs.items():
+        latencies = sorted(run.latencies)
+        p90 = latencies[int(0.9 * (len(latencies) - 1))]
+        split = "/".join(str(n) for _, n in sorted(run.served.items()))
+        lines.append(
+            f"  {rule:>12}: cached {run.cached / run.prompt:6.1%} of {run.prompt} prompt tokens; follow-up latency "
+            f"median {statistics.median(latencies) * 1000:.0f} ms, p90 {p90 * 1000:.0f} ms; served {split}"
+        )
+    return lines
 
 
 def main() -> None:
@@ -211,7 +217,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=201)
     parser.add_argument("--fleet", action="store_true", help="run the live two-replica fleet")
     parser.add_argument("--rules", nargs="+", default=["prefix", "round-robin"])
-    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=5)
     parser.add_argument("--turns", type=int, default=3)
     args = parser.parse_args()
     if not (args.index or args.fleet):
