@@ -372,3 +372,23 @@ def test_metrics_prefix_and_registries_apart(engine: Any) -> None:
     vllm.generation_tokens.inc(3)
     assert b'vllm:generation_tokens_total{model_name="smollm2-135m"} 3.0' in vllm.render()[0]
     assert b'kvpool:generation_tokens_total{model_name="smollm2-135m"} 0.0' in ours.render()[0]
+
+
+def test_a_failed_step_is_500_and_the_server_serves_on(
+    server: LiveServer, engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = engine.setup.runner.execute
+    failed: list[bool] = []
+
+    def fail_once(chunks: Any) -> Any:
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("an injected fault")
+        return real(chunks)
+
+    monkeypatch.setattr(engine.setup.runner, "execute", fail_once)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    error = _error(_post(server, "/completions", body), 500)
+    assert "an injected fault" in error["message"] and error["type"] == "server_error"
+    _wait_idle(server)  # the engine dropped the request and its blocks
+    assert _post(server, "/completions", body).status_code == 200
