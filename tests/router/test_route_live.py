@@ -9,6 +9,7 @@ later request answered by the other.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -152,6 +153,16 @@ def test_follow_ups_reach_their_prefix_and_a_dead_replica_is_routed_around(
             replica, prompt_tokens, cached = chat(base, history[i])
             assert replica == holder[i], (i, turn, replica, holder[i])
             assert cached >= prompt_tokens - 3 * BLOCK_SIZE, (i, turn, prompt_tokens, cached)
+
+    # streamed through the router, with the serving replica's usage in the last chunk
+    body = {"model": "smollm2-135m", "messages": history[1], "max_tokens": 3, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.headers["x-kvpool-replica"] == holder[1]
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - BLOCK_SIZE
 
     victim = next(p for p, url in zip(processes, urls) if url == holder[0])
     survivor = next(url for url in urls if url != holder[0])

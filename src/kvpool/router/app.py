@@ -33,7 +33,7 @@ from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompts import Tokenizer, block_hashes
-from kvpool.router.replicas import Replica
+from kvpool.router.replicas import Hashing, Replica
 from kvpool.routing import Routing, chooser, prefix_aware
 from kvpool.serve.protocol import APIError, Endpoint, GenerationRequest, error_body, parse_generation
 from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
@@ -90,6 +90,7 @@ class Router:
             self.replicas, index, options.health_interval, options.health_timeout, options.admin_key
         )
         self._client: httpx.AsyncClient | None = None
+        self._loading: asyncio.Future[None] | None = None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -105,7 +106,15 @@ class Router:
         await self.monitor.start(self._client)
         if self.options.tokenizer is not None:
             # Seconds (transformers loads); until then requests are routed by load alone.
-            asyncio.get_running_loop().run_in_executor(None, self.options.tokenizer.load)
+            self._loading = asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
+
+    def _load_tokenizer(self) -> None:
+        assert self.options.tokenizer is not None
+        try:
+            self.options.tokenizer.load()
+            log.info("tokenizer loaded: routing by cached prefix")
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the router routing by load, and says so
+            log.warning("the tokenizer did not load (%r): routing by load only", exc)
 
     async def stop(self) -> None:
         await self.monitor.stop()
@@ -139,9 +148,7 @@ class Router:
             raise APIError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
         return tenant
 
-    def prompt_hashes(
-        self, request: GenerationRequest, tenant: str
-    ) -> dict[tuple[int, str, str | None], list[BlockHash]]:
+    def prompt_hashes(self, request: GenerationRequest, tenant: str) -> dict[Hashing, list[BlockHash]]:
         """The request's block hashes under each hashing the replicas use (usually one); empty until tokenized."""
         tokenizer = self.options.tokenizer
         if tokenizer is None or not tokenizer.loaded or self.options.routing is not Routing.PREFIX:
@@ -155,7 +162,7 @@ class Router:
         salt = self.options.salts.cache_salt(tenant, request.cache_salt)
         return {hashing: block_hashes(hasher, tokens, salt) for hashing, hasher in self.monitor.hashers().items()}
 
-    def rank(self, hashes: dict[tuple[int, str, str | None], list[BlockHash]]) -> list[tuple[Replica, int]]:
+    def rank(self, hashes: dict[Hashing, list[BlockHash]]) -> list[tuple[Replica, int]]:
         """Replicas in the order to try them, each with the blocks of the prompt it holds.
 
         Replicas that are up come first, best first by the ``prefix`` rule; those believed
@@ -175,9 +182,7 @@ class Router:
                 i = prefix_aware(cached, [r.load for r in candidates], load_cost=self.options.load_cost)
         return ranked + [(r, 0) for r in down]
 
-    def _cached_blocks(
-        self, candidates: Sequence[Replica], hashes: dict[tuple[int, str, str | None], list[BlockHash]]
-    ) -> list[int]:
+    def _cached_blocks(self, candidates: Sequence[Replica], hashes: dict[Hashing, list[BlockHash]]) -> list[int]:
         cached = [0] * len(candidates)
         for hashing, prompt in hashes.items():
             group = [i for i, r in enumerate(candidates) if r.events is not None and r.events.hashing == hashing]
@@ -190,7 +195,7 @@ class Router:
     # -- forwarding -----------------------------------------------------------------------
 
     async def forward(
-        self, request: Request, body: bytes, hashes: dict[Any, list[BlockHash]], stream: bool
+        self, request: Request, body: bytes, hashes: dict[Hashing, list[BlockHash]], stream: bool
     ) -> Response:
         """Send ``body`` to the best replica; on a connection error before any answer, to the next."""
         import httpx

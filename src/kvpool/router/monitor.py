@@ -23,7 +23,7 @@ from kvpool.errors import KVPoolError
 from kvpool.hashing import BlockHasher
 from kvpool.router.feed import EventFeed
 from kvpool.router.index import BlockIndex
-from kvpool.router.replicas import EventsInfo, Replica
+from kvpool.router.replicas import EventsInfo, Hashing, Replica
 
 if TYPE_CHECKING:
     import httpx
@@ -53,7 +53,7 @@ class ReplicaMonitor:
         self.feeds: dict[str, EventFeed] = {}
         self._checks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()  # checks asked for by failed requests
-        self._hashers: dict[tuple[int, str, str | None], BlockHasher | None] = {}
+        self._hashers: dict[Hashing, BlockHasher | None] = {}
         self._client: httpx.AsyncClient | None = None
 
     async def start(self, client: httpx.AsyncClient) -> None:
@@ -75,7 +75,7 @@ class ReplicaMonitor:
             feed.stop()
         self.feeds.clear()
 
-    def hashers(self) -> dict[tuple[int, str, str | None], BlockHasher]:
+    def hashers(self) -> dict[Hashing, BlockHasher]:
         """One block hasher per distinct hashing among the replicas that are up and publish events."""
         found = {}
         for replica in self.replicas:

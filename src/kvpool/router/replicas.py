@@ -14,7 +14,10 @@ from urllib.parse import urlsplit
 
 from kvpool.errors import ConfigError
 
-__all__ = ["EventsInfo", "Replica", "check_replica_url", "connectable_endpoint"]
+__all__ = ["EventsInfo", "Hashing", "Replica", "check_replica_url", "connectable_endpoint"]
+
+#: How a replica hashes blocks: (block size, algorithm, seed name). Equal values, equal hashes.
+Hashing = tuple[int, str, str | None]
 
 
 def check_replica_url(url: str) -> str:
@@ -83,7 +86,7 @@ class EventsInfo:
         )
 
     @property
-    def hashing(self) -> tuple[int, str, str | None]:
+    def hashing(self) -> Hashing:
         """Replicas with equal ``hashing`` give the same block the same hash."""
         return (self.block_size, self.hash_algorithm, self.hash_seed)
 
