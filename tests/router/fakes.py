@@ -61,6 +61,7 @@ class FakeReplica:
         self.tokenizer = ByteTokenizer()
         self.cached: set[bytes] = set()
         self.served = 0
+        self.healthy = True  # False: /health answers 503, as a replica that stopped answering in time
         self.publisher: KVEventPublisher | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -145,7 +146,9 @@ class FakeReplica:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def health(request: Request) -> Response:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse(
+                {"status": "ok" if self.healthy else "stalled"}, status_code=200 if self.healthy else 503
+            )
 
         async def kv_events(request: Request) -> Response:
             assert self.publisher is not None

@@ -258,3 +258,23 @@ def test_a_prompt_that_cannot_be_hashed_is_routed_by_load(replicas: list[FakeRep
         assert sorted(served) == ["r0", "r1"]  # no prefix known: the rule's ties rotate
     finally:
         router.stop()
+
+
+def test_a_replica_back_from_a_stall_has_its_entries_rebuilt_from_its_replay_buffer(
+    replicas: list[FakeReplica],
+) -> None:
+    router = route(replicas)
+    try:
+        wait_for(lambda: up(router), "both replicas up")
+        for i in range(4):
+            router.chat([system(i), ask("hello")])
+        stalled = replicas[0]
+        held = len(stalled.cached)
+        wait_for(lambda: router.router.index.num_blocks(stalled.url) == held > 0, "events indexed")
+        stalled.healthy = False
+        wait_for(lambda: router.router.index.num_blocks(stalled.url) == 0, "its entries dropped")
+        assert all(router.chat([system(i), ask("meanwhile")]).json()["replica"] == "r1" for i in range(2))
+        stalled.healthy = True  # the same process, its cache intact: no request needed to relearn it
+        wait_for(lambda: router.router.index.num_blocks(stalled.url) == held, "its entries replayed")
+    finally:
+        router.stop()
