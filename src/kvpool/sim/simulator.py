@@ -19,8 +19,10 @@ routed by a rule of :mod:`kvpool.routing`, seeing every replica's cached prefix
 of the request (GPU and tiers) and its load: the prompt tokens it has still to
 prefill (those of a step still running at the arrival included). The prefix rule weighs them with ``load_cost = 1 / block_size``, i.e. it
 sends the request where the fewest tokens must be computed before its first token.
-The replica with the earliest clock steps next, and an arrival is routed once
-every replica's clock has reached it, so routing sees each replica as it is then.
+The busy replica with the earliest clock steps next, and an arrival is routed
+once every busy replica's clock has reached it: routing sees an idle replica as it
+is, and a busy one as it will be when its current step ends (its load still
+counts that step's prefill tokens).
 
 Decisions never read a wall clock, so a replay is bit-for-bit repeatable.
 """
