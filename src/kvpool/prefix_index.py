@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from itertools import islice, takewhile
-from operator import is_not
+from itertools import chain, islice, takewhile
+from operator import eq, is_, is_not, itemgetter
 from typing import Any, cast
 
 from kvpool.block import KVBlock
@@ -39,6 +39,9 @@ __all__ = ["PrefixIndex", "VerifiedPrefixIndex"]
 
 #: ``found(x)``: ``x is not None``, called from C (a lookup's run of hits never enters Python per block).
 _found = partial(is_not, None)
+#: The two halves of a verified block's seal ``(content, parent seal)``.
+_content = itemgetter(0)
+_parent = itemgetter(1)
 
 
 class PrefixIndex:
@@ -186,19 +189,17 @@ class VerifiedPrefixIndex(PrefixIndex):
     ) -> list[KVBlock]:
         if contents is None:
             raise InvariantViolation("verified lookup needs the request's block contents")
-        get = self._map.get
-        hits: list[KVBlock] = []
-        parent: Any = None
-        for k in range(min(max_blocks, len(hashes))):
-            found = get(hashes[k])
-            if found is None:
+        hits = super().longest_prefix(hashes, contents, max_blocks)  # the run by hash alone (duplicates share one seal)
+        seals: list[Any] = [block.entry for block in hits]  # every indexed block is sealed
+        # The whole run verified in two C-level passes: each seal's parent is the seal
+        # before it (the first has none), and each content equals the request's block.
+        if all(map(is_, map(_parent, seals), chain((None,), seals))) and all(map(eq, map(_content, seals), contents)):
+            return hits
+        parent = None  # a check failed: keep the hits before the first block that fails
+        for k, seal in enumerate(seals):
+            if seal[1] is not parent or seal[0] != contents[k]:
+                del hits[k:]
                 break
-            if found.__class__ is not KVBlock:
-                found = next(iter(found.values()))  # type: ignore[union-attr]  # duplicates share one seal
-            seal = found.entry  # type: ignore[union-attr]  # every indexed block is sealed
-            if seal[1] is not parent or seal[0] != contents[k]:  # type: ignore[index]  # a seal is (content, parent seal)
-                break
-            hits.append(found)  # type: ignore[arg-type]  # one block by now
             parent = seal
         return hits
 
