@@ -118,8 +118,9 @@ def throughput(tier: str, spec_text: str, blocks: int, repeats: int) -> dict[str
         loads.append(time.perf_counter() - started)
         result = worker.get_finished()
         assert not result.failed_loads, f"{tier}: loads failed {result.failed_loads}"
-        for layer in range(spec.num_layers):  # what was loaded is what was saved
-            assert torch.equal(caches.key_caches[layer][1 : blocks + 1], caches.key_caches[layer][blocks + 1 :])
+        for cache in (*caches.key_caches, *caches.value_caches):  # what was loaded is what was saved
+            assert torch.equal(cache[1 : blocks + 1], cache[blocks + 1 :])
+            cache[blocks + 1 :].zero_()
     worker.close()
     size = blocks * spec.block_bytes
     return {
