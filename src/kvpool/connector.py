@@ -436,7 +436,6 @@ class TierHierarchyConnector:
         self._saved_upto[rid] = pos
         origin: dict[int, str] = {}
         loads: list[BlockLoad] = []
-        pinned = self._pinned.setdefault(rid, [])
         if match.runs:
             hashes = request.block_hashes
             for run in match.runs:
@@ -446,7 +445,7 @@ class TierHierarchyConnector:
                     slot = None
                     if self._host is not None and run.tier == self._host.name:
                         slot = self._host.pin(key)
-                        pinned.append(slot)
+                        self._pinned.setdefault(rid, []).append(slot)
                     loads.append(BlockLoad(rid, pos, block_ids[pos], key, run.tier, slot))
                     origin[pos] = run.tier
                     counters.hit_blocks += 1
