@@ -397,6 +397,7 @@ class KVTiers:
             row: dict[str, Any] = dict(self.worker.figures[name].as_dict())
             counters = self.connector.counters[name]
             row.update(hit_blocks=counters.hit_blocks, saved_blocks=counters.saved_blocks)
+            row.update(lookup_errors=self.connector.lookup_errors().get(name, 0))
             store = self.worker.stores.get(name)
             if store is not None:
                 stats = store.stats
