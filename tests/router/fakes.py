@@ -61,6 +61,8 @@ class FakeReplica:
         self.tokenizer = ByteTokenizer()
         self.cached: set[bytes] = set()
         self.served = 0
+        self.chunk_delay = 0.0  # seconds between streamed chunks
+        self.streams_cut = 0  # streams its client closed before the end
         self.healthy = True  # False: /health answers 503, as a replica that stopped answering in time
         self.publisher: KVEventPublisher | None = None
         self._server: uvicorn.Server | None = None
@@ -140,10 +142,20 @@ class FakeReplica:
             async def events() -> AsyncIterator[bytes]:
                 for part in (self.name, " says", " hi"):
                     yield f"data: {json.dumps({'choices': [{'delta': {'content': part}}]})}\n\n".encode()
+                    await asyncio.sleep(self.chunk_delay)
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            async def counted() -> AsyncIterator[bytes]:
+                complete = False
+                try:
+                    async for chunk in events():
+                        yield chunk
+                    complete = True
+                finally:
+                    self.streams_cut += not complete
+
+            return StreamingResponse(counted(), media_type="text/event-stream")
 
         async def health(request: Request) -> Response:
             return JSONResponse(

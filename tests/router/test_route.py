@@ -278,3 +278,21 @@ def test_a_replica_back_from_a_stall_has_its_entries_rebuilt_from_its_replay_buf
         wait_for(lambda: router.router.index.num_blocks(stalled.url) == held, "its entries replayed")
     finally:
         router.stop()
+
+
+def test_a_client_gone_mid_stream_closes_the_replica_stream_and_frees_its_slot(replicas: list[FakeReplica]) -> None:
+    router = route(replicas)
+    try:
+        wait_for(lambda: up(router), "both replicas up")
+        for r in replicas:
+            r.chunk_delay = 1.0
+        body = {"model": "fake", "messages": [system(3), ask("long answer")], "stream": True}
+        with router.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            first = next(response.iter_lines())
+            assert first.startswith("data: ")
+            assert sum(r.in_flight for r in router.router.replicas) == 1
+        # the client closed its connection after one chunk: the router closes its own to the replica
+        wait_for(lambda: sum(r.in_flight for r in router.router.replicas) == 0, "the slot freed")
+        wait_for(lambda: sum(r.streams_cut for r in replicas) == 1, "the replica's stream cut short", timeout=10)
+    finally:
+        router.stop()

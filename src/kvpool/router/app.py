@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response
+    from starlette.types import Receive, Scope, Send
 
 __all__ = ["RouteOptions", "Router", "build_app"]
 
@@ -196,7 +197,7 @@ class Router:
 
     async def forward(
         self, request: Request, body: bytes, hashes: dict[Hashing, list[BlockHash]], stream: bool
-    ) -> Response:
+    ) -> Response | _Relay:
         """Send ``body`` to the best replica; on a connection error before any answer, to the next."""
         import httpx
         from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -205,10 +206,10 @@ class Router:
         path = request.url.path
         errors: list[str] = []
         for replica, cached in self.rank(hashes):
-            upstream = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
+            outgoing = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
             replica.in_flight += 1
             try:
-                response = await self.client.send(upstream, stream=True)
+                response = await self.client.send(outgoing, stream=True)
                 if not stream:
                     await response.aread()
             except httpx.TransportError as exc:
@@ -226,26 +227,25 @@ class Router:
             if not stream:
                 replica.in_flight -= 1
                 return Response(response.content, status_code=response.status_code, headers=out_headers)
-            return StreamingResponse(
-                self._relay(replica, response), status_code=response.status_code, headers=out_headers
-            )
+            upstream = _Upstream(replica, response)
+            relay = StreamingResponse(self._relay(upstream), status_code=response.status_code, headers=out_headers)
+            return _Relay(relay, upstream)
         message = "no replica could take the request: " + ("; ".join(errors) or "none is configured")
         return JSONResponse(error_body(message, type="service_unavailable", code="no_replica"), status_code=503)
 
-    async def _relay(self, replica: Replica, response: httpx.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, upstream: _Upstream) -> AsyncIterator[bytes]:
         """The replica's bytes as they arrive; closing early (a client gone) closes the upstream request too."""
         import httpx
 
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in upstream.response.aiter_raw():
                 yield chunk
         except httpx.TransportError as exc:
             # Bytes already went to the client: the request cannot move. End the stream; the
             # client sees it cut short, and the replica is checked.
-            self.monitor.suspect(replica, exc)
+            self.monitor.suspect(upstream.replica, exc)
         finally:
-            replica.in_flight -= 1
-            await response.aclose()
+            await upstream.close()
 
     async def forward_get(self, path: str, authorization: str | None) -> Response:
         """A GET (``/v1/models``) answered by the first replica that is up."""
@@ -264,6 +264,43 @@ class Router:
         return JSONResponse(error_body("no replica answers", type="service_unavailable"), status_code=503)
 
 
+class _Upstream:
+    """A replica's streamed answer, closed exactly once however its relay ends (the in-flight count with it)."""
+
+    __slots__ = ("replica", "response", "_open")
+
+    def __init__(self, replica: Replica, response: httpx.Response) -> None:
+        self.replica = replica
+        self.response = response
+        self._open = True
+
+    async def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.replica.in_flight -= 1
+            await self.response.aclose()
+
+
+class _Relay:
+    """The streamed response, as an ASGI app that closes its upstream even when the stream never started.
+
+    (A client that goes away before the first chunk cancels the response before its
+    generator runs, so the generator's own ``finally`` would never close the upstream.)
+    """
+
+    __slots__ = ("inner", "upstream")
+
+    def __init__(self, inner: Response, upstream: _Upstream) -> None:
+        self.inner = inner
+        self.upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            await self.upstream.close()
+
+
 def build_app(router: Router) -> Starlette:
     """The Starlette application serving ``router``."""
     from starlette.applications import Starlette
@@ -273,7 +310,7 @@ def build_app(router: Router) -> Starlette:
     def refuse(error: APIError) -> Response:
         return JSONResponse(error.body, status_code=error.status, headers=error.headers)
 
-    async def generate(request: Request, endpoint: Endpoint) -> Response:
+    async def generate(request: Request, endpoint: Endpoint) -> Response | _Relay:
         try:
             declared = int(request.headers.get("content-length") or 0)
             if declared > router.options.max_body_bytes:
@@ -299,10 +336,10 @@ def build_app(router: Router) -> Starlette:
             return refuse(error)
         return await router.forward(request, body, hashes, parsed.stream)
 
-    async def chat(request: Request) -> Response:
+    async def chat(request: Request) -> Response | _Relay:
         return await generate(request, Endpoint.CHAT)
 
-    async def completions(request: Request) -> Response:
+    async def completions(request: Request) -> Response | _Relay:
         return await generate(request, Endpoint.COMPLETIONS)
 
     async def models(request: Request) -> Response:
