@@ -244,3 +244,9 @@ def test_damaged_and_foreign_redis_entries_are_computed_and_counted(folder, refe
     figures = reader.kv_tier_figures()["redis"]
     assert figures["corrupt"] > 0 and figures["failed_loads"] > 0
     assert sum(o.cached_tokens_by_tier.get("redis", 0) for o in outs) == figures["blocks_loaded"] * BLOCK
+
+
+def test_models_with_sliding_windows_are_refused_tiers(tmp_path):
+    folder = save_model(build_model("qwen2-hybrid"), tmp_path / "hybrid")
+    with pytest.raises(ConfigError, match="one full-attention layer group"):
+        LLMEngine(folder, **TINY_POOL, kv_tiers=["cpu:1MiB"], log=None)
