@@ -107,6 +107,7 @@ def test_plot_draws_the_timeline(tmp_path):
         (["--replicas", "0"], "--replicas"),
         (["--routing", "random"], "--routing"),
         (["--sequential", "--replicas", "2"], "--sequential replays one pool"),
+        (["--ttft-slo", "2s", "--replicas", "3"], "drop --replicas 3"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_value(args, message):

@@ -392,6 +392,8 @@ def simulate(
     rules = [Routing(r) for r in dict.fromkeys(routing_rules)] or (
         list(Routing) if replicas > 1 or ttft_slo is not None else [Routing.PREFIX]
     )
+    if ttft_slo is not None and replicas > 1:
+        raise KVPoolError(f"--ttft-slo searches for the number of replicas; drop --replicas {replicas}")
     if sequential and (replicas > 1 or routing_rules or ttft_slo is not None):
         raise KVPoolError("--sequential replays one pool; drop it to use --replicas, --routing or --ttft-slo")
     requests = _load(trace, max_requests, seed)
