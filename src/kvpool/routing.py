@@ -19,8 +19,8 @@ and returns the index of the chosen replica. The rules:
 
 ``prefix`` (:class:`PrefixAware`)
     the largest score ``cached_blocks[i] - load_cost * loads[i]``; ties go to the
-    smaller load. ``load_cost`` (> 0) says how many cached
-    blocks one unit of load is worth. With loads in tokens still to prefill and
+    smaller load. ``load_cost`` (> 0) says how many cached blocks one unit of load
+    is worth. With loads in tokens still to prefill and
     ``load_cost = 1 / block_size`` the score is minus the tokens a replica must
     compute before this request's first token: the rule picks the earliest first
     token under a uniform prefill rate.
@@ -39,7 +39,7 @@ take the first tied index at or after the one after their previous choice, so th
 an idle fleet still spreads new prefixes (and their cache) over every replica
 instead of filling replica 0. A router keeps one chooser object.
 
-Every rule is O(n) in the number of replicas and allocates nothing but its answer.
+Every rule is O(n) in the number of replicas.
 Bad figures (no replicas, lengths that differ, a negative or non-finite number) raise
 :class:`~kvpool.errors.ConfigError` naming the value.
 """
