@@ -115,13 +115,27 @@ async def _drive(url: str, clients: int, duration: float, disconnect: float, see
     async with httpx.AsyncClient(limits=limits, timeout=300) as http:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
         deadline = time.monotonic() + duration
+        ticker = asyncio.ensure_future(_progress(tally, deadline))
         await asyncio.gather(
             *(
                 _client(client, random.Random(seed * 1000 + i), prefixes, deadline, disconnect, tally)
                 for i in range(clients)
             )
         )
+        ticker.cancel()
     return tally
+
+
+async def _progress(tally: Tally, deadline: float, every: float = 10.0) -> None:
+    while True:
+        await asyncio.sleep(every)
+        left = max(0.0, deadline - time.monotonic())
+        print(
+            f"  {tally.completed} completed, {tally.disconnected} left, {tally.rejected_429} refused (429), "
+            f"{len(tally.failures)} failed; {left:.0f} s of load left",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
