@@ -74,7 +74,7 @@ def test_bad_tier_flags_are_one_line_and_exit_2(folder, tmp_path):
     runner = CliRunner()
     result = runner.invoke(cli, ["generate", "w1", "--model", folder, *ENGINE, "--kv-tier", "tape:/dev/st0"])
     assert result.exit_code == 2
-    assert "unknown KV tier 'tape:/dev/st0'" in result.stderr and "Traceback" not in result.stderr
+    assert "unknown tier spec 'tape:/dev/st0'" in result.stderr and "Traceback" not in result.stderr
     secret = tmp_path / "secret"
     secret.write_text("s3cret")
     result = runner.invoke(cli, ["generate", "w1", "--model", folder, *ENGINE, "--kv-tier-secret-file", str(secret)])

@@ -188,8 +188,8 @@ def test_redis_killed_mid_run_costs_hits_not_tokens(folder, reference, redis_ser
 
 def test_bad_tier_specs_are_refused_before_loading(folder):
     for spec, match in (
-        (["cpu:lots"], "CPU tier size"),
-        (["tape:/dev/st0"], "unknown KV tier"),
+        (["cpu:lots"], "size in tier spec .cpu:lots."),
+        (["tape:/dev/st0"], "unknown tier spec"),
         (["cpu:1MiB", "cpu:2MiB"], "given twice"),
         ("cpu:1MiB", "list of tier specs"),
     ):

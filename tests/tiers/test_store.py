@@ -11,6 +11,7 @@ from kvpool.checks import parse_size as checks_parse_size
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.tiers import (
     BlockStore,
+    CpuTarget,
     DiskStore,
     DiskTarget,
     EntryCodec,
@@ -64,12 +65,17 @@ def test_parse_spec_checks_without_opening(tmp_path):
     redis_target = parse_spec("rediss+cluster://:pw@h:7000?ttl=5&ssl_ca_certs=/ca.pem")
     assert redis_target == RedisTarget("rediss://:pw@h:7000?ssl_ca_certs=%2Fca.pem", True, 5, "rediss+cluster://h:7000")
     assert redis_target.kind == "redis"
+    assert parse_spec("cpu:4GiB") == CpuTarget(4 * 2**30) and CpuTarget.kind == "cpu"
+
+
+def test_open_store_leaves_host_memory_to_the_engine(codec):
+    with pytest.raises(ConfigError, match="'cpu:4GiB' is host memory"):
+        open_store("cpu:4GiB", codec)
 
 
 @pytest.mark.parametrize(
     "spec",
     [
-        "cpu:4GiB",
         "disk:/tmp/kv",
         "disk::1GiB",
         "disk:/tmp/kv:lots",

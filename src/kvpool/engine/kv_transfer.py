@@ -54,7 +54,7 @@ from kvpool.engine.kv_cache import KVCaches
 from kvpool.engine.memory import format_bytes
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.manager import KVCacheManager
-from kvpool.planner import parse_size
+from kvpool.tiers.store import CpuTarget, parse_spec
 
 if TYPE_CHECKING:
     from kvpool.scheduler import Scheduler, SchedulerOutput
@@ -63,19 +63,6 @@ if TYPE_CHECKING:
 __all__ = ["KVTiers", "KVTransferWorker", "TierFigures", "build_kv_tiers", "check_tier_specs"]
 
 _LOGGER = logging.getLogger("kvpool.engine")
-
-#: Schemes of the Redis tier specs (the stores' module parses the rest).
-_REDIS_PREFIXES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://", "unix://")
-
-
-def _cpu_bytes(spec: str) -> int | None:
-    """The size of a ``cpu:SIZE`` spec, None for another kind of tier."""
-    if not spec.startswith("cpu:"):
-        return None
-    size = parse_size(spec[len("cpu:") :], field=f"CPU tier size in {spec!r}")
-    if size <= 0:
-        raise ConfigError(f"the CPU tier size in {spec!r} must be positive")
-    return size
 
 
 def check_tier_specs(specs: Sequence[str]) -> tuple[str, ...]:
@@ -86,16 +73,7 @@ def check_tier_specs(specs: Sequence[str]) -> tuple[str, ...]:
     for spec in specs:
         if not isinstance(spec, str) or not spec.strip():
             raise ConfigError(f"a KV tier spec must be a non-empty string, got {spec!r}")
-        if _cpu_bytes(spec) is not None:
-            kind = "cpu"
-        elif spec.startswith("disk:"):
-            kind = "disk"
-        elif spec.startswith(_REDIS_PREFIXES):
-            kind = "redis"
-        else:
-            raise ConfigError(
-                f"unknown KV tier {spec!r}: expected cpu:SIZE, disk:PATH:SIZE, redis://HOST:PORT/DB or rediss://..."
-            )
+        kind = parse_spec(spec).kind
         if kind in kinds:
             raise ConfigError(f"KV tier {kind!r} is given twice ({spec!r}); each kind of tier appears once")
         kinds.append(kind)
@@ -461,8 +439,9 @@ def build_kv_tiers(
     host: HostTier | None = None
     try:
         for one in specs:
-            size = _cpu_bytes(one)
-            if size is not None:
+            target = parse_spec(one)
+            if isinstance(target, CpuTarget):
+                size = target.capacity_bytes
                 blocks = size // spec.block_bytes
                 if blocks < 1:
                     raise ConfigError(f"the CPU tier {one!r} holds no block of {spec.block_bytes} bytes")

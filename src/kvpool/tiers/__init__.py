@@ -12,12 +12,13 @@ from kvpool.tiers.counters import TierStats
 from kvpool.tiers.disk import DiskStore
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, LayoutFingerprint
 from kvpool.tiers.redis_store import RedisStore, RedisTarget
-from kvpool.tiers.store import BlockStore, DiskTarget, open_store, parse_size, parse_spec
+from kvpool.tiers.store import BlockStore, CpuTarget, DiskTarget, open_store, parse_size, parse_spec
 
 __all__ = [
     "BlockStore",
     "CorruptEntry",
     "CorruptKind",
+    "CpuTarget",
     "DiskStore",
     "DiskTarget",
     "EntryCodec",

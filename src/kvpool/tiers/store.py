@@ -8,6 +8,7 @@ a backend fault: a full disk or a Redis that is down costs misses and unsaved bl
 
 Specs::
 
+    cpu:4GiB                            host memory (the engine keeps it: its blocks are tensors, not entries)
     disk:/var/cache/kvpool:50GiB        a directory bounded to 50 GiB (sizes: 4GiB, 500MB, bytes)
     redis://[:password@]host:6379/0     a Redis server (rediss:// for TLS, unix:///path.sock)
     redis+cluster://host:7000           a Redis Cluster, from any one node (rediss+cluster:// for TLS)
@@ -27,7 +28,7 @@ from kvpool.tiers.disk import DiskStore
 from kvpool.tiers.entry import EntryCodec
 from kvpool.tiers.redis_store import REDIS_SCHEMES, RedisStore, RedisTarget
 
-__all__ = ["BlockStore", "DiskTarget", "TierStats", "open_store", "parse_size", "parse_spec"]
+__all__ = ["BlockStore", "CpuTarget", "DiskTarget", "TierStats", "open_store", "parse_size", "parse_spec"]
 
 
 class BlockStore(Protocol):
@@ -58,6 +59,15 @@ class BlockStore(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class CpuTarget:
+    """A host-memory tier spec, checked: its bound in bytes. The engine keeps this tier, not a store."""
+
+    capacity_bytes: int
+
+    kind: ClassVar[str] = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
 class DiskTarget:
     """A disk tier spec, checked: the directory and its bound in bytes."""
 
@@ -67,13 +77,15 @@ class DiskTarget:
     kind: ClassVar[str] = "disk"
 
 
-def parse_spec(spec: str) -> DiskTarget | RedisTarget:
-    """What ``spec`` names, checked without opening anything (``.kind`` is "disk" or "redis").
+def parse_spec(spec: str) -> CpuTarget | DiskTarget | RedisTarget:
+    """What ``spec`` names, checked without opening anything (``.kind`` is "cpu", "disk" or "redis").
 
     ConfigError naming the spec if it is malformed, or if a Redis spec needs the missing redis client.
     """
     if not isinstance(spec, str):
         raise ConfigError(f"a tier spec must be a string, got {spec!r}")
+    if spec.startswith("cpu:"):
+        return CpuTarget(parse_size(spec[len("cpu:") :], field=f"size in tier spec {spec!r}"))
     if spec.startswith("disk:"):
         path, sep, size = spec[len("disk:") :].rpartition(":")
         if not sep or not path:
@@ -82,7 +94,7 @@ def parse_spec(spec: str) -> DiskTarget | RedisTarget:
     if spec.partition("://")[0] in REDIS_SCHEMES and "://" in spec:
         return RedisTarget.parse(spec)
     raise ConfigError(
-        f"unknown tier spec {spec!r}: expected disk:PATH:SIZE, redis://HOST:PORT/DB, rediss://... (TLS), "
+        f"unknown tier spec {spec!r}: expected cpu:SIZE, disk:PATH:SIZE, redis://HOST:PORT/DB, rediss://... (TLS), "
         "redis+cluster://HOST:PORT or unix:///PATH"
     )
 
@@ -90,6 +102,8 @@ def parse_spec(spec: str) -> DiskTarget | RedisTarget:
 def open_store(spec: str, codec: EntryCodec) -> BlockStore:
     """The store ``spec`` names (see the module docstring); ConfigError naming the spec if it is malformed."""
     target = parse_spec(spec)
+    if isinstance(target, CpuTarget):
+        raise ConfigError(f"tier spec {spec!r} is host memory, which the engine keeps; open_store opens disk and Redis")
     if isinstance(target, DiskTarget):
         return DiskStore(target.path, target.capacity_bytes, codec)
     return RedisStore(target, codec)
