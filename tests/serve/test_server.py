@@ -282,6 +282,23 @@ def test_a_full_waiting_queue_is_429_with_retry_after(server: LiveServer) -> Non
         assert _error(response, 429)["type"] == "rate_limit_error"
 
 
+def test_concurrent_requests_run_in_one_batch(server: LiveServer) -> None:
+    gate = threading.Event()
+    server.engine_loop.run_soon(lambda engine: gate.wait(30))  # both arrive before the next step
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 24, "ignore_eos": True}
+    results: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda: results.append(_post(server, "/completions", body))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    gate.set()
+    running = [_health(server)["running"] for _ in range(5)]
+    for t in threads:
+        t.join(60)
+    assert [r.status_code for r in results] == [200, 200]
+    assert max(running) == 2  # one step decodes both: the scheduler batches them
+
+
 def test_unknown_routes_answer_in_the_same_shape(server: LiveServer) -> None:
     _error(httpx.get(f"{server.url}/v1/nothing", timeout=30), 404)
     _error(httpx.get(f"{server.base_url}/completions", timeout=30), 405)
