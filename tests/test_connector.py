@@ -20,6 +20,7 @@ from kvpool.connector import (
     TierRun,
     TransferResult,
 )
+from kvpool.events import BlockRemoved, BlockStored
 from kvpool.scheduler import Scheduler, SchedulerConfig, StopConditions
 
 BS = 4
@@ -387,6 +388,44 @@ def test_the_cpu_tier_evicts_least_recently_used_through_its_free_queue():
     host.release([slot])
     assert host.contains_prefix([b"a", b"c"]) == 2 and host.contains_prefix([b"b"]) == 0
     assert host.reserve(b"a") is None  # stored already
+
+
+def test_tiers_publish_what_they_store_and_evict_under_their_medium():
+    mgr = KVCacheManager(32, BS, enable_events=True)
+    host, disk = HostTier(2), DictStore("disk")
+    conn = TierHierarchyConnector(mgr, [host, ByteTier(disk)])
+    sched = Scheduler(mgr, SchedulerConfig(), connector=conn)
+
+    def held(events, kind, medium):
+        return [h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
+
+    a = Request("a", prompt(13))
+    run_one(sched, a)  # three full blocks: all to disk, the first two to the two host blocks
+    events = mgr.take_events()
+    hashes = a.block_hashes
+    assert held(events, BlockStored, "GPU") == hashes[:3]
+    assert held(events, BlockStored, "CPU") == hashes[:2]
+    assert held(events, BlockStored, "DISK") == hashes[:3]
+    second = next(
+        e for e in events if isinstance(e, BlockStored) and e.medium == "DISK" and e.block_hashes == (hashes[1],)
+    )
+    assert second.parent_block_hash == hashes[0] and second.token_ids == tuple(prompt(13)[4:8])
+    assert second.block_size == BS and not held(events, BlockRemoved, "CPU")
+
+    b = Request("b", prompt(9, base=500))
+    run_one(sched, b)  # its two blocks take the host blocks of a's, least recently used first
+    events = mgr.take_events()
+    assert held(events, BlockRemoved, "CPU") == hashes[:2]
+    assert held(events, BlockStored, "CPU") == b.block_hashes[:2]
+
+    conn.reset()  # a failed step: the CPU tier forgets everything, and says so
+    assert sorted(held(mgr.take_events(), BlockRemoved, "CPU")) == sorted(b.block_hashes[:2])
+
+
+def test_tier_events_cost_nothing_without_events():
+    sched, conn, host, (disk,) = hierarchy(host_blocks=1)
+    run_one(sched, Request("a", prompt(13)))
+    assert sched.manager.take_events() == [] and conn._stored == {}
 
 
 def test_the_hierarchy_refuses_what_it_cannot_serve():

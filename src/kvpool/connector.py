@@ -59,6 +59,7 @@ from kvpool.block import KVBlock
 from kvpool.block_pool import BlockPool
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvariantViolation
+from kvpool.events import BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.groups.full_attention import FullAttentionManager
 from kvpool.hashing import BlockHash
 from kvpool.manager import KVCacheManager
@@ -275,8 +276,13 @@ class HostTier:
     def __init__(self, num_blocks: int) -> None:
         check_int("CPU tier blocks", num_blocks)
         self.num_blocks = num_blocks
-        self.pool = BlockPool(num_blocks + 1)  # host block 0 is the pool's null block, never used
+        # Host block 0 is the pool's null block, never used; the pool's events name the keys it evicts.
+        self.pool = BlockPool(num_blocks + 1, enable_events=True)
         self._index = self.pool.indexes[0]
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys evicted since the last call, oldest first (for the tier's ``BlockRemoved`` events)."""
+        return [bytes(h) for e in self.pool.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         get = self._index.get
@@ -308,10 +314,15 @@ class HostTier:
         blocks: list[KVBlock] = [self.pool.block(slot) for slot in slots]
         self.pool.free_blocks(blocks)
 
-    def clear(self) -> None:
-        """Forget every stored block and pin (after a step failed: a reserved block may never have been written)."""
-        self.pool = BlockPool(self.num_blocks + 1)
+    def clear(self) -> list[bytes]:
+        """Forget every stored block and pin (after a step failed: a reserved block may never have been written).
+
+        Returns the keys it forgot.
+        """
+        forgotten = [bytes(b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
+        self.pool = BlockPool(self.num_blocks + 1, enable_events=True)
         self._index = self.pool.indexes[0]
+        return forgotten
 
     @property
     def num_stored(self) -> int:
@@ -404,6 +415,7 @@ class TierHierarchyConnector:
         self._origin: dict[str, dict[int, str]] = {}  # loaded block position -> its tier
         self._pinned: dict[str, list[int]] = {}  # host blocks pinned by in-flight transfers
         self._saving: set[str] = set()
+        self._stored: dict[str, list[BlockStored]] = {}  # tier events of planned saves, published when done
 
     # -- lookup ---------------------------------------------------------------------
 
@@ -475,6 +487,7 @@ class TierHierarchyConnector:
             full = min(full, len(hashes))
             table = self.manager.get_block_ids(rid)[0]
             origin = self._origin.get(rid, {})
+            tokens: Sequence[int] = ()
             for pos in range(done, full):
                 source = origin.get(pos)
                 tiers = all_tiers if source is None else all_tiers[: self._rank[source]]
@@ -488,11 +501,16 @@ class TierHierarchyConnector:
                         tiers = tuple(t for t in tiers if t != host.name)
                     else:
                         self._pinned.setdefault(rid, []).append(slot)
+                        self._record_removed(host.name, host.take_evicted())
                 if tiers:
                     saves.append(BlockSave(rid, table[pos], key, tiers, slot))
                     for name in tiers:
                         self.counters[name].saved_blocks += 1
                     self._saving.add(rid)
+                    if self.manager.pool.events is not None:
+                        tokens = tokens or request.all_token_ids  # a copy: taken once per request
+                        stored = self._stored.setdefault(rid, [])
+                        stored.extend(self._stored_event(request, hashes, tokens, pos, t) for t in tiers)
             self._saved_upto[rid] = full
         return ConnectorMetadata(tuple(loads), tuple(saves))
 
@@ -506,6 +524,8 @@ class TierHierarchyConnector:
         for rid in done:
             if rid in result.finished_saves:
                 self._saving.discard(rid)
+                for event in self._stored.pop(rid, ()):
+                    self._record(event)
             if rid not in self._saving and self._host is not None:
                 slots = self._pinned.pop(rid, None)
                 if slots:
@@ -534,8 +554,38 @@ class TierHierarchyConnector:
         self._origin.clear()
         self._pinned.clear()
         self._saving.clear()
+        self._stored.clear()
         if self._host is not None:
-            self._host.clear()
+            self._record_removed(self._host.name, self._host.clear())
+
+    # -- events: what each tier holds, for a router (recorded when the manager records events) ---
+
+    def _record(self, event: KVCacheEvent) -> None:
+        events = self.manager.pool.events  # read each time: take_events() swaps the list
+        if events is not None:
+            events.append(event)
+
+    def _record_removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._record(BlockRemoved(block_hashes=tuple(BlockHash(k) for k in keys), medium=tier.upper()))
+
+    def _stored_event(
+        self, request: Request, hashes: Sequence[BlockHash], tokens: Sequence[int], pos: int, tier: str
+    ) -> BlockStored:
+        """The event of block ``pos`` of ``request`` stored in ``tier`` (medium: the tier's name in capitals)."""
+        bs = self.block_size
+        kind, window = self.manager.pool.group_kinds[0]
+        return BlockStored(
+            block_hashes=(hashes[pos],),
+            parent_block_hash=hashes[pos - 1] if pos else None,
+            token_ids=tuple(tokens[pos * bs : (pos + 1) * bs]),
+            block_size=bs,
+            lora_name=request.lora_name,
+            extra_keys=(request.extra_keys(pos * bs, (pos + 1) * bs),),
+            medium=tier.upper(),
+            spec_kind=kind,
+            sliding_window=window,
+        )
 
     # -- figures ---------------------------------------------------------------------
 
