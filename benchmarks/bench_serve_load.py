@@ -1,12 +1,14 @@
 """Load on a live ``kvpool serve``: many concurrent streaming ``openai`` clients, some leaving mid-stream.
 
-Each client loops until the run's time is up: it picks one of a few shared
+Each client loops until the run's time is up (or, with ``--requests``, until
+it has been served that many requests): it picks one of a few shared
 prefixes (a long "document" of a given length) and appends a question of its
 own, so prompts share prefixes and differ in length; it streams the answer
 with usage, and one request in ``--disconnect`` (a fraction) closes its stream
 after a few tokens. A 429 (the server's waiting queue is full) is a designed
-refusal: the client waits ``Retry-After`` and goes on. Any other error is a
-failure.
+refusal: the client waits ``Retry-After`` and sends the same request again.
+Any other error is a failure. Answers ignore EOS, so a planned disconnect
+always happens.
 
 After the run, once nothing runs, the server's ``/health?verbose=1`` must
 report no block owned by any request and the pool's invariants intact.
@@ -56,25 +58,62 @@ def _prefixes(rng: random.Random, lengths: Sequence[int]) -> list[str]:
     return [f"Document {i}: " + " ".join(rng.choice(_WORDS) for _ in range(n)) for i, n in enumerate(lengths)]
 
 
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """When a client stops: after ``requests`` served requests, or at ``deadline`` (monotonic seconds)."""
+
+    requests: int | None = None
+    deadline: float | None = None
+
+    def reached(self, served: int) -> bool:
+        if self.requests is not None:
+            return served >= self.requests
+        assert self.deadline is not None
+        return time.monotonic() >= self.deadline
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One request a client will make: its prompt, its length, and when (if ever) it leaves mid-stream."""
+
+    prompt: str
+    max_tokens: int
+    leave_after: int | None  # tokens read before the client closes its stream; None: reads to the end
+
+
+def _ask(rng: random.Random, prefixes: list[str], disconnect: float) -> Ask:
+    prefix = rng.choice(prefixes)
+    question = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 40)))
+    leave_after = rng.randint(1, 6) if rng.random() < disconnect else None
+    return Ask(f"{prefix}\nQuestion: {question}\nAnswer:", rng.randint(8, 48), leave_after)
+
+
 async def _client(
-    client: Any, rng: random.Random, prefixes: list[str], deadline: float, disconnect: float, tally: Tally
+    client: Any,
+    rng: random.Random,
+    prefixes: list[str],
+    stop: Stop,
+    disconnect: float,
+    tally: Tally,
 ) -> None:
+    """Send requests until ``stop`` says so; a request refused with 429 is sent again after ``Retry-After``."""
     import openai
 
-    while time.monotonic() < deadline:
-        prefix = rng.choice(prefixes)
-        question = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 40)))
-        leave_after = rng.randint(1, 6) if rng.random() < disconnect else None
+    served = 0
+    ask = _ask(rng, prefixes, disconnect)
+    while not stop.reached(served):
         tally.started += 1
         start = time.perf_counter()
         try:
             stream = await client.completions.create(
                 model=MODEL,
-                prompt=f"{prefix}\nQuestion: {question}\nAnswer:",
-                max_tokens=rng.randint(8, 48),
+                prompt=ask.prompt,
+                max_tokens=ask.max_tokens,
                 temperature=0.7,
                 stream=True,
                 stream_options={"include_usage": True},
+                # Every answer runs to max_tokens (>= 8 > any leave_after): a planned disconnect always happens.
+                extra_body={"ignore_eos": True},
             )
             tokens = 0
             first = None
@@ -83,7 +122,7 @@ async def _client(
                     if first is None:
                         first = time.perf_counter() - start
                     tokens += 1
-                    if leave_after is not None and tokens >= leave_after:
+                    if ask.leave_after is not None and tokens >= ask.leave_after:
                         break
                 if chunk.usage is not None:
                     tally.output_tokens += chunk.usage.completion_tokens
@@ -93,18 +132,21 @@ async def _client(
             await stream.close()
             if first is not None:
                 tally.ttfts.append(first)
-            if leave_after is not None and tokens >= leave_after:
+            if ask.leave_after is not None and tokens >= ask.leave_after:
                 tally.disconnected += 1
             else:
                 tally.completed += 1
         except openai.RateLimitError as exc:
             tally.rejected_429 += 1
             await asyncio.sleep(float(exc.response.headers.get("retry-after", "1")))
+            continue  # the same request again
         except Exception as exc:  # everything else is a failure of the server
             tally.failures.append(f"{type(exc).__name__}: {exc}")
+        served += 1
+        ask = _ask(rng, prefixes, disconnect)
 
 
-async def _drive(url: str, clients: int, duration: float, disconnect: float, seed: int) -> Tally:
+async def _drive(url: str, clients: int, stop: Stop, disconnect: float, seed: int) -> Tally:
     import httpx
     import openai
 
@@ -114,11 +156,10 @@ async def _drive(url: str, clients: int, duration: float, disconnect: float, see
     limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients)
     async with httpx.AsyncClient(limits=limits, timeout=300) as http:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
-        deadline = time.monotonic() + duration
-        ticker = asyncio.ensure_future(_progress(tally, deadline))
+        ticker = asyncio.ensure_future(_progress(tally, stop))
         await asyncio.gather(
             *(
-                _client(client, random.Random(seed * 1000 + i), prefixes, deadline, disconnect, tally)
+                _client(client, random.Random(seed * 1000 + i), prefixes, stop, disconnect, tally)
                 for i in range(clients)
             )
         )
@@ -126,13 +167,13 @@ async def _drive(url: str, clients: int, duration: float, disconnect: float, see
     return tally
 
 
-async def _progress(tally: Tally, deadline: float, every: float = 10.0) -> None:
+async def _progress(tally: Tally, stop: Stop, every: float = 10.0) -> None:
     while True:
         await asyncio.sleep(every)
-        left = max(0.0, deadline - time.monotonic())
+        left = "" if stop.deadline is None else f"; {max(0.0, stop.deadline - time.monotonic()):.0f} s of load left"
         print(
             f"  {tally.completed} completed, {tally.disconnected} left, {tally.rejected_429} refused (429), "
-            f"{len(tally.failures)} failed; {left:.0f} s of load left",
+            f"{len(tally.failures)} failed{left}",
             file=sys.stderr,
             flush=True,
         )
@@ -163,11 +204,27 @@ def settle(url: str, timeout: float = 120.0) -> dict[str, Any]:
         time.sleep(0.2)
 
 
-def run(url: str, clients: int, duration: float, disconnect: float, seed: int) -> dict[str, Any]:
+def run(
+    url: str,
+    clients: int,
+    duration: float | None,
+    disconnect: float,
+    seed: int,
+    *,
+    requests: int | None = None,
+) -> dict[str, Any]:
+    """Load ``url`` with ``clients`` clients for ``duration`` seconds, or for ``requests`` served requests each.
+
+    A count of requests makes the run the same work however busy the machine is (tests use it);
+    a duration makes it the same time (the benchmark's default).
+    """
     import httpx
 
+    if (duration is None) == (requests is None):
+        raise ValueError(f"give a duration or a request count, not both or neither: {duration!r}, {requests!r}")
     began = time.monotonic()
-    tally = asyncio.run(_drive(url, clients, duration, disconnect, seed))
+    stop = Stop(requests=requests, deadline=None if duration is None else began + duration)
+    tally = asyncio.run(_drive(url, clients, stop, disconnect, seed))
     elapsed = time.monotonic() - began
     health = settle(url)
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
@@ -196,7 +253,8 @@ def run(url: str, clients: int, duration: float, disconnect: float, seed: int) -
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of load [60 unless --requests]")
+    parser.add_argument("--requests", type=int, default=None, help="served requests per client, instead of a duration")
     parser.add_argument("--disconnect", type=float, default=0.15, help="fraction of requests that leave mid-stream")
     parser.add_argument("--max-waiting", type=int, default=24, help="the server's waiting queue (429 beyond it)")
     parser.add_argument("--kv-cache-memory", default="256MiB")
@@ -211,9 +269,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--max-model-len",
         "1024",
     ]
-    print(f"starting kvpool serve; then {args.clients} clients for {args.duration:.0f} s", file=sys.stderr, flush=True)
+    duration = None if args.requests is not None else (60.0 if args.duration is None else args.duration)
+    span = f"{args.requests} requests each" if duration is None else f"{duration:.0f} s"
+    print(f"starting kvpool serve; then {args.clients} clients for {span}", file=sys.stderr, flush=True)
     with serving(flags, args.threads) as server:
-        result = run(server.url, args.clients, args.duration, args.disconnect, args.seed)
+        result = run(server.url, args.clients, duration, args.disconnect, args.seed, requests=args.requests)
     for name, value in result.items():
         if name != "failures":
             print(f"{name:>22}: {value:.3f}" if isinstance(value, float) else f"{name:>22}: {value}")

@@ -64,6 +64,9 @@ class FakeReplica:
         self.chunk_delay = 0.0  # seconds between streamed chunks
         self.streams_cut = 0  # streams its client closed before the end
         self.healthy = True  # False: /health answers 503, as a replica that stopped answering in time
+        # When set, each generation request is held (after its prompt is counted in ``served``) until the
+        # gate opens: tests then know exactly how many requests are in flight, whatever the machine's load.
+        self.gate: threading.Event | None = None
         self.publisher: KVEventPublisher | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -130,6 +133,8 @@ class FakeReplica:
             prompt_tokens, cached = self._answer(body, DEFAULT_TENANT)
             if self.delay:
                 await asyncio.sleep(self.delay)
+            while self.gate is not None and not self.gate.is_set():
+                await asyncio.sleep(0.01)
             usage = {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": 1,

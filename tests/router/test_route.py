@@ -103,29 +103,54 @@ def test_streaming_passes_through_with_the_serving_replica_usage(replicas: list[
 
 
 def test_load_is_not_piled_onto_the_replica_holding_the_prefix() -> None:
-    slow = [FakeReplica(name, SALTS, delay=0.5).start() for name in ("r0", "r1")]
-    router = route(slow, load_cost=4.0)
+    held = [FakeReplica(name, SALTS).start() for name in ("r0", "r1")]
+    router = route(held, load_cost=4.0)
+    gate = threading.Event()
+    threads: list[threading.Thread] = []
     try:
         wait_for(lambda: up(router), "both replicas up")
-        router.chat([system(1), ask("warm")])
-        wait_for(lambda: sum(router.router.index.num_blocks(r.url) for r in slow) > 0, "events indexed")
-        holder = next(r for r in slow if r.cached)
-        served = []
+        warm = [system(1), ask("warm")]
+        router.chat(warm)
+        wait_for(lambda: sum(router.router.index.num_blocks(r.url) for r in held) > 0, "events indexed")
+        holder = next(r for r in held if r.cached)
+        other = next(r for r in held if r is not holder)
+        for replica in held:
+            replica.gate = gate
+        routed: list[str] = []  # where each request went, in the order sent
+        answered: list[str] = []
 
         def one(k: int) -> None:
-            served.append(router.chat([system(1), ask(f"concurrent {k}")]).json()["replica"])
+            answered.append(router.chat([system(1), ask(f"{k} concurrent")]).json()["replica"])
 
-        threads = [threading.Thread(target=one, args=(k,)) for k in range(12)]
-        for t in threads:
-            t.start()
+        # One request at a time, each held at its replica until the end, and its KV events indexed before the
+        # next is sent: the k-th request is routed with exactly k-1 in flight, however slowly the machine runs.
+        for k in range(8):
+            before = holder.served
+            threads.append(threading.Thread(target=one, args=(k,)))
+            threads[-1].start()
+            wait_for(lambda k=k: holder.served + other.served == 1 + k + 1, f"request {k} at a replica", timeout=60)
+            routed.append(holder.name if holder.served > before else other.name)
+            for r in held:
+                wait_for(lambda r=r: router.router.index.num_blocks(r.url) == len(r.cached), f"{r.name}'s events")
+        gate.set()
         for t in threads:
             t.join()
-        counts = Counter(served)
-        # ~21 cached blocks at 4 blocks per request in flight: the holder takes about 5 more than the other
-        assert counts[holder.name] > counts.get("r0" if holder.name == "r1" else "r1", 0) > 0, counts
+        assert Counter(answered) == Counter(routed)
+        # Every question differs from the others at its first character, so what the holder shares with each
+        # request is the system turn, whatever it served since: `shared` blocks. Each request in flight costs 4
+        # blocks: the holder takes requests while its prefix outweighs its load; the next goes to the idle one.
+        tokens = ByteTokenizer()
+        first, later = tokens.chat_tokens(warm), tokens.chat_tokens([system(1), ask("0 concurrent")])
+        shared = next(i for i, (a, b) in enumerate(zip(first, later)) if a != b) // BLOCK_SIZE
+        takes = -(-shared // 4)  # the smallest load L with 4 * L >= shared
+        assert 1 < takes < 8, shared
+        assert routed[: takes + 1] == [holder.name] * takes + [other.name], (shared, routed)
     finally:
+        gate.set()
+        for t in threads:
+            t.join()
         router.stop()
-        for r in slow:
+        for r in held:
             r.kill()
 
 
