@@ -189,7 +189,11 @@ def _run(engine: Any, config: Any, host: str, port: int, hooks: tuple[Any, ...] 
     import uvicorn
 
     from kvpool.serve import build_app
+    from kvpool.serve.connections import ConnectionLimits, uvicorn_config
 
     app = build_app(engine, config, hooks=hooks)
     _log(f"serving {config.model_name!r} on http://{host}:{port}/v1")
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
+    settings = uvicorn_config(
+        app, host=host, port=port, limits=ConnectionLimits(), log_level="warning", access_log=False
+    )
+    uvicorn.Server(settings).run()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import KVPoolError
+from kvpool.serve.connections import is_loopback
 from kvpool.serve.engine_loop import EngineLoop, EngineStopped, Job, QueueFull, StepHook
 from kvpool.serve.metrics import DEFAULT_PREFIX, ServerMetrics
 from kvpool.serve.protocol import (
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["ServeConfig", "build_app", "pool_health"]
 
 _FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop", "aborted": "abort"}
-_LOOPBACK_PREFIXES = ("127.", "::1", "::ffff:127.")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,7 +104,7 @@ def pool_health(engine: LLMEngine) -> dict[str, Any]:
 
 def _is_loopback(request: Request) -> bool:
     client = request.client
-    return client is not None and client.host.startswith(_LOOPBACK_PREFIXES)
+    return client is not None and is_loopback(client.host)
 
 
 def _sse(payload: Mapping[str, Any] | str) -> bytes:
@@ -209,7 +209,9 @@ class _Server:
                 raise too_big
         try:
             return json.loads(body)
-        except (ValueError, RecursionError) as exc:
+        except RecursionError:
+            raise APIError(400, "the request body's JSON is nested too deeply", code="invalid_json") from None
+        except ValueError as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
     def job(self, tenant: str, gen: GenerationRequest, request_id: str) -> Job:

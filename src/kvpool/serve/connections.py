@@ -1,0 +1,147 @@
+"""How long a client may hold a connection, how many it may hold, and whether it is local.
+
+``kvpool serve`` and ``kvpool route`` both run uvicorn, which bounds an idle keep-alive
+connection (``timeout_keep_alive``) but has no clock on a connection whose request
+headers are still arriving: a client that opens sockets and sends half a request line
+keeps each one, and its file descriptor, for ever. :func:`uvicorn_config` builds both
+commands' server settings with
+
+* a **header timeout**: a connection that is waiting for a request's headers (it has
+  just opened, or its previous response is complete) and has not received all of them
+  within ``header_timeout`` seconds is closed;
+* a **connection cap**: a connection opened while ``max_connections`` are open is
+  answered ``503`` and closed at once (it holds no descriptor), and uvicorn's own
+  ``limit_concurrency`` refuses requests past the same bound;
+* a bounded **graceful shutdown**: on SIGTERM, open requests get ``shutdown_timeout``
+  seconds, then their tasks are cancelled (a router's upstream streams with them).
+
+:func:`is_loopback` is the operator routes' test of "on this machine".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool.errors import ConfigError
+
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["ConnectionLimits", "is_loopback", "uvicorn_config"]
+
+#: A connection past the cap gets this answer before it is closed.
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b'content-length: 75\r\n\r\n{"error":{"message":"too many connections","type":"service_unavailable"}}\n'
+)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a peer address as the ASGI server gives it) is this machine's loopback interface.
+
+    IPv4 ``127.0.0.0/8``, IPv6 ``::1`` and IPv4-mapped ``::ffff:127.x.y.z``; a name or
+    anything that is not an IP address is not loopback.
+    """
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])  # a scope ID (fe80::1%eth0) is not part of it
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectionLimits:
+    """The bounds :func:`uvicorn_config` puts on client connections (seconds and counts).
+
+    ``header_timeout``: seconds a connection may wait for complete request headers.
+    ``keep_alive``: seconds an idle connection between requests is kept (no byte sent).
+    ``max_connections``: connections open at once; one more is answered 503 and closed.
+    ``shutdown_timeout``: seconds open requests get on shutdown before they are cancelled.
+    """
+
+    header_timeout: float = 10.0
+    keep_alive: int = 5
+    max_connections: int = 1024
+    shutdown_timeout: int = 10
+
+    def __post_init__(self) -> None:
+        value = self.header_timeout
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise ConfigError(f"header_timeout must be a positive number of seconds, got {value!r}")
+        for name in ("keep_alive", "max_connections", "shutdown_timeout"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with the header clock and the connection cap (one class per server)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class BoundedH11Protocol(H11Protocol):
+        """Starts a clock whenever the connection waits for request headers; stops it when they are complete."""
+
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]  # uvicorn narrows it to Transport
+            if len(self.connections) > limits.max_connections:
+                self.transport.write(_REFUSAL)
+                self.transport.close()
+                return
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm_header_timer()  # a request's headers are in (its body is the app's to read)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm_header_timer()  # the next request's headers are due as well
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(limits.header_timeout, self._headers_overdue)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_overdue(self) -> None:
+            self._header_timer = None
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return BoundedH11Protocol
+
+
+def uvicorn_config(app: Any, *, host: str, port: int, limits: ConnectionLimits, **extra: Any) -> uvicorn.Config:
+    """A uvicorn configuration serving ``app`` on ``host:port`` within ``limits`` (``extra``: other settings)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=_protocol_class(limits),
+        timeout_keep_alive=limits.keep_alive,
+        limit_concurrency=limits.max_connections + 1,  # uvicorn counts the asking connection itself
+        timeout_graceful_shutdown=limits.shutdown_timeout,
+        **extra,
+    )
