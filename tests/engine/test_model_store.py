@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
-import time
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,25 +124,25 @@ def _forbid_network(monkeypatch):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """(folder, model, tokenizer, load seconds) of the default model, converted if needed."""
+    """(folder, model, tokenizer) of the default model, converted if needed, then loaded without GGUF."""
     with pytest.MonkeyPatch.context() as mp:
         _forbid_network(mp)
         folder = resolve_model(DEFAULT_MODEL)
-        started = time.perf_counter()
+        # Loading reads the converted folder: the GGUF reader is not even importable meanwhile.
+        mp.setitem(sys.modules, "gguf", None)
         model, tokenizer = load_model(folder)
-        seconds = time.perf_counter() - started
-    return folder, model, tokenizer, seconds
+    return folder, model, tokenizer
 
 
 @pytest.mark.slow
 def test_default_model_converts_and_loads(smollm2):
-    folder, model, tokenizer, seconds = smollm2
+    folder, model, tokenizer = smollm2
     assert folder == cache_root() / "models" / "smollm2-135m-instruct"
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
     assert not list(folder.parent.glob(".*partial*"))
-    assert seconds < 5.0, f"loading the converted model took {seconds:.1f} s"
+    assert list(folder.glob("*.safetensors"))  # what loads without the GGUF reader
     assert model.dtype == torch.float32
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
@@ -152,7 +152,7 @@ def test_default_model_converts_and_loads(smollm2):
 
 @pytest.mark.slow
 def test_default_model_greedy_matches_generate(smollm2, make_runner, driver_cls, seq_cls, reference):
-    _, model, tokenizer, _ = smollm2
+    _, model, tokenizer = smollm2
     texts = [
         "The paged KV cache stores keys and values in fixed-size blocks so that many requests can share "
         "memory without fragmentation, which",

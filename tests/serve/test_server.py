@@ -73,6 +73,14 @@ def _health(server: LiveServer) -> dict[str, Any]:
     return body
 
 
+def _wait_queued(server: LiveServer, commands: int, timeout: float = 60.0) -> None:
+    """Poll until ``commands`` commands wait in the engine thread's inbox (behind a gate that holds it)."""
+    deadline = time.monotonic() + timeout
+    while server.engine_loop._inbox.qsize() < commands:
+        assert time.monotonic() < deadline, f"{server.engine_loop._inbox.qsize()} of {commands} commands queued"
+        time.sleep(0.02)
+
+
 def _wait_idle(server: LiveServer, timeout: float = 30.0) -> dict[str, Any]:
     """Poll until nothing runs or waits; then no block may be owned and the invariants must hold."""
     deadline = time.monotonic() + timeout
@@ -270,7 +278,7 @@ def test_a_full_waiting_queue_is_429_with_retry_after(server: LiveServer) -> Non
     threads = [threading.Thread(target=send) for _ in range(MAX_WAITING + 2)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # every admission is queued behind the gate
+    _wait_queued(server, MAX_WAITING + 2)  # every admission is queued behind the gate
     gate.set()
     for t in threads:
         t.join(60)
@@ -290,7 +298,7 @@ def test_concurrent_requests_run_in_one_batch(server: LiveServer) -> None:
     threads = [threading.Thread(target=lambda: results.append(_post(server, "/completions", body))) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    _wait_queued(server, 2)  # both admissions wait behind the gate
     gate.set()
     running = [_health(server)["running"] for _ in range(5)]
     for t in threads:
