@@ -238,7 +238,7 @@ def test_vllms_own_decoder_reads_kvpools_stream_with_the_same_fields():
 def endpoints() -> tuple[str, str, str, str]:
     """Bind endpoints for a publisher and the addresses its subscribers connect to."""
     pub, replay = free_port(), free_port()
-    return f"tcp://*:{pub}", f"tcp://*:{replay}", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    return f"bind:tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
 
 
 def batch_of(i: int) -> list:
@@ -413,6 +413,8 @@ def test_describe_events_tells_a_router_everything_it_needs(monkeypatch):
         "topic": "",
         "format": "vllm-0.33-msgpack",
         "data_parallel_rank": 0,
+        "content": "full",
+        "curve_public_key": None,
         "hash_algorithm": "sha256_cbor",
         "hash_seed": "vllm-default",
         "block_size": 16,
