@@ -142,6 +142,15 @@ class BlockPool:
                 indexes[block.group_id].remove_run((block,))
         self.num_evictions += len(blocks)
 
+    def uncache(self, block: KVBlock) -> None:
+        """Take one cached block out of its index (its KV is not what its hash says); O(1).
+
+        Its owners keep it; once free it is reused like any block without a hash.
+        """
+        if block.block_hash is None or block.block_id == NULL_BLOCK_ID:
+            raise InvariantViolation(f"block {block.block_id} is not cached, so it cannot be uncached")
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         self.indexes[block.group_id].remove(block)
         if self.events is not None:

@@ -51,7 +51,7 @@ kvpool ships: tiers looked up in order by the chained block hash.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -314,6 +314,18 @@ class HostTier:
         blocks: list[KVBlock] = [self.pool.block(slot) for slot in slots]
         self.pool.free_blocks(blocks)
 
+    def discard(self, slots: Sequence[int]) -> None:
+        """Unpin host blocks reserved for saves that will never be written, and forget their keys.
+
+        No removal is announced: a reserved key is announced stored only once its save is done.
+        """
+        blocks: list[KVBlock] = [self.pool.block(slot) for slot in slots]
+        for block in blocks:
+            if block.block_hash is not None:
+                self.pool.uncache(block)
+        self.pool.take_events()  # only these removals since the last save was planned (take_evicted drains)
+        self.pool.free_blocks(blocks)
+
     def clear(self) -> list[bytes]:
         """Forget every stored block and pin (after a step failed: a reserved block may never have been written).
 
@@ -540,6 +552,26 @@ class TierHierarchyConnector:
             if slots and self._host is not None:
                 self._host.release(slots)
         return rid in self._saving
+
+    def forget_request(self, request_id: str, unwritten_slots: Collection[int]) -> None:
+        """Drop one failed request's transfers; nothing of any other request or tier changes.
+
+        Its planned saves will not be sent: the host blocks reserved for them
+        (``unwritten_slots``) are forgotten, the ones it pinned for loads are
+        released. Call it before the scheduler finishes the request, which
+        then frees its blocks at once (no save is awaited).
+        """
+        self._pending_loads.pop(request_id, None)
+        self._saving.discard(request_id)
+        self._stored.pop(request_id, None)
+        slots = self._pinned.pop(request_id, None)
+        if slots and self._host is not None:
+            kept = [s for s in slots if s not in unwritten_slots]
+            lost = [s for s in slots if s in unwritten_slots]
+            if kept:
+                self._host.release(kept)
+            if lost:
+                self._host.discard(lost)
 
     def reset(self) -> None:
         """Forget every transfer in flight and the CPU tier's contents (the engine's recovery after a failed step).

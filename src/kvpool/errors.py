@@ -11,6 +11,12 @@ kvpool reports trouble in three tiers:
 3. Internal corruption raises :class:`InvariantViolation`. Its message says it
    is a bug in kvpool; the pool should not be used any further.
 
+Besides these, one request can fail while it is being served (its logits
+cannot be sampled, or the forward pass raises on its chunk alone). That is
+not raised: the engine hands the request back finished, carrying a
+:class:`RequestFailed` that names it and the cause, and every other request
+goes on.
+
 ::
 
     ValueError
@@ -22,6 +28,8 @@ kvpool reports trouble in three tiers:
           └── CapacityError          a request that can never fit: pool or max_model_len
     AssertionError
      └── InvariantViolation          kvpool's own bookkeeping is inconsistent (a bug)
+    RuntimeError
+     └── RequestFailed               one request could not be served (carried by its output, not raised)
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ __all__ = [
     "InvalidTokenError",
     "InvariantViolation",
     "KVPoolError",
+    "RequestFailed",
     "RequestStateError",
 ]
 
@@ -69,3 +78,20 @@ class InvariantViolation(AssertionError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"kvpool invariant violated (this is a bug in kvpool): {message}")
+
+
+class RequestFailed(RuntimeError):
+    """One request could not be served; the engine goes on with the others.
+
+    Attributes:
+        request_id: the request that failed.
+        cause: why, in words (the sampler's reason, or the forward pass's error).
+    """
+
+    def __init__(self, request_id: str, cause: str) -> None:
+        super().__init__(f"request {request_id!r} failed: {cause}")
+        self.request_id = request_id
+        self.cause = cause
+
+    def __reduce__(self) -> tuple[type[RequestFailed], tuple[str, str]]:
+        return (RequestFailed, (self.request_id, self.cause))

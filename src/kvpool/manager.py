@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from math import gcd
 from typing import TYPE_CHECKING, Any
 
-from kvpool.block import KVBlock
+from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.block_pool import BlockPool
 from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.coordinator import Coordinator, make_group_managers
@@ -565,6 +565,32 @@ class KVCacheManager:
             raise RequestStateError(f"request ID {rid!r} holds blocks for a different Request object")
         del self._owners[rid]
         self.coordinator.free(rid)
+
+    def uncache_from(self, request: Request, num_tokens: int) -> int:
+        """Take the request's blocks holding any token at or past ``num_tokens`` out of the prefix cache.
+
+        For a step that failed: its blocks were cached when allocated, but
+        their KV was never written. Blocks wholly before ``num_tokens`` stay
+        cached; the request keeps every block (free it next). Returns how many
+        blocks left the index. O(blocks of the request).
+        """
+        _check_request(request)
+        check_int("num_tokens", num_tokens, minimum=0)
+        rid = request.request_id
+        held = self._owners.get(rid)
+        if held is None or held.request is not request:
+            return 0
+        count = 0
+        for group in self.groups:
+            table = group.tables.get(rid, [])
+            first = num_tokens // group.block_size
+            for block in table[first:]:
+                if block.block_hash is not None and block.block_id != NULL_BLOCK_ID:
+                    self.pool.uncache(block)
+                    count += 1
+            if group.num_cached.get(rid, 0) > first:
+                group.num_cached[rid] = first
+        return count
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (returns False) while any block is in use."""

@@ -78,6 +78,7 @@ class FinishReason(Enum):
     STOP = "stop"  # a stop token was sampled
     EOS = "eos"  # the end-of-sequence token was sampled
     ABORTED = "aborted"
+    ERROR = "error"  # failed while served (the engine's output carries the error)
 
 
 class ChunkDetail(Enum):
@@ -353,18 +354,21 @@ class Scheduler:
         self.waiting.append(entry)
         self._waiting_changed = True
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, reason: FinishReason = FinishReason.ABORTED) -> bool:
         """Stop a request now; its blocks go back to the pool.
 
-        Returns whether it stopped one: an unknown or already finished ID
-        (a request may finish just before its abort) changes nothing.
+        ``reason`` is ``ABORTED`` (the caller gave up) or ``ERROR`` (it failed
+        while served). Returns whether it stopped one: an unknown or already
+        finished ID (a request may finish just before its abort) changes nothing.
         """
+        if reason not in (FinishReason.ABORTED, FinishReason.ERROR):
+            raise ConfigError(f"an abort's reason is ABORTED or ERROR, got {reason!r}")
         entry = self._lookup(request_id)
         if entry is None or entry.status is RequestStatus.FINISHED:
             return False
         now = self.clock()
         was_waiting = entry.status is not RequestStatus.RUNNING
-        self._finish(entry, FinishReason.ABORTED, now)  # the blocks go back first: the one step that could refuse
+        self._finish(entry, reason, now)  # the blocks go back first: the one step that could refuse
         if was_waiting:
             self.waiting.remove(entry)
             self._waiting_changed = True

@@ -18,7 +18,8 @@ import torch
 from kvpool.engine.llm import LLM
 from kvpool.engine.llm_engine import LLMEngine
 from kvpool.engine.sampling import SamplingParams
-from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
+from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestFailed, RequestStateError
+from kvpool.scheduler import FinishReason
 from tests.engine.tiny_models import VOCAB, build_model, random_prompt, reference_tokens, save_model
 from tests.test_scheduler_atomic import scheduler_snapshot
 
@@ -301,18 +302,24 @@ def test_engine_options_are_strict(tiny, kwargs, match):
         LLM(folder, **options)
 
 
-def test_a_failed_step_leaves_the_engine_serving(busy, monkeypatch):
-    """The one documented exception: a step that fails drops every request, then serving goes on."""
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(busy, monkeypatch):
+    """A forward pass that fails for every chunk fails the step's requests, not the waiting one; serving goes on."""
     engine = busy.engine
 
     def broken(chunks):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine.runner, "execute", broken)
-    with pytest.raises(RuntimeError):
-        engine.step()
-    assert not engine.has_unfinished_requests()
+    deltas = engine.step()
+    assert sorted(d.request_id for d in deltas) == ["dec", "pre"]
+    for delta in deltas:
+        assert delta.finished and delta.token_ids == () and delta.output is not None
+        assert delta.output.finish_reason is FinishReason.ERROR
+        assert isinstance(delta.output.error, RequestFailed) and "device lost" in str(delta.output.error)
+        assert delta.output.error.request_id == delta.request_id
+    assert engine.scheduler.waiting_ids() == ["wait"] and engine.scheduler.running_ids() == []
+    engine.manager.check_invariants()
     monkeypatch.undo()
-    for rid, seed in (("dec", 2), ("pre", 3), ("wait", 4)):  # requeue them for the fixture's final check
+    for rid, seed in (("dec", 2), ("pre", 3)):  # requeue them for the fixture's final check
         engine.add_request(random_prompt({2: 5, 3: 13, 4: 4}[seed], seed=seed), greedy(3), request_id=rid)
     assert torch.isfinite(engine.kv_caches.key_caches[0]).all()

@@ -348,13 +348,30 @@ class KVTiers:
         self.worker.start_load(meta)
         return scheduler.apply_transfers(plan, self.worker.get_finished())
 
-    def after_forward(self, scheduler: Scheduler, plan: SchedulerOutput) -> SchedulerOutput:
-        """Send the step's saves and report them."""
+    def after_forward(
+        self, scheduler: Scheduler, plan: SchedulerOutput, *, skip: frozenset[str] = frozenset()
+    ) -> SchedulerOutput:
+        """Send the step's saves, except those of the requests in ``skip`` (they failed), and report them."""
         meta = plan.connector_meta
         if meta is None or not meta.saves:
             return plan
+        if skip:
+            meta = dataclasses.replace(meta, saves=tuple(s for s in meta.saves if s.request_id not in skip))
         self.worker.save(meta)
         return scheduler.apply_transfers(plan, self.worker.get_finished())
+
+    def drop_requests(self, plan: SchedulerOutput, request_ids: frozenset[str]) -> None:
+        """The step of ``plan`` failed for ``request_ids``: their saves of it are never sent, nothing else changes.
+
+        Host blocks reserved for those saves are forgotten (they were never
+        written); no tier is reset and every other request's transfers go on.
+        """
+        meta = plan.connector_meta
+        unwritten = frozenset(
+            s.host_slot for s in (meta.saves if meta else ()) if s.request_id in request_ids and s.host_slot is not None
+        )
+        for rid in request_ids:
+            self.connector.forget_request(rid, unwritten)
 
     def recover(self, scheduler: Scheduler, plan: SchedulerOutput) -> None:
         """After the step of ``plan`` failed: drop its transfers, so that no tier keeps what was never written."""

@@ -19,9 +19,28 @@ A prefix hit is never recomputed: the scheduler starts the request's first
 chunk at the number of cached tokens. Every public method checks all of its
 arguments before it changes anything, so a bad request (or batch) raises a
 :class:`~kvpool.errors.KVPoolError` naming the value, with nothing queued, and
-the engine keeps serving. Should a step fail anyway (or be interrupted), every
-request is dropped and the prefix cache emptied before the exception goes on,
-and the engine serves new requests as before.
+the engine keeps serving.
+
+A failure during a step is contained to the requests that cause it:
+
+* **Sampling** is per row: a request whose logits cannot be sampled (NaN, no
+  finite logit) fails alone; its K/V was written, so its blocks stay cached.
+* **The forward pass**: if it raises, the step's chunks are run again one at a
+  time (:mod:`~kvpool.engine.containment`); a request whose chunk fails alone
+  fails, the others keep the logits of their lone run. A request that reads a
+  block a failed request was to fill in this step fails with it.
+* **Anything else** in the step (a KV tier's transfer hooks, the sampler
+  itself) is a failure no single request explains: every request of the step
+  fails (an interrupt then goes on to the caller).
+
+A failed request finishes with ``FinishReason.ERROR`` and a
+:class:`~kvpool.errors.RequestFailed` (its ``output.error``) that names it and
+the cause; it comes back as a finished :class:`RequestDelta`. Its blocks go
+back to the pool, and the blocks this step was to fill for it leave the prefix
+cache (their K/V was never written), nothing else: blocks filled by earlier
+steps stay cached, and no KV tier is reset (the CPU tier forgets only the host
+blocks reserved for its unwritten saves). Requests the step did not schedule
+are not touched.
 """
 
 from __future__ import annotations
@@ -35,16 +54,24 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvpool.engine.containment import dependants, forward_contained
 from kvpool.engine.kv_transfer import KVTiers, build_kv_tiers
 from kvpool.engine.model_store import DEFAULT_MODEL
 from kvpool.engine.outputs import IncrementalDetokenizer, RequestDelta, RequestOutput
-from kvpool.engine.sampling import SamplingParams, make_generator, sample_tokens
+from kvpool.engine.sampling import SamplingFailure, SamplingParams, make_generator, sample_tokens
 from kvpool.engine.startup import EngineOptions, EngineSetup, start_engine
-from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
+from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestFailed, RequestStateError
 from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
-from kvpool.scheduler import FinishReason, RequestMetrics, Scheduler, SchedulerConfig, StopConditions
+from kvpool.scheduler import (
+    FinishReason,
+    RequestMetrics,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StopConditions,
+)
 
 if TYPE_CHECKING:
     from kvpool.engine.kv_cache import KVCaches
@@ -404,31 +431,45 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduled forward pass; one delta per request that got a token."""
+        """Run one scheduled forward pass; one delta per request that got a token or failed.
+
+        A request that failed in this step (see the module docstring) gets a
+        finished delta without a token whose ``output.error`` says why; the
+        step goes on for the others. Only an interrupt (``BaseException``
+        that is not an ``Exception``) is raised, after the step's requests failed.
+        """
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.scheduler.has_unfinished_requests():
                 raise RequestStateError("the scheduler could not schedule any waiting request")
             return []
-        sampled_ids = [c.request_id for c in plan.chunks if c.sample]
+        failed: dict[str, str] = {}
+        dropped: set[str] = set()
         sampled: dict[str, int] = {}
         tiers = self.kv_tiers
         try:
             if tiers is not None:  # loads first; a failed one is computed in this very pass
                 plan = tiers.before_forward(self.scheduler, plan)
             # the scheduler's chunks, as they are: checked when they were made
-            logits = self.setup.runner.execute(plan.chunks)
+            result = forward_contained(self.setup.runner.execute, plan.chunks)
+            failed.update(result.failed)
+            failed.update(dependants(self.manager, plan.chunks, failed))
+            self._drop_unwritten(plan, failed, dropped)
             if tiers is not None:
-                plan = tiers.after_forward(self.scheduler, plan)
-            if sampled_ids:
-                live = [self._live[rid] for rid in sampled_ids]
-                tokens = sample_tokens(logits, [s.params for s in live], [s.generator for s in live])
-                sampled = dict(zip(sampled_ids, tokens))
-        except BaseException:
-            if tiers is not None:
-                tiers.recover(self.scheduler, plan)
-            self._recover()
-            raise
+                plan = tiers.after_forward(self.scheduler, plan, skip=frozenset(failed))
+            sampled = self._sample(result.rows, result.batched if not failed else None, failed)
+        except BaseException as exc:
+            # No single request explains it: every request of the step fails.
+            cause = f"the step failed: {type(exc).__name__}: {exc}"
+            everyone = {c.request_id: failed.get(c.request_id, cause) for c in plan.chunks}
+            self._drop_unwritten(plan, everyone, dropped)
+            deltas = self._fail(everyone)
+            self.scheduler.update(plan, {})
+            if not isinstance(exc, Exception):
+                raise
+            _LOGGER.warning("a step failed; its %d requests failed with it: %s", len(everyone), cause)
+            return deltas
+        failures = self._fail(failed)
         finished = {m.request_id: m for m in self.scheduler.update(plan, sampled)}
         deltas = []
         for rid, token in sampled.items():
@@ -442,20 +483,56 @@ class LLMEngine:
                 piece += state.detokenizer.flush()
             output = self._finish(rid, metrics)
             deltas.append(RequestDelta(request_id=rid, token_ids=(token,), text=piece, finished=True, output=output))
+        return deltas + failures
+
+    def _sample(
+        self, rows: Mapping[str, torch.Tensor], batched: torch.Tensor | None, failed: dict[str, str]
+    ) -> dict[str, int]:
+        """Tokens of the sampled requests that have not failed; a row that cannot be sampled joins ``failed``."""
+        ids = [rid for rid in rows if rid not in failed]
+        if not ids:
+            return {}
+        logits = batched if batched is not None else torch.stack([rows[rid] for rid in ids])
+        live = [self._live[rid] for rid in ids]
+        sampled: dict[str, int] = {}
+        for rid, token in zip(ids, sample_tokens(logits, [s.params for s in live], [s.generator for s in live])):
+            if isinstance(token, SamplingFailure):
+                failed[rid] = f"its next token cannot be sampled: {token.reason}"
+            else:
+                sampled[rid] = token
+        return sampled
+
+    def _drop_unwritten(self, plan: SchedulerOutput, failed: Mapping[str, str], dropped: set[str]) -> None:
+        """Forget what the failed requests' chunks were to write: their new blocks' cache entries, their saves.
+
+        ``dropped`` holds the requests already handled (and receives these).
+        """
+        todo = frozenset(failed).difference(dropped)
+        if not todo:
+            return
+        dropped.update(todo)
+        if self.kv_tiers is not None:
+            self.kv_tiers.drop_requests(plan, todo)
+        for chunk in plan.chunks:
+            if chunk.request_id in todo:
+                request = self.scheduler.request(chunk.request_id)
+                self.manager.uncache_from(request, chunk.start_position)
+
+    def _fail(self, failed: Mapping[str, str]) -> list[RequestDelta]:
+        """End each failed request with its error; their finished deltas."""
+        deltas = []
+        for rid, cause in failed.items():
+            if rid not in self._live:
+                continue
+            _LOGGER.warning("request %r failed: %s", rid, cause)
+            self.scheduler.abort(rid, reason=FinishReason.ERROR)
+            state = self._live[rid]
+            piece = state.detokenizer.flush() if state.detokenizer is not None else ""
+            output = self._finish(rid, self.scheduler.metrics(rid), error=RequestFailed(rid, cause))
+            deltas.append(RequestDelta(request_id=rid, token_ids=(), text=piece, finished=True, output=output))
         return deltas
 
-    def _recover(self) -> None:
-        """After a step failed: drop every request and forget the prefix cache.
-
-        The failed step's blocks were entered in the prefix cache when they
-        were allocated but never filled, so no cached block can be trusted.
-        The KV memory itself stays as it is; new requests are served as usual.
-        """
-        for rid in list(self._live):
-            self.abort(rid)
-        self.manager.reset_prefix_cache()
-
-    def _finish(self, request_id: str, metrics: RequestMetrics) -> RequestOutput:
+    def _finish(self, request_id: str, metrics: RequestMetrics, *, error: RequestFailed | None = None) -> RequestOutput:
         request = self.scheduler.request(request_id)
         self.scheduler.forget(request_id)
         state = self._live.pop(request_id)
@@ -477,6 +554,7 @@ class LLMEngine:
             queue_time=metrics.queue_time,
             latency=None if finished_at is None else finished_at - metrics.arrival_time,
             num_preemptions=metrics.num_preemptions,
+            error=error,
         )
 
     def run_until_done(self, request_ids: Sequence[str] | None = None) -> dict[str, RequestOutput]:

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.errors import RequestFailed
 from kvpool.scheduler import FinishReason
 
 __all__ = ["IncrementalDetokenizer", "RequestDelta", "RequestOutput", "request_log_line"]
@@ -27,7 +28,9 @@ class RequestOutput:
     again); ``cached_tokens_by_tier`` splits them by source, ``"gpu"`` (the
     pool) and each KV tier (``"cpu"``, ``"disk"``, ``"redis"``);
     ``num_computed_tokens`` counts tokens fed to the model for it,
-    recomputation included.
+    recomputation included. A request that failed while served has
+    ``finish_reason`` ``ERROR`` and its :class:`~kvpool.errors.RequestFailed`
+    in ``error`` (None otherwise); its output holds the tokens it got before.
     """
 
     request_id: str
@@ -43,6 +46,7 @@ class RequestOutput:
     latency: float | None
     num_preemptions: int
     cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
+    error: RequestFailed | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,6 +70,8 @@ class RequestDelta:
 
     ``text`` is the newly decodable text (possibly empty while a multi-byte
     character is incomplete); ``output`` is set on the step that finished it.
+    A request that failed gets a finished delta with no token and
+    ``output.error`` set.
     """
 
     request_id: str
@@ -136,4 +142,5 @@ def request_log_line(output: RequestOutput) -> str:
         f"{output.num_output_tokens} output tokens; time to first token {ttft}; "
         f"{'-' if rate is None else f'{rate:.1f}'} tokens/s; finished: {output.finish_reason.value}"
         + (f"; preempted {output.num_preemptions}x" if output.num_preemptions else "")
+        + ("" if output.error is None else f" ({output.error.cause})")
     )

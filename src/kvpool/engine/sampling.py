@@ -1,11 +1,20 @@
 """Sampling parameters and the sampler that turns logits into next tokens.
 
-Greedy decoding (``temperature == 0``) is an argmax and needs no randomness.
-Otherwise the logits are divided by the temperature, cut to the ``top_k`` most
-likely tokens and then to the smallest set whose probability reaches ``top_p``,
-and one token is drawn with the request's own :class:`torch.Generator`. A
-request with a ``seed`` therefore draws the same tokens on every run, whatever
-else is in the batch.
+Greedy decoding is an argmax and needs no randomness. A temperature below
+:data:`GREEDY_BELOW` (``1e-5``, the cut vLLM uses) is greedy too: dividing
+logits by a temperature that small overflows float32 (``1e-300`` makes every
+logit infinite and the softmax NaN), and the distribution it would describe is
+an argmax anyway. Otherwise the logits are divided by the temperature, cut to
+the ``top_k`` most likely tokens and then to the smallest set whose
+probability reaches ``top_p``, and one token is drawn with the request's own
+:class:`torch.Generator`. A request with a ``seed`` therefore draws the same
+tokens on every run, whatever else is in the batch.
+
+Each row is sampled on its own terms: a row with nothing to draw from (NaN
+logits, every logit ``-inf``, or probabilities that are not finite or sum to
+zero after the filters) is not sampled; :func:`sample_tokens` hands back a
+:class:`SamplingFailure` naming why in that row's place and samples the other
+rows as usual, so one request's bad numbers fail that request alone.
 """
 
 from __future__ import annotations
@@ -21,9 +30,12 @@ from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvalidTokenError
 from kvpool.hashing import to_token_array
 
-__all__ = ["SamplingParams", "make_generator", "sample_tokens"]
+__all__ = ["GREEDY_BELOW", "SamplingFailure", "SamplingParams", "make_generator", "sample_tokens"]
 
 _MAX_SEED = 2**63
+
+#: Temperatures below this are greedy (an argmax): smaller ones overflow the scaled logits.
+GREEDY_BELOW = 1e-5
 
 
 def _is_int(value: object) -> bool:
@@ -36,7 +48,8 @@ class SamplingParams:
 
     Attributes:
         max_tokens: Most tokens to generate (>= 1).
-        temperature: 0 for greedy; otherwise logits are divided by it (> 0).
+        temperature: 0 for greedy; otherwise logits are divided by it. Below
+            :data:`GREEDY_BELOW` (``1e-5``) it is greedy as well.
         top_p: Nucleus mass in (0, 1]; 1 keeps every token.
         top_k: Keep only the k most likely tokens (tokens tied with the k-th
             are kept too); 0 turns the cut off.
@@ -79,8 +92,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is simply the argmax."""
-        return self.temperature == 0.0
+        """True when the next token is simply the argmax (``temperature < GREEDY_BELOW``)."""
+        return self.temperature < GREEDY_BELOW
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingFailure:
+    """A row :func:`sample_tokens` could not sample, and why (its request fails; the others go on)."""
+
+    reason: str
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -111,17 +131,30 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # it have not reached top_p yet, so the most likely token always stays.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        # Spelled out, not left to the arithmetic: a top_p below float32's smallest subnormal
+        # compares as 0 and would drop every token.
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)
+
+
+def _row_problem(probs: torch.Tensor) -> str | None:
+    """Why ``probs`` cannot be drawn from, or None when it can."""
+    if not bool(torch.isfinite(probs).all()):
+        return "its probabilities are not finite (NaN or infinite logits)"
+    total = float(probs.sum())
+    if not total > 0:
+        return "its probabilities sum to zero (every token was filtered out)"
+    return None
 
 
 def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """Pick one token per row.
+) -> list[int | SamplingFailure]:
+    """Pick one token per row; a row that cannot be sampled gets a :class:`SamplingFailure` instead.
 
     Args:
         logits: ``[N, V]`` next-token logits (any float dtype), one row per request.
@@ -129,23 +162,44 @@ def sample_tokens(
         generators: ``N`` generators from :func:`make_generator` (None for greedy rows).
 
     Returns:
-        ``N`` token IDs.
+        ``N`` entries, row for row: a token ID in ``[0, V)``, or the failure of
+        that row alone (NaN logits, no finite logit, or probabilities that are
+        not finite or sum to zero).
 
     Raises:
-        ConfigError: the argument lengths disagree, or a sampled row has no generator.
+        ConfigError: the argument lengths disagree, or a sampled row has no generator
+            (a caller's mistake, refused before any row is sampled).
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ConfigError(
             f"need logits [N, V] with N == len(params) == len(generators); got logits "
             f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators"
         )
-    tokens = logits.argmax(dim=-1).tolist()
     for row, (p, generator) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        if generator is None:
+        if not p.greedy and generator is None:
             raise ConfigError(f"row {row} samples with temperature {p.temperature} but has no generator")
-        probs = _filtered_probs(logits[row], p)
-        # multinomial on the generator's device keeps the stream independent of the batch.
-        tokens[row] = int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
-    return tokens
+    # An argmax is only meaningful over a row without NaN that has at least one logit above -inf.
+    has_nan = torch.isnan(logits).any(dim=-1).tolist()
+    no_token = (logits == float("-inf")).all(dim=-1).tolist()
+    out: list[int | SamplingFailure] = []
+    for row, (token, p, generator) in enumerate(zip(logits.argmax(dim=-1).tolist(), params, generators)):
+        if has_nan[row]:
+            out.append(SamplingFailure(reason="its logits hold NaN"))
+        elif no_token[row]:
+            out.append(SamplingFailure(reason="every logit is -inf"))
+        elif p.greedy:
+            out.append(int(token))
+        else:
+            out.append(_draw(logits[row], p, generator))
+    return out
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int | SamplingFailure:
+    """One token drawn from one row's filtered distribution, or why it cannot be."""
+    assert generator is not None  # sample_tokens checked every sampled row has one
+    probs = _filtered_probs(logits, params)
+    problem = _row_problem(probs)
+    if problem is not None:
+        return SamplingFailure(reason=f"{problem} at temperature {params.temperature!r}")
+    # multinomial on the generator's device keeps the stream independent of the batch.
+    return int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
