@@ -12,7 +12,13 @@ replay socket). A feed adds what a router needs on top:
   buffer (:class:`LostBatches`) or a sequence that starts over
   (:class:`PublisherRestarted`, which also follows the catch-up when live batches
   published during it arrive after it). Cleared entries err towards misses, never
-  towards claims, and the batches that follow rebuild them.
+  towards claims, and the batches that follow rebuild them;
+* any other fault of the stream (a message that does not decode, a wrong number of
+  frames, nesting too deep, a socket error) is counted in :attr:`EventFeed.errors` and
+  logged in one line; the feed then clears the replica's entries (what was read with
+  the bad message cannot be trusted), waits a little (doubling from
+  :data:`RETRY_FIRST_S` to :data:`RETRY_MAX_S` while faults repeat) and subscribes
+  again, catching up from the replay buffer. A feed stops only when told to.
 
 A replica that goes away altogether is the health monitor's business: it marks the
 replica down (its entries cleared, its feed stopped) and starts a new feed when the
@@ -24,15 +30,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvpool.errors import ConfigError
 from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.router.index import BlockIndex
 from kvpool.router.replicas import EventsInfo
 
 if TYPE_CHECKING:
-    from kvpool.kv_events import Received
+    from kvpool.kv_events import KVEventSubscriber, Received
 
 __all__ = ["EventFeed", "apply_events"]
 
@@ -40,6 +48,9 @@ log = logging.getLogger("kvpool.route")
 
 #: Seconds a feed's thread waits for a message before it checks whether it should stop.
 POLL_S = 0.2
+#: Seconds before subscribing again after a fault; doubled while faults repeat, up to RETRY_MAX_S.
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 5.0
 
 
 def apply_events(index: BlockIndex, replica: str, events: Sequence[KVCacheEvent]) -> None:
@@ -62,6 +73,8 @@ class EventFeed:
         self.index = index
         self.batches = 0  # batches applied
         self.resets = 0  # times the replica's entries were cleared for a stream fault
+        self.errors = 0  # faults of the stream itself (bad messages, socket errors); each one starts it over
+        self.last_error: str | None = None
         self.on_applied: Callable[[], None] | None = None  # tests wait on it
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -77,35 +90,78 @@ class EventFeed:
         """Stop applying at once; the thread closes its sockets within :data:`POLL_S`."""
         self._stopping.set()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the feed's thread still runs (it ends only after :meth:`stop`)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def figures(self) -> dict[str, object]:
+        """The stream's figures, as the router's verbose health shows them."""
+        return {"batches": self.batches, "resets": self.resets, "errors": self.errors, "last_error": self.last_error}
+
     def _follow(self) -> None:
-        from kvpool.kv_events import EventStreamError, KVEventSubscriber, SequencedBatch
+        """The thread: follow the stream; after a fault, clear the replica's entries and start over."""
+        delay = RETRY_FIRST_S
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                subscriber = self._subscribe()
+            except ConfigError as exc:  # the advertised endpoint is wrong, and will stay so
+                self._fault(exc, "cannot follow its KV events")
+                return
+            except Exception as exc:  # noqa: BLE001 - a socket that cannot open now may open later
+                self._fault(exc, "cannot subscribe to its KV events")
+            else:
+                try:
+                    self._follow_with(subscriber)
+                    return  # stopped
+                except Exception as exc:  # noqa: BLE001 - whatever the stream sends, the feed goes on
+                    self._fault(exc, "KV event stream fault")
+                finally:
+                    subscriber.close()
+            if time.monotonic() - started > 2 * RETRY_MAX_S:
+                delay = RETRY_FIRST_S  # it ran well for a while: this fault is not a repeat
+            if self._stopping.wait(delay):
+                return
+            delay = min(2 * delay, RETRY_MAX_S)
+
+    def _fault(self, exc: Exception, what: str) -> None:
+        """Count and log a fault, and have the replica's entries cleared (on the loop, in order)."""
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        log.warning(
+            "%s: %s (fault %d), its index entries are rebuilt: %s", self.replica, what, self.errors, self.last_error
+        )
+        if self._loop is not None and not self._stopping.is_set():
+            self._loop.call_soon_threadsafe(self._clear)
+
+    def _clear(self) -> None:
+        if not self._stopping.is_set():
+            self.index.clear(self.replica)
+
+    def _subscribe(self) -> KVEventSubscriber:
+        from kvpool.kv_events import KVEventSubscriber
+
+        return KVEventSubscriber(self.info.endpoint, replay_endpoint=self.info.replay_endpoint)
+
+    def _follow_with(self, subscriber: KVEventSubscriber) -> None:
+        """Catch up from the replay buffer, then apply what arrives until stopped; any fault propagates."""
+        from kvpool.kv_events import EventStreamError, SequencedBatch
 
         try:
-            subscriber = KVEventSubscriber(self.info.endpoint, replay_endpoint=self.info.replay_endpoint)
-        except ValueError as exc:
-            log.warning("%s: cannot follow its KV events: %s", self.replica, exc)
-            return
-        try:
-            try:
-                buffered: Sequence[Received] = subscriber.replay(0)
-            except EventStreamError as exc:
-                log.warning("%s: no catch-up from the replay buffer: %s", self.replica, exc)
-                buffered = []
-            if buffered:
-                last = buffered[-1]
-                assert isinstance(last, SequencedBatch)
-                subscriber.last_seq = last.seq
-                self._hand_over(buffered)
-            while not self._stopping.is_set():
-                try:
-                    received = subscriber.receive(POLL_S)
-                except EventStreamError as exc:
-                    log.warning("%s: %s", self.replica, exc)
-                    continue
-                if received:
-                    self._hand_over(received)
-        finally:
-            subscriber.close()
+            buffered: Sequence[Received] = subscriber.replay(0)
+        except EventStreamError as exc:
+            log.warning("%s: no catch-up from the replay buffer: %s", self.replica, exc)
+            buffered = []
+        if buffered:
+            last = buffered[-1]
+            assert isinstance(last, SequencedBatch)
+            subscriber.last_seq = last.seq
+            self._hand_over(buffered)
+        while not self._stopping.is_set():
+            received = subscriber.receive(POLL_S)
+            if received:
+                self._hand_over(received)
 
     def _hand_over(self, received: Sequence[Received]) -> None:
         if self._loop is not None and not self._stopping.is_set():
