@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvpool.tiers import DiskStore, EntryCodec, LayoutFingerprint, RedisStore  # noqa: E402
 
-LAYOUT = LayoutFingerprint("LlamaForCausalLM", 30, 3, 64, "bfloat16", 16, "sha256", "bench")
+LAYOUT = LayoutFingerprint("LlamaForCausalLM", 30, 3, 64, "bfloat16", 16, "sha256", "bench", "namespace:bench")
 
 Batch = list[tuple[bytes, bytes]]
 

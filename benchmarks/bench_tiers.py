@@ -99,7 +99,9 @@ def throughput(tier: str, spec_text: str, blocks: int, repeats: int) -> dict[str
         v.normal_()
     stores = []
     if tier != "cpu":
-        fingerprint = LayoutFingerprint("bench", 30, 3, 64, "float32", 16, "kvpool_sha256", f"bench-{time.time_ns()}")
+        fingerprint = LayoutFingerprint(
+            "bench", 30, 3, 64, "float32", 16, "kvpool_sha256", f"bench-{time.time_ns()}", "namespace:bench"
+        )
         stores.append(open_store(spec_text, EntryCodec(fingerprint)))
     worker = KVTransferWorker(caches, blocks if tier == "cpu" else 0, stores)
     saves, loads = [], []

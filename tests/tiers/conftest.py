@@ -15,6 +15,7 @@ LAYOUT = LayoutFingerprint(
     block_size=16,
     hash_algo="sha256",
     hash_seed="6b76706f6f6c",
+    weights="sha256:" + "5e" * 32,
 )
 
 

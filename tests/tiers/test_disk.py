@@ -232,11 +232,11 @@ def test_a_full_disk_stops_saves_not_loads(tmp_path, codec, monkeypatch, caplog)
     real_replace = os.replace
     calls = []
 
-    def full(src, dst):
+    def full(src, dst, **dir_fds):
         calls.append(dst)
         if len(calls) > 1:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_replace(src, dst)
+        real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "replace", full)
     with caplog.at_level(logging.WARNING, logger="kvpool.tiers"):
@@ -261,16 +261,14 @@ def test_a_full_disk_stops_saves_not_loads(tmp_path, codec, monkeypatch, caplog)
 def test_an_unreadable_file_is_a_counted_miss(tmp_path, codec, monkeypatch):
     store = DiskStore(tmp_path, 100 * ENTRY, codec)
     store.put_many(items([0]))
-    import builtins
-
-    real_open = builtins.open
+    real_open = os.open
 
     def failing_open(path, *args, **kwargs):
         if str(path).endswith(".kv"):
             raise OSError(errno.EIO, "Input/output error")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "open", failing_open)
+    monkeypatch.setattr(os, "open", failing_open)
     assert store.get_many([block_key(0)]) == [None]
     assert store.stats.errors == 1 and store.stats.misses == 1
 

@@ -34,6 +34,7 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 #: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
 _ENGINE_FLAGS = (
     "model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo", "kv_tiers", "kv_tier_secret_file",
+    "kv_tier_namespace",
 )  # fmt: skip
 
 #: The sources ``--json`` always reports, in this order (the pool, then the tier kinds).
@@ -76,6 +77,11 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--kv-tier-secret-file", type=click.Path(dir_okay=False), default=None,
             help="File holding the secret that signs KV tier entries (HMAC); replicas sharing a tier share it.",
+        ),
+        click.option(
+            "--kv-tier-namespace", metavar="NAME", default=None,
+            help="Name the weights in disk and Redis tier entries by NAME instead of hashing the model's files "
+            "(engines given the same NAME must run the same weights).",
         ),
     ]  # fmt: skip
     for option in reversed(options):

@@ -17,7 +17,8 @@
   names;
 * a byte tier (disk, Redis) receives that same block as bytes through the
   :class:`kvpool.tiers.store.BlockStore` protocol, which wraps it in an entry
-  that cannot lie (layout fingerprint, checksum, optional HMAC);
+  that cannot lie (layout fingerprint with the weights' digest, checksum,
+  optional HMAC);
 * loads are copied into the pool's blocks before the forward pass reads them:
   on CUDA on a side stream, one event per layer, which the runner waits for
   just before that layer (:meth:`KVTransferWorker.wait_for_layer_load`); on
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from kvpool.scheduler import Scheduler, SchedulerOutput
     from kvpool.tiers.store import BlockStore
 
-__all__ = ["KVTiers", "KVTransferWorker", "TierFigures", "build_kv_tiers", "check_tier_specs"]
+__all__ = ["KVTiers", "KVTransferWorker", "TierFigures", "build_kv_tiers", "check_tier_specs", "tier_weights"]
 
 _LOGGER = logging.getLogger("kvpool.engine")
 
@@ -398,7 +399,7 @@ class KVTiers:
                 stats = store.stats
                 row.update(
                     hits=stats.hits, misses=stats.misses, corrupt=stats.corrupt, errors=stats.errors,
-                    evictions=stats.evictions, corrupt_by_kind=dict(stats.corrupt_by_kind),
+                    evictions=stats.evictions, removed=stats.removed, corrupt_by_kind=dict(stats.corrupt_by_kind),
                 )  # fmt: skip
             out[name] = row
         return out
@@ -418,6 +419,25 @@ def read_secret(path: str | os.PathLike[str]) -> bytes:
     return secret
 
 
+def tier_weights(model_folder: str | os.PathLike[str], namespace: str | None, log: Callable[[str], None]) -> str:
+    """What names the model's weights in tier entries: the operator's ``namespace``, else the folder's digest."""
+    if namespace is not None:
+        log(f"KV tier entries name the weights by the namespace {namespace!r} (the model files are not hashed)")
+        return f"namespace:{namespace}"
+    from kvpool.engine.model_store import model_digest
+
+    digest = model_digest(model_folder)
+    how = (
+        f"hashed {digest.hashed_files} of them ({format_bytes(digest.hashed_bytes)}) in {digest.seconds:.2f} s"
+        if digest.hashed_files
+        else f"remembered, checked in {digest.seconds * 1000:.1f} ms"
+    )
+    log(
+        f"KV tier entries name the weights {digest.value[:23]}...: {digest.files} files, {format_bytes(digest.size)}; {how}"
+    )
+    return digest.value
+
+
 def build_kv_tiers(
     specs: Sequence[str],
     secret_file: str | os.PathLike[str] | None,
@@ -425,8 +445,16 @@ def build_kv_tiers(
     manager: KVCacheManager,
     architecture: str,
     log: Callable[[str], None],
+    *,
+    model_folder: str | os.PathLike[str],
+    namespace: str | None = None,
 ) -> KVTiers | None:
-    """Open the tiers ``specs`` name, in lookup order; None when there are none."""
+    """Open the tiers ``specs`` name, in lookup order; None when there are none.
+
+    Disk and Redis entries carry a :class:`~kvpool.tiers.entry.LayoutFingerprint` that names the
+    weights (:func:`tier_weights`: ``namespace``, else the digest of ``model_folder``'s files), so
+    an engine never reads another model's entries.
+    """
     specs = check_tier_specs(specs)
     if not specs:
         if secret_file is not None:
@@ -438,19 +466,22 @@ def build_kv_tiers(
     if not _one_pair_per_layer(kv_caches) or len(manager.groups) != 1:
         raise ConfigError("KV tiers support models with one full-attention layer group")
     spec = kv_caches.spec
-    seed = manager.hasher.seed
-    fingerprint = LayoutFingerprint(
-        architecture=architecture,
-        num_layers=spec.num_layers,
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_dim,
-        dtype=str(spec.dtype).removeprefix("torch."),
-        block_size=spec.block_size,
-        hash_algo=manager.hasher.algo.value,
-        hash_seed=seed.hex() if isinstance(seed, bytes) else repr(seed),
-    )
     secret = None if secret_file is None else read_secret(secret_file)
-    codec = EntryCodec(fingerprint, secret)
+    codec: EntryCodec | None = None
+    if any(not isinstance(parse_spec(one), CpuTarget) for one in specs):  # host memory holds this model only
+        seed = manager.hasher.seed
+        fingerprint = LayoutFingerprint(
+            architecture=architecture,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_dim,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            block_size=spec.block_size,
+            hash_algo=manager.hasher.algo.value,
+            hash_seed=seed.hex() if isinstance(seed, bytes) else repr(seed),
+            weights=tier_weights(model_folder, namespace, log),
+        )
+        codec = EntryCodec(fingerprint, secret)
     tiers: list[HostTier | ByteTier] = []
     stores: list[BlockStore] = []
     host: HostTier | None = None
@@ -468,6 +499,7 @@ def build_kv_tiers(
                     f"KV tier cpu: {blocks:,} blocks of {format_bytes(spec.block_bytes)} ({format_bytes(size)} of host memory)"
                 )
                 continue
+            assert codec is not None  # built above for every byte tier
             store = open_store(one, codec)
             stores.append(store)
             tiers.append(ByteTier(store))

@@ -104,6 +104,12 @@ class EngineOptions:
             :mod:`kvpool.engine.kv_transfer`); empty means none.
         kv_tier_secret_file: a file holding the secret that signs tier
             entries (HMAC); replicas sharing a tier share it.
+        kv_tier_namespace: what names the model's weights in disk and Redis
+            tier entries instead of the digest of the model folder's files
+            (printable, no spaces, at most 128 characters). The operator
+            vouches that every engine given the same namespace (and the same
+            layout) runs the same weights; None hashes the folder once
+            (:func:`kvpool.engine.model_store.model_digest`).
     """
 
     model: str | os.PathLike[str]
@@ -120,6 +126,7 @@ class EngineOptions:
     enable_kv_events: bool = False
     kv_tiers: tuple[str, ...] = ()
     kv_tier_secret_file: str | os.PathLike[str] | None = None
+    kv_tier_namespace: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -150,6 +157,18 @@ class EngineOptions:
         secret = self.kv_tier_secret_file
         if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
             raise ConfigError(f"kv_tier_secret_file must be a file path, given with kv_tiers; got {secret!r}")
+        namespace = self.kv_tier_namespace
+        if namespace is not None and (
+            not isinstance(namespace, str)
+            or not 0 < len(namespace) <= 128
+            or not (namespace.isascii() and namespace.isprintable())
+            or any(c.isspace() for c in namespace)
+            or not self.kv_tiers
+        ):
+            raise ConfigError(
+                "kv_tier_namespace must be 1 to 128 printable ASCII characters without spaces, "
+                f"given with kv_tiers; got {namespace!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -19,7 +19,8 @@ class TierStats:
     ``corrupt``: entries refused by the codec, by kind in ``corrupt_by_kind``; ``errors``: backend
     faults (a full disk, Redis down or timing out), each costing misses or unsaved blocks;
     ``bytes_read``/``bytes_written``: entry bytes moved; ``evictions``: entries the store removed
-    to stay within its size (0 for Redis, which evicts by its own policy).
+    to stay within its size (0 for Redis, which evicts by its own policy); ``removed``: refused
+    entries the store deleted so that their blocks can be saved again (disk and Redis).
     """
 
     hits: int = 0
@@ -29,6 +30,7 @@ class TierStats:
     bytes_read: int = 0
     bytes_written: int = 0
     evictions: int = 0
+    removed: int = 0
     corrupt_by_kind: dict[str, int] = field(default_factory=dict)
 
     def copy(self) -> TierStats:
@@ -53,8 +55,11 @@ class StoreCounters:
         with self._lock:
             return self._stats.copy()
 
-    def add(self, *, misses: int = 0, errors: int = 0, bytes_written: int = 0, evictions: int = 0) -> None:
+    def add(
+        self, *, misses: int = 0, errors: int = 0, bytes_written: int = 0, evictions: int = 0, removed: int = 0
+    ) -> None:
         with self._lock:
+            self._stats.removed += removed
             self._stats.misses += misses
             self._stats.errors += errors
             self._stats.bytes_written += bytes_written
@@ -85,12 +90,16 @@ class StoreCounters:
         try:
             payload = self.codec.decode(key, data)
         except CorruptEntry as exc:
-            self._corrupt(exc.kind, f"refused an entry under {key.hex()[:16]}: {exc}")
+            self.refused(key, exc)
             return None
         with self._lock:
             self._stats.hits += 1
             self._stats.bytes_read += len(data)
         return payload
+
+    def refused(self, key: bytes, exc: CorruptEntry) -> None:
+        """An entry under ``key`` that must not be used (a miss): counted by kind, logged once per kind."""
+        self._corrupt(exc.kind, f"refused an entry under {key.hex()[:16]}: {exc}")
 
     def _corrupt(self, kind: CorruptKind, message: str) -> None:
         with self._lock:

@@ -22,30 +22,64 @@ Each process bounds the bytes it knows of, so the directory stays within the siz
 number of processes at worst, and within the size when they share their blocks.
 
 A write that fails (a full disk, ``ENOSPC``, or any ``OSError``) is counted, warned about once,
-and pauses saving for ``retry_after_s``; loads go on.
+and pauses saving for ``retry_after_s``; loads go on. A write that fails because of what sits at
+that one entry's path (a directory, a file where a shard directory belongs) costs that entry only.
+
+The directory is not trusted. Every file operation goes through a descriptor of the store's
+directory and of the shard directory, opened without following links, so a link planted in place
+of a shard or an entry never leads the store elsewhere. An entry is read only if it is a regular
+file, opened with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO never blocks the reader) and checked with
+``fstat`` on the open descriptor, and only if it is no longer than the longest entry this layout
+can have (:meth:`EntryCodec.max_entry_bytes`): a sparse file, a link to ``/dev/zero`` or any
+oversized file is refused before a byte is read, and a read never takes more than that bound. A
+refused object at an entry's path is removed (a directory there is only forgotten). The index
+holds only what the store wrote, or adopted because it is a regular file under an entry's exact
+name (lowercase hex, in its shard) within that bound; anything else in the directory is neither
+counted nor touched.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import tempfile
+import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvariantViolation
 from kvpool.tiers.counters import StoreCounters, TierStats
-from kvpool.tiers.entry import EntryCodec, Payload
+from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, Payload
 
 __all__ = ["DiskStore"]
 
 _log = logging.getLogger("kvpool.tiers.disk")
 _SUFFIX = ".kv"
 _STALE_TEMP_S = 3600.0  # a temporary file this old belongs to a writer that died
+_HEX = frozenset("0123456789abcdef")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# What sits at one entry's path, not what the medium can do: such a failed write costs that entry only.
+_PATH_ERRNOS = frozenset({errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY, errno.ELOOP})
+
+
+def _entry_name(key: bytes) -> str:
+    return key.hex() + _SUFFIX
+
+
+def _entry_key(shard: str, name: str) -> bytes | None:
+    """The key whose entry is exactly ``shard/name``, or None when the name is not one the store writes."""
+    stem = name[: -len(_SUFFIX)]
+    if not name.endswith(_SUFFIX) or len(stem) < 2 or len(stem) % 2 or stem[:2] != shard or not _HEX.issuperset(stem):
+        return None
+    return bytes.fromhex(stem)
 
 
 class DiskStore:
@@ -67,6 +101,7 @@ class DiskStore:
         self.root = Path(directory) / codec.namespace
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            self._root_fd = os.open(self.root, _DIR_FLAGS)
         except OSError as exc:
             raise ConfigError(f"disk tier directory {str(directory)!r} cannot be used: {exc}") from exc
         self.capacity_bytes = capacity_bytes
@@ -119,64 +154,119 @@ class DiskStore:
         return stored
 
     def close(self) -> None:
-        """Nothing to release: every entry is already a whole file, for this process or the next."""
+        """Close the directory's descriptor; every entry is already a whole file, for this process or the next."""
+        with self._lock:
+            fd, self._root_fd = self._root_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def keys_by_recency(self) -> list[bytes]:
         """The keys this store knows of, least recently used first (the eviction order)."""
         with self._lock:
             return list(self._lru)
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, *, exclusive: bool = True) -> None:
         """Raise InvariantViolation unless the byte count, the bound and the files agree with the index.
 
-        For tests and debugging; it stats every file, and assumes no other process shares the directory.
+        Always: the count is the index's sum and within the bound. With ``exclusive`` (no other
+        process, and nothing else, writes the directory), the index is exactly the entry files
+        the store would adopt, with their sizes. For tests and debugging; it stats every file.
         """
         with self._lock:
             sizes = dict(self._lru)
             used = self._used
         if used != sum(sizes.values()) or used > self.capacity_bytes:
             raise InvariantViolation(f"disk tier counts {used} bytes of {self.capacity_bytes}, index holds {sizes}")
-        on_disk = {bytes.fromhex(p.stem): p.stat().st_size for p in self.root.glob(f"*/*{_SUFFIX}")}
-        if on_disk != sizes:
-            raise InvariantViolation(f"disk tier index {sizes} disagrees with its files {on_disk}")
+        if exclusive:
+            on_disk = {key: size for _mtime, key, size in self._entries()}
+            if on_disk != sizes:
+                raise InvariantViolation(f"disk tier index {sizes} disagrees with its files {on_disk}")
 
     # -- internals --------------------------------------------------------------------------
 
     def _path(self, key: bytes) -> Path:
+        """Where ``key``'s entry lives (for messages; files are reached through directory descriptors)."""
         name = key.hex()
         return self.root / name[:2] / (name + _SUFFIX)
 
-    def _scan(self) -> None:
-        """Index the entries already in the directory, oldest mtime first; drop dead writers' temp files."""
+    @contextmanager
+    def _shard(self, key: bytes, *, create: bool = False) -> Iterator[int]:
+        """A descriptor of ``key``'s shard directory, never through a link (OSError if it is not a directory)."""
+        name = key.hex()[:2]
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self._root_fd)
+        except OSError as exc:
+            if not create or exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                raise
+            if exc.errno != errno.ENOENT:  # a link or a file where the shard belongs: not ours, in our directory
+                os.unlink(name, dir_fd=self._root_fd)
+            try:
+                os.mkdir(name, dir_fd=self._root_fd)
+            except FileExistsError:  # another writer made it first
+                pass
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self._root_fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _cap(self, key: bytes) -> int:
+        return self._codec.max_entry_bytes(len(key))
+
+    def _adoptable(self, key: bytes, st: os.stat_result) -> bool:
+        """Whether a file's ``lstat`` is one the index may count: a regular file no longer than an entry can be."""
+        return stat.S_ISREG(st.st_mode) and st.st_size <= self._cap(key)
+
+    def _entries(self) -> list[tuple[float, bytes, int]]:
+        """``(mtime, key, size)`` of every adoptable entry file; dead writers' temporary files are removed."""
         found: list[tuple[float, bytes, int]] = []
         now = time.time()
-        for path in self.root.glob("*/*"):
+        with os.scandir(self._root_fd) as shards:
+            names = [e.name for e in shards if len(e.name) == 2 and _HEX.issuperset(e.name)]
+        for shard in names:
             try:
-                st = path.stat()
-                if path.name.endswith(".tmp"):
-                    if now - st.st_mtime > _STALE_TEMP_S:
-                        path.unlink()
-                    continue
-                if path.suffix == _SUFFIX:
-                    found.append((st.st_mtime, bytes.fromhex(path.stem), st.st_size))
-            except (OSError, ValueError):  # vanished under us, or not one of ours
+                fd = os.open(shard, _DIR_FLAGS, dir_fd=self._root_fd)
+            except OSError:  # not a directory (a link, a file), or vanished: not ours
                 continue
-        for _mtime, key, size in sorted(found):
+            try:
+                with os.scandir(fd) as files:
+                    for entry in files:
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError:  # vanished under us
+                            continue
+                        if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > _STALE_TEMP_S:
+                                self._unlink_at(fd, entry.name)
+                            continue
+                        key = _entry_key(shard, entry.name)
+                        if key is not None and self._adoptable(key, st):
+                            found.append((st.st_mtime, key, st.st_size))
+            finally:
+                os.close(fd)
+        return found
+
+    def _scan(self) -> None:
+        """Index the entries already in the directory, oldest mtime first."""
+        for _mtime, key, size in sorted(self._entries()):
             self._lru[key] = size
             self._used += size
         with self._lock:
             self._evict_to(self.capacity_bytes)
 
     def _adopt(self, key: bytes) -> bool:
-        """Index an entry another process wrote, if its file is there."""
+        """Index an entry another process wrote, if an adoptable file is at its path."""
         try:
-            size = self._path(key).stat().st_size
+            with self._shard(key) as fd:
+                st = os.stat(_entry_name(key), dir_fd=fd, follow_symlinks=False)
         except OSError:
+            return False
+        if not self._adoptable(key, st):
             return False
         with self._lock:
             if key not in self._lru:
-                self._lru[key] = size
-                self._used += size
+                self._lru[key] = st.st_size
+                self._used += st.st_size
                 self._evict_to(self.capacity_bytes)
         return key in self._lru
 
@@ -186,53 +276,108 @@ class DiskStore:
             if size is not None:
                 self._used -= size
 
-    def _get(self, key: bytes) -> bytes | None:
-        path = self._path(key)
+    def _read(self, key: bytes) -> bytes | None:
+        """The bytes of ``key``'s file if it is a regular file within the entry bound; None if there is none.
+
+        CorruptEntry (NOT_A_FILE, OVERSIZED) when something else is at the path; OSError for I/O faults.
+        """
+        cap = self._cap(key)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            with self._shard(key) as shard:
+                try:
+                    fd = os.open(_entry_name(key), _READ_FLAGS, dir_fd=shard)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO):  # a link (O_NOFOLLOW), a socket
+                        raise CorruptEntry(CorruptKind.NOT_A_FILE, f"cannot be opened as a file: {exc}") from None
+                    raise
         except FileNotFoundError:
-            self._forget(key)
-            data = None
+            return None
+        except NotADirectoryError:  # the shard is a link or a file: no entry of ours can be there
+            return None
         except OSError as exc:
-            self._counters.error("read", f"cannot read {path}: {exc}; a miss", misses=1)
+            if exc.errno == errno.ELOOP:  # the shard itself is a link
+                return None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptEntry(CorruptKind.NOT_A_FILE, f"file mode {stat.filemode(st.st_mode)}")
+            if st.st_size > cap:
+                raise CorruptEntry(CorruptKind.OVERSIZED, f"{st.st_size} bytes, an entry is at most {cap}")
+            chunks: list[bytes] = []
+            left = cap + 1  # one byte past the bound tells a file that grew after fstat
+            while left > 0:
+                chunk = os.read(fd, left)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        if len(data) > cap:
+            raise CorruptEntry(CorruptKind.OVERSIZED, f"grew past {cap} bytes while read")
+        return data
+
+    def _get(self, key: bytes) -> bytes | None:
+        try:
+            data = self._read(key)
+        except CorruptEntry as exc:
+            self._counters.refused(key, exc)
+            self._discard(key)
+            return None
+        except OSError as exc:
+            self._counters.error("read", f"cannot read {self._path(key)}: {exc}; a miss", misses=1)
             return None
         payload = self._counters.payload(key, data)
         if data is None:
+            self._forget(key)
             return None
         if payload is None:  # a refused entry never gets better: remove it
-            self._forget(key)
-            self._unlink(path)
+            self._discard(key)
             return None
         try:
-            os.utime(path)  # recency that survives a restart
+            with self._shard(key) as shard:
+                os.utime(_entry_name(key), dir_fd=shard, follow_symlinks=False)  # recency that survives a restart
         except OSError:
             pass
         with self._lock:
-            if key in self._lru:
+            known = self._lru.get(key)
+            if known is not None:
+                self._used += len(data) - known  # another writer may have replaced the file
+                self._lru[key] = len(data)
                 self._lru.move_to_end(key)
             else:
                 self._lru[key] = len(data)
                 self._used += len(data)
-                self._evict_to(self.capacity_bytes)
+            self._evict_to(self.capacity_bytes)
         return payload
+
+    def _discard(self, key: bytes) -> None:
+        """Forget ``key`` and remove what is at its path (a directory there is left alone)."""
+        self._forget(key)
+        if self._unlink(key):
+            self._counters.add(removed=1)
 
     def _put(self, key: bytes, entry: bytes) -> bool:
         if len(entry) > self.capacity_bytes:
             self._counters.warn_once("too big", f"a {len(entry)}-byte entry exceeds the tier ({self.capacity_bytes})")
             return False
-        path = self._path(key)
         with self._lock:
             self._evict_to(self.capacity_bytes - len(entry))
             self._lru[key] = len(entry)  # reserve its room before writing, so concurrent puts stay in bounds
             self._used += len(entry)
         try:
-            self._write(path, entry)
+            self._write(key, entry)
         except OSError as exc:
             self._forget(key)
+            if exc.errno in _PATH_ERRNOS:
+                self._counters.error("entry path", f"cannot write {self._path(key)}: {exc}; that block is not saved")
+                return False
             self._saves_paused_until = self._clock() + self._retry_after_s
             self._counters.error(
-                "write", f"cannot write {path}: {exc}; saves pause for {self._retry_after_s:g}s, loads go on"
+                "write",
+                f"cannot write {self._path(key)}: {exc}; saves pause for {self._retry_after_s:g}s, loads go on",
             )
             return False
         self._counters.add(bytes_written=len(entry))
@@ -242,19 +387,24 @@ class DiskStore:
             _log.warning("kvpool disk tier: saves to %s work again", self.root)
         return True
 
-    def _write(self, path: Path, entry: bytes) -> None:
-        path.parent.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem[:16]}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(entry)
-                if self._fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            self._unlink(Path(tmp))
-            raise
+    def _write(self, key: bytes, entry: bytes) -> None:
+        name = _entry_name(key)
+        tmp = f".{name[:16]}.{secrets.token_hex(6)}.tmp"
+        with self._shard(key, create=True) as shard:
+            fd = os.open(tmp, _WRITE_FLAGS, 0o600, dir_fd=shard)
+            try:
+                try:
+                    view = memoryview(entry)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    if self._fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, name, src_dir_fd=shard, dst_dir_fd=shard)
+            except BaseException:
+                self._unlink_at(shard, tmp)
+                raise
 
     def _evict_to(self, budget: int) -> None:
         """Remove least recently used entries until at most ``budget`` bytes remain. Caller holds the lock."""
@@ -262,11 +412,20 @@ class DiskStore:
             key, size = self._lru.popitem(last=False)
             self._used -= size
             self._counters.add(evictions=1)
-            self._unlink(self._path(key))
+            self._unlink(key)
+
+    def _unlink(self, key: bytes) -> bool:
+        """Remove ``key``'s entry path; whether something was removed."""
+        try:
+            with self._shard(key) as shard:
+                return self._unlink_at(shard, _entry_name(key))
+        except OSError:  # no shard (or not a directory): nothing of ours to remove
+            return False
 
     @staticmethod
-    def _unlink(path: Path) -> None:
+    def _unlink_at(dir_fd: int, name: str) -> bool:
         try:
-            path.unlink()
-        except OSError:  # already gone (another process evicted it), or unwritable: nothing to free
-            pass
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:  # already gone (another process evicted it), a directory, or unwritable: nothing to free
+            return False
+        return True

@@ -9,7 +9,7 @@ trust where the bytes came from. One entry, little-endian::
          5     1  flags            bit 0: signed (an HMAC follows the key)
          6     2  key length       K
          8     8  payload length   N
-        16    32  layout digest    SHA-256 of the LayoutFingerprint
+        16    32  layout digest    SHA-256 of the LayoutFingerprint (the model's weights included)
         48    32  payload checksum SHA-256 of the payload
         80     K  key              the chained block hash the entry was stored under
     80 + K    32  HMAC-SHA256      (signed entries only) over bytes [0, 80 + K)
@@ -21,9 +21,13 @@ entry for other KV needs the secret or a SHA-256 collision.
 
 :meth:`EntryCodec.decode` refuses, with a :class:`CorruptEntry` naming a :class:`CorruptKind`,
 an entry that is truncated or garbled, from another format version, from another model or KV
-layout, stored under another key (a valid entry replayed under another hash), whose payload does
-not match its checksum, or, when the codec has a secret, one that is unsigned or signed with
-another secret. A codec without a secret reads signed entries too (it checks the checksum only).
+layout, longer than any entry of this layout can be, stored under another key (a valid entry
+replayed under another hash), whose payload does not match its checksum, or, when the codec has a
+secret, one that is unsigned or signed with another secret. A codec without a secret reads signed
+entries too (it checks the checksum only).
+
+:meth:`EntryCodec.max_entry_bytes` bounds an entry's size from the layout alone (header, key,
+HMAC and one block's KV), so a store can refuse a bigger stored object before reading it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from enum import Enum
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.hashing import HashAlgo
+from kvpool.specs import KVDtype
 
 __all__ = ["FORMAT_VERSION", "CorruptEntry", "CorruptKind", "EntryCodec", "LayoutFingerprint", "Payload"]
 
@@ -60,7 +65,9 @@ class CorruptKind(Enum):
     TRUNCATED = "truncated"
     MALFORMED = "malformed"  # not an entry at all, or trailing bytes after the payload
     VERSION = "version"  # another format version
-    FOREIGN_LAYOUT = "foreign layout"  # another model, dtype, block size or hash seed
+    FOREIGN_LAYOUT = "foreign layout"  # other weights, another model, dtype, block size or hash seed
+    OVERSIZED = "oversized"  # longer than any entry of this layout (refused before it is read)
+    NOT_A_FILE = "not a file"  # a disk entry's path holds a link, a FIFO, a device or a directory
     FOREIGN_KEY = "foreign key"  # stored under another block hash
     CHECKSUM = "checksum"  # payload bytes changed
     UNSIGNED = "unsigned"  # the codec has a secret, the entry has no HMAC
@@ -77,11 +84,15 @@ class CorruptEntry(KVPoolError):
 
 @dataclass(frozen=True)
 class LayoutFingerprint:
-    """Everything that decides what a block's KV bytes mean; entries of another layout are foreign.
+    """Everything that decides what a block's KV bytes mean; entries of another fingerprint are foreign.
 
-    ``dtype`` is the KV cache dtype's name (``"bfloat16"``); ``hash_algo`` a
-    :class:`~kvpool.hashing.HashAlgo` value; ``hash_seed`` the block-hash seed as text (for
-    instance its hex), so two deployments with different seeds never read each other's blocks.
+    ``weights`` names the weights the KV was computed with: ``"sha256:<hex>"``, a digest of the
+    model folder's files (:func:`kvpool.engine.model_store.model_digest`), or ``"namespace:<name>"``,
+    a name the operator vouches for (``--kv-tier-namespace``). Two models of the same shapes (a
+    fine-tune, a folder updated in place) therefore never read each other's entries. ``dtype`` is
+    the KV cache dtype's name (``"bfloat16"``); ``hash_algo`` a :class:`~kvpool.hashing.HashAlgo`
+    value; ``hash_seed`` the block-hash seed as text (for instance its hex), so two deployments with
+    different seeds never read each other's blocks.
     """
 
     architecture: str
@@ -92,21 +103,29 @@ class LayoutFingerprint:
     block_size: int
     hash_algo: str
     hash_seed: str
+    weights: str
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             check_int(name, getattr(self, name))
-        for name in ("architecture", "dtype", "hash_seed"):
+        for name in ("architecture", "dtype", "hash_seed", "weights"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+        KVDtype.parse(self.dtype, field="dtype")
         if self.hash_algo not in {algo.value for algo in HashAlgo}:
             raise ConfigError(f"hash_algo must be one of {[a.value for a in HashAlgo]}, got {self.hash_algo!r}")
+
+    @property
+    def block_bytes(self) -> int:
+        """One block's KV for every layer, in bytes: the payload of every entry the engine stores."""
+        itemsize = KVDtype.parse(self.dtype).itemsize
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
 
     def digest(self) -> bytes:
         """SHA-256 of a canonical encoding of every field (32 bytes), stable across processes."""
         text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(b"kvpool/layout/v1\0" + text.encode()).digest()
+        return hashlib.sha256(b"kvpool/layout/v2\0" + text.encode()).digest()
 
 
 class EntryCodec:
@@ -135,11 +154,19 @@ class EntryCodec:
     def signed(self) -> bool:
         return self._secret is not None
 
+    def max_entry_bytes(self, key_len: int) -> int:
+        """The longest entry of this layout under a key of ``key_len`` bytes (signed, one whole block)."""
+        return _HEADER.size + key_len + _MAC_SIZE + self.fingerprint.block_bytes
+
     def encode(self, key: bytes, payload: Payload) -> bytes:
         """The entry for ``payload`` stored under ``key``."""
         if not isinstance(key, bytes) or not 0 < len(key) <= _MAX_KEY:
             raise ConfigError(f"an entry key must be 1 to {_MAX_KEY} bytes, got {key!r:.80}")
         body = memoryview(payload).cast("B")
+        if body.nbytes > self.fingerprint.block_bytes:
+            raise ConfigError(
+                f"a payload of {body.nbytes} bytes exceeds one block of this layout ({self.fingerprint.block_bytes})"
+            )
         flags = _SIGNED if self._secret is not None else 0
         header = _HEADER.pack(
             _MAGIC, FORMAT_VERSION, flags, len(key), body.nbytes, self._layout, hashlib.sha256(body).digest()
@@ -157,7 +184,12 @@ class EntryCodec:
         if version != FORMAT_VERSION:
             raise CorruptEntry(CorruptKind.VERSION, f"format version {version}, this kvpool reads {FORMAT_VERSION}")
         if layout != self._layout:
-            raise CorruptEntry(CorruptKind.FOREIGN_LAYOUT, "written for another model or KV layout")
+            raise CorruptEntry(CorruptKind.FOREIGN_LAYOUT, "written for other weights, another model or KV layout")
+        if payload_len > self.fingerprint.block_bytes:
+            raise CorruptEntry(
+                CorruptKind.MALFORMED,
+                f"header says {payload_len} payload bytes, a block is {self.fingerprint.block_bytes}",
+            )
         key_end = _HEADER.size + key_len
         payload_start = key_end + (_MAC_SIZE if flags & _SIGNED else 0)
         if len(data) < payload_start:

@@ -10,9 +10,13 @@ URLs are what redis-py takes, plus a cluster spelling and one kvpool option::
     rediss+cluster://host:7000               a Redis Cluster over TLS
     ...?ttl=3600                             entries expire after an hour (default: never)
 
-Keys are ``kvpool:<layout namespace>:<block hash bytes>``, so models sharing a Redis never see
-each other's blocks; values are entries (:mod:`kvpool.tiers.entry`), so a client that writes
-garbage, or without the secret when the codec has one, cannot make kvpool read it. kvpool does
+Keys are ``kvpool:<layout namespace>:<block hash bytes>``, where the namespace is named by the
+layout fingerprint, the model's weights included, so models sharing a Redis never see each other's
+blocks; values are entries (:mod:`kvpool.tiers.entry`), so a client that writes garbage, or
+without the secret when the codec has one, cannot make kvpool read it. A value is read with
+GETRANGE up to the longest entry of the layout, so a planted huge value costs no more than one
+block; a value refused for any reason is deleted (it is under this model's own prefix), so the
+block is computed and saved again instead of staying unloadable. kvpool does
 not bound what it puts in Redis: entries leave by their TTL or by the server's own
 ``maxmemory-policy`` (``allkeys-lru`` suits a cache), and a block Redis evicted is a miss.
 
@@ -34,7 +38,7 @@ from urllib.parse import parse_qsl, urlencode
 
 from kvpool.errors import ConfigError
 from kvpool.tiers.counters import StoreCounters, TierStats
-from kvpool.tiers.entry import EntryCodec, Payload
+from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, Payload
 
 __all__ = ["REDIS_SCHEMES", "RedisStore", "RedisTarget"]
 
@@ -135,17 +139,17 @@ class RedisStore:
         if not keys:
             return 0
 
-        def exists(client: Any) -> list[int]:
+        def lengths(client: Any) -> list[int]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
-                pipe.exists(self._prefix + key)
+                pipe.strlen(self._prefix + key)
             return list(pipe.execute())
 
-        found = self._call("look up", exists)
+        found = self._call("look up", lengths)
         count = 0
-        for present in found or ():
-            if not present:
-                break
+        for key, length in zip(keys, found or ()):
+            if not 0 < length <= self._codec.max_entry_bytes(len(key)):
+                break  # absent, or nothing an entry can be: offered as a miss, so the block is computed and saved
             count += 1
         return count
 
@@ -153,11 +157,49 @@ class RedisStore:
         if not keys:
             return []
         names = [self._prefix + key for key in keys]
-        values = self._call("read", lambda c: c.mget_nonatomic(names) if self.cluster else c.mget(names))
+        caps = [self._codec.max_entry_bytes(len(key)) for key in keys]
+
+        def read(client: Any) -> list[bytes]:
+            pipe = client.pipeline(transaction=False)
+            for name, cap in zip(names, caps):
+                pipe.getrange(name, 0, cap)  # at most cap + 1 bytes: one past the bound tells an oversized value
+            return list(pipe.execute())
+
+        values = self._call("read", read)
         if values is None:
             self._counters.add(misses=len(keys))
             return [None] * len(keys)
-        return [self._counters.payload(key, value) for key, value in zip(keys, values)]
+        payloads: list[bytes | None] = []
+        refused: list[bytes] = []
+        for key, name, cap, value in zip(keys, names, caps, values):
+            if len(value) > cap:
+                self._counters.refused(key, CorruptEntry(CorruptKind.OVERSIZED, f"more than {cap} bytes"))
+                payload = None
+            else:
+                payload = self._counters.payload(key, value or None)  # GETRANGE answers b"" for an absent key
+            if payload is None and value:
+                refused.append(name)
+            payloads.append(payload)
+        if refused:
+            self._remove(refused)
+        return payloads
+
+    def _remove(self, names: list[bytes]) -> None:
+        """Delete refused entries under this store's prefix, so their blocks can be saved again.
+
+        The prefix names this layout and these weights: no other model's entry lives under it, and
+        one that was refused here (damaged, planted, signed with another secret) is no use to anyone.
+        """
+
+        def delete(client: Any) -> int:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.delete(name)
+            return sum(pipe.execute())
+
+        removed = self._call("remove refused entries from", delete)
+        if removed:
+            self._counters.add(removed=removed)
 
     def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> int:
         if not items or not self.available:
