@@ -57,7 +57,8 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
     "--admin-key-file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="A replica admin key (the first line): replicas on other hosts show /kv-events only with one.",
+    help="A replica admin key (the first line): replicas on other hosts show /kv-events only with one. "
+    "Any key in it also opens the router's own /health?verbose=1 off its loopback interface.",
 )
 @click.option(
     "--index-redis",
@@ -86,6 +87,35 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
     show_default=True,
     help="Seconds between health checks of each replica.",
 )
+@click.option(
+    "--upstream-timeout",
+    type=FiniteFloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="Seconds a replica may stay silent (before its answer, or between streamed chunks); "
+    "one that does is out of rotation for 30 s.",
+)
+@click.option(
+    "--header-timeout",
+    type=FiniteFloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds a client connection may take to send a request's headers.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="Client connections open at once; one more is answered 503.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Seconds open requests get on SIGTERM before their streams are cut.",
+)
 @reports_errors("route")
 def route(
     host: str,
@@ -100,6 +130,10 @@ def route(
     routing: str,
     load_cost: float,
     health_interval: float,
+    upstream_timeout: float,
+    header_timeout: float,
+    max_connections: int,
+    shutdown_timeout: int,
 ) -> None:
     """Route OpenAI requests to the replica that holds the longest cached prefix, balanced against load.
 
@@ -111,11 +145,16 @@ def route(
     from kvpool.router import RouteOptions, Router, index_from_url
     from kvpool.router.replicas import check_replica_url
     from kvpool.routing import Routing
+    from kvpool.serve.connections import ConnectionLimits
     from kvpool.tenancy import KeyRing, SaltPolicy, load_secret
 
     urls = tuple(dict.fromkeys(check_replica_url(url) for url in replicas))
     keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
     admin_key = None if admin_key_file is None else _first_key(admin_key_file)
+    admin_keys = None if admin_key_file is None else KeyRing.load_lines(admin_key_file, "admin")
+    limits = ConnectionLimits(
+        header_timeout=header_timeout, max_connections=max_connections, shutdown_timeout=shutdown_timeout
+    )
     if no_tenant_isolation:
         salts, salts_known = SaltPolicy.shared(), True
     else:
@@ -136,11 +175,13 @@ def route(
         keys=keys,
         salts=salts,
         admin_key=admin_key,
+        admin_keys=admin_keys,
         routing=Routing(routing),
         load_cost=load_cost,
         health_interval=health_interval,
+        upstream_timeout=upstream_timeout,
     )
-    _serve(Router(options, index), host, port)
+    _serve(Router(options, index), host, port, limits)
 
 
 def _first_key(path: str) -> str:
@@ -169,10 +210,11 @@ def _tokenizer(model: str) -> Any:
     return PromptTokenizer(resolve_model(model))
 
 
-def _serve(router: Any, host: str, port: int) -> None:
+def _serve(router: Any, host: str, port: int, limits: Any) -> None:
     import uvicorn
 
     from kvpool.router import build_app
+    from kvpool.serve.connections import uvicorn_config
 
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S"))
@@ -180,4 +222,7 @@ def _serve(router: Any, host: str, port: int) -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     _log(f"routing on http://{host}:{port}/v1")
-    uvicorn.Server(uvicorn.Config(build_app(router), host=host, port=port, log_level="warning", access_log=False)).run()
+    config = uvicorn_config(
+        build_app(router), host=host, port=port, limits=limits, log_level="warning", access_log=False
+    )
+    uvicorn.Server(config).run()

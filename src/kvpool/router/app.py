@@ -15,8 +15,16 @@ For a generation request the router
    ``cached_tokens`` included.
 
 A transport error before any byte came back retries the request on the next best
-replica; a refused connection marks the replica down at once, any other error has it
-checked at once. A replica believed down is never chosen while one is up.
+replica; a refused connection marks the replica down at once, a replica silent for
+longer than ``upstream_timeout`` is taken out of rotation for ``quarantine`` seconds,
+any other error has it checked at once. A replica believed down is never chosen while
+one is up.
+
+What a client sends is checked before it costs the router anything: the API key from
+the headers (401 before the body is read), a declared ``Content-Length`` over the limit
+(413 before the body is read), a chunked body as it arrives (413 as soon as it passes
+the limit), and JSON nested too deeply (400). ``/health?verbose=1`` (the index and
+event figures) is open on the loopback interface, elsewhere only with an admin key.
 """
 
 from __future__ import annotations
@@ -29,12 +37,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompts import Tokenizer, block_hashes
 from kvpool.router.replicas import Hashing, Replica
 from kvpool.routing import Routing, chooser, prefix_aware
+from kvpool.serve.connections import is_loopback
 from kvpool.serve.protocol import APIError, Endpoint, GenerationRequest, error_body, parse_generation
 from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
 
@@ -61,9 +71,14 @@ class RouteOptions:
 
     ``load_cost``: cached blocks one request queued or running at a replica is worth
     (the ``prefix`` rule's exchange rate); ``routing``: the rule (the others, for comparison, ignore prefixes). ``admin_key``: sent to the replicas'
-    ``/kv-events``, which only their loopback interface may read without one. ``keys`` None: the replicas are
+    ``/kv-events``, which only their loopback interface may read without one. ``admin_keys``: the keys that
+    open the router's own ``/health?verbose=1`` to clients off its loopback interface (None: loopback only).
+    ``keys`` None: the replicas are
     single-tenant. ``salts`` must be the replicas' own rule (the same secret file, or
     shared when they run without tenant isolation), or no prefix will ever match.
+    ``upstream_timeout``: the longest a replica may stay silent (seconds without a byte: before its
+    answer starts, which for a request that does not stream is the whole generation, and between
+    streamed chunks); one that does is out of rotation for ``quarantine`` seconds.
     """
 
     replicas: tuple[str, ...]
@@ -72,11 +87,20 @@ class RouteOptions:
     salts: SaltPolicy
     load_cost: float = 8.0
     admin_key: str | None = None
+    admin_keys: KeyRing | None = None
     routing: Routing = Routing.PREFIX
     health_interval: float = 0.5
     health_timeout: float = 2.0
     connect_timeout: float = 2.0
+    upstream_timeout: float = 300.0
+    quarantine: float = 30.0
     max_body_bytes: int = 8 * 2**20
+
+    def __post_init__(self) -> None:
+        for name in ("health_interval", "health_timeout", "connect_timeout", "upstream_timeout", "quarantine"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 class Router:
@@ -88,7 +112,12 @@ class Router:
         self.replicas = [Replica(url) for url in options.replicas]
         self.rule = chooser(options.routing, load_cost=options.load_cost)
         self.monitor = ReplicaMonitor(
-            self.replicas, index, options.health_interval, options.health_timeout, options.admin_key
+            self.replicas,
+            index,
+            options.health_interval,
+            options.health_timeout,
+            options.admin_key,
+            quarantine=options.quarantine,
         )
         self._client: httpx.AsyncClient | None = None
         self._loading: asyncio.Future[None] | None = None
@@ -101,7 +130,9 @@ class Router:
     async def start(self) -> None:
         import httpx
 
-        timeout = httpx.Timeout(self.options.health_timeout, connect=self.options.connect_timeout, read=None)
+        options = self.options
+        # read: the longest silence from a replica (a stuck one must not hold a request, or a slot, for ever)
+        timeout = httpx.Timeout(options.health_timeout, connect=options.connect_timeout, read=options.upstream_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
         await self.monitor.start(self._client)
@@ -122,6 +153,13 @@ class Router:
         if self._client is not None:
             await self._client.aclose()
 
+    def figures(self) -> dict[str, Any]:
+        """What ``/health?verbose=1`` adds: the index per replica and each replica's event stream."""
+        return {
+            "index_blocks": {r.url: self.index.num_blocks(r.url) for r in self.replicas},
+            "events": {url: feed.figures() for url, feed in self.monitor.feeds.items()},
+        }
+
     # -- choosing -------------------------------------------------------------------------
 
     @property
@@ -131,6 +169,34 @@ class Router:
         if self.options.routing is not Routing.PREFIX or tokenizer is None:
             return False
         return tokenizer.loaded and bool(self.monitor.hashers())
+
+    def require_operator(self, request: Request) -> None:
+        """The loopback interface, or an admin key: what sees the index and the replicas' event figures."""
+        if request.client is not None and is_loopback(request.client.host):
+            return
+        admin = self.options.admin_keys
+        if admin is None:
+            raise APIError(403, "this route is open on the loopback interface only", type="permission_error")
+        if admin.name_for(bearer_token(request.headers.get("authorization"))) is None:
+            raise APIError(401, "this route needs an admin key", type="authentication_error", code="invalid_api_key")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it is known to be over the limit (nothing more read)."""
+        limit = self.options.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                raise APIError(400, f"Content-Length is not a byte count: {declared!r}", code="invalid_request")
+            if int(declared) > limit:
+                raise APIError(
+                    413, f"the request body is {int(declared)} bytes; the limit is {limit}", code="request_too_large"
+                )
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        return bytes(body)
 
     def tenant(self, authorization: str | None) -> str:
         """The tenant an ``Authorization`` header names; raises 401 for a missing or unknown key."""
@@ -255,7 +321,9 @@ class Router:
         headers = {"authorization": authorization} if authorization else {}
         for replica in [r for r in self.replicas if r.up] + [r for r in self.replicas if not r.up]:
             try:
-                response = await self.client.get(replica.url + path, headers=headers)
+                response = await self.client.get(
+                    replica.url + path, headers=headers, timeout=self.options.health_timeout
+                )
             except httpx.TransportError as exc:
                 self.monitor.suspect(replica, exc)
                 continue
@@ -312,17 +380,12 @@ def build_app(router: Router) -> Starlette:
 
     async def generate(request: Request, endpoint: Endpoint) -> Response | _Relay:
         try:
-            declared = int(request.headers.get("content-length") or 0)
-            if declared > router.options.max_body_bytes:
-                raise APIError(
-                    413, f"the request body is {declared} bytes; the limit is {router.options.max_body_bytes}"
-                )
-            body = await request.body()
-            if len(body) > router.options.max_body_bytes:
-                raise APIError(413, f"the request body is over {router.options.max_body_bytes} bytes")
-            tenant = router.tenant(request.headers.get("authorization"))
+            tenant = router.tenant(request.headers.get("authorization"))  # before a byte of the body is read
+            body = await router.read_body(request)
             try:
                 payload = json.loads(body)
+            except RecursionError:
+                raise APIError(400, "the request body's JSON is nested too deeply", code="invalid_json") from None
             except ValueError as exc:
                 raise APIError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
             parsed = parse_generation(endpoint, payload)
@@ -350,11 +413,17 @@ def build_app(router: Router) -> Starlette:
         return await router.forward_get("/v1/models", request.headers.get("authorization"))
 
     async def health(request: Request) -> Response:
+        verbose = request.query_params.get("verbose", "0") not in ("", "0", "false")
+        if verbose:
+            try:
+                router.require_operator(request)
+            except APIError as error:
+                return refuse(error)
         up = sum(r.up for r in router.replicas)
         body: dict[str, Any] = {"status": "ok" if up else "no replica up", "prefix_routing": router.prefix_routing}
         body["replicas"] = [r.describe() for r in router.replicas]
-        if request.query_params.get("verbose"):
-            body["index_blocks"] = {r.url: router.index.num_blocks(r.url) for r in router.replicas}
+        if verbose:
+            body.update(router.figures())
         return JSONResponse(body, status_code=200 if up else 503)
 
     @contextlib.asynccontextmanager

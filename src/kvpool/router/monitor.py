@@ -9,6 +9,11 @@ connection is marked down at once: its index entries are dropped and its event f
 stopped, so the router neither sends it requests nor believes it holds blocks. When
 it answers again the monitor reads its ``GET /kv-events`` (where it publishes, how it
 hashes) and starts a new feed, which rebuilds its entries from the replay buffer.
+
+A replica that accepted a request and then stayed silent past the router's upstream
+timeout may still answer ``/health`` (its HTTP loop alive, its engine stuck): it is
+*quarantined*, down for ``quarantine`` seconds whatever its health checks say, so
+requests go elsewhere meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -43,6 +49,8 @@ class ReplicaMonitor:
         interval: float,
         timeout: float,
         admin_key: str | None = None,
+        *,
+        quarantine: float = 30.0,
     ) -> None:
         self.replicas = list(replicas)
         # /kv-events is open on a replica's loopback interface, elsewhere only with an admin key
@@ -50,6 +58,7 @@ class ReplicaMonitor:
         self.index = index
         self.interval = interval
         self.timeout = timeout
+        self.quarantine = quarantine
         self.feeds: dict[str, EventFeed] = {}
         self._checks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()  # checks asked for by failed requests
@@ -106,7 +115,7 @@ class ReplicaMonitor:
         if response.status_code != 200:
             self.mark_down(replica, f"/health answered {response.status_code}")
             return
-        if not replica.up:
+        if not replica.up and time.monotonic() >= replica.held_until:
             await self._bring_up(replica)
 
     async def _bring_up(self, replica: Replica) -> None:
@@ -133,7 +142,8 @@ class ReplicaMonitor:
             feed.start(asyncio.get_running_loop())
 
     def suspect(self, replica: Replica, error: Exception) -> None:
-        """A request to ``replica`` failed: a refused connection takes it down now, anything else is checked now.
+        """A request to ``replica`` failed: a refused connection takes it down now, a replica that went
+        silent past the upstream timeout is quarantined, anything else is checked now.
 
         (A keep-alive connection the replica closed as it was reused fails the same way as
         a crash mid-answer; the health check tells them apart.)
@@ -142,6 +152,11 @@ class ReplicaMonitor:
 
         if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
             self.mark_down(replica, f"connection refused: {error!r}")
+        elif isinstance(error, httpx.TimeoutException):
+            replica.held_until = time.monotonic() + self.quarantine
+            self.mark_down(
+                replica, f"no answer in time ({type(error).__name__}): out of rotation for {self.quarantine:g} s"
+            )
         elif replica.up and self._client is not None:
             replica.last_error = f"request failed: {error!r}"
             task = asyncio.create_task(self.check(replica))

@@ -7,6 +7,7 @@ locks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,7 +97,8 @@ class Replica:
     """One replica behind the router.
 
     ``load`` is what the routing rule weighs: the requests this router has in flight
-    there (sent, and not yet answered to the end).
+    there (sent, and not yet answered to the end). ``held_until``: the monotonic time
+    before which health checks do not bring it back (a quarantine; 0: none).
     """
 
     url: str
@@ -105,6 +107,7 @@ class Replica:
     in_flight: int = 0
     routed: int = 0
     failures: int = 0
+    held_until: float = 0.0
     last_error: str | None = field(default=None, repr=False)
 
     @property
@@ -120,4 +123,5 @@ class Replica:
             "routed": self.routed,
             "events": None if self.events is None else self.events.endpoint,
             "last_error": self.last_error,
+            "quarantined": self.held_until > time.monotonic(),
         }
