@@ -131,6 +131,11 @@ class RedisStore:
         return self._counters.snapshot()
 
     @property
+    def prefix(self) -> bytes:
+        """What every key of this store starts with: ``kvpool:<layout namespace>:``."""
+        return self._prefix
+
+    @property
     def available(self) -> bool:
         """False while the server is known to be down and the next retry is not yet due."""
         return not self._closed and self._clock() >= self._retry_at
