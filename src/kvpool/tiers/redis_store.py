@@ -20,8 +20,8 @@ block is computed and saved again instead of staying unloadable. kvpool does
 not bound what it puts in Redis: entries leave by their TTL or by the server's own
 ``maxmemory-policy`` (``allkeys-lru`` suits a cache), and a block Redis evicted is a miss.
 
-Many blocks travel in one round trip: MGET (split per hash slot on a cluster) and a pipeline of
-SETs. Faults never stop serving: a Redis that is down, dies or times out (short socket timeouts)
+Many blocks travel in one round trip: a pipeline of GETRANGEs (split per node on a cluster), of
+SETs, of STRLENs for lookups. Faults never stop serving: a Redis that is down, dies or times out (short socket timeouts)
 costs one warning; until a retry, cheaply timed with a doubling backoff, every call answers at
 once with misses and stores nothing; the tier comes back when the server does.
 """
