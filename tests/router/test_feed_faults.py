@@ -7,7 +7,7 @@ import pytest
 from kvpool.router.feed import EventFeed
 from kvpool.router.index import MemoryIndex
 from tests.router.fakes import wait_for
-from tests.router.test_feed import H, R, HandPublisher, Loop, stored
+from tests.router.test_feed import H, HandPublisher, Loop, R, stored
 
 pytest_plugins = ["tests.router.test_feed"]  # its loop and publisher fixtures
 

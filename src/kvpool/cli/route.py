@@ -88,6 +88,20 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
     help="Seconds between health checks of each replica.",
 )
 @click.option(
+    "--index-max-blocks",
+    type=click.IntRange(min=1),
+    default=2**20,
+    show_default=True,
+    help="Block claims the in-process index keeps over all replicas; past it the oldest are dropped.",
+)
+@click.option(
+    "--index-max-blocks-per-replica",
+    type=click.IntRange(min=1),
+    default=2**19,
+    show_default=True,
+    help="Block claims the in-process index keeps per replica (lower when the replica says it holds fewer).",
+)
+@click.option(
     "--upstream-timeout",
     type=FiniteFloatRange(min=0, min_open=True),
     default=300.0,
@@ -130,6 +144,8 @@ def route(
     routing: str,
     load_cost: float,
     health_interval: float,
+    index_max_blocks: int,
+    index_max_blocks_per_replica: int,
     upstream_timeout: float,
     header_timeout: float,
     max_connections: int,
@@ -160,7 +176,9 @@ def route(
     else:
         secret, generated = load_secret(tenant_secret_file)
         salts, salts_known = SaltPolicy.isolated(secret), not generated
-    index = index_from_url(index_redis)
+    index = index_from_url(
+        index_redis, max_blocks=index_max_blocks, max_blocks_per_replica=index_max_blocks_per_replica
+    )
     tokenizer = _tokenizer(model) if salts_known else None
     if not salts_known:
         _log(

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
+from kvpool.router.index_guard import GuardedIndex
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompts import Tokenizer, block_hashes
 from kvpool.router.replicas import Hashing, Replica
@@ -119,6 +120,8 @@ class Router:
             options.admin_key,
             quarantine=options.quarantine,
         )
+        if isinstance(index, GuardedIndex):
+            index.on_recovered = self.monitor.resync  # entries lost in an outage come back from the replicas
         self._client: httpx.AsyncClient | None = None
         self._loading: asyncio.Future[None] | None = None
 
@@ -157,6 +160,7 @@ class Router:
         """What ``/health?verbose=1`` adds: the index per replica and each replica's event stream."""
         return {
             "index_blocks": {r.url: self.index.num_blocks(r.url) for r in self.replicas},
+            "index": self.index.figures(),
             "events": {url: feed.figures() for url, feed in self.monitor.feeds.items()},
         }
 

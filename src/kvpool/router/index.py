@@ -19,12 +19,21 @@ Operations and their cost (``k`` hashes in the call, ``r`` replicas):
 * :meth:`match`: O(matched blocks x replicas holding them) in memory; one
   pipelined round trip in Redis.
 
+The in-memory index is bounded: a replica's claims are capped (by default
+:data:`MAX_BLOCKS_PER_REPLICA`, or what the replica says it can hold when it says so,
+whichever is smaller) and all claims together too (:data:`MAX_BLOCKS`). Past a cap
+the replica's oldest claims are dropped, the least recently stored or matched first,
+and counted: a dropped claim can only make the router miss a prefix the replica
+holds, never believe it holds one it does not. (The Redis variant is bounded by the
+Redis server's own memory policy.)
+
 Both variants answer the same contract (``tests/router/test_index.py`` runs it on
 each); the Redis one lets several routers share one index (docs/routing.md).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,7 +42,12 @@ from kvpool.errors import ConfigError
 if TYPE_CHECKING:
     from redis import Redis
 
-__all__ = ["BlockIndex", "MemoryIndex", "RedisIndex", "index_from_url"]
+__all__ = ["MAX_BLOCKS", "MAX_BLOCKS_PER_REPLICA", "BlockIndex", "MemoryIndex", "RedisIndex", "index_from_url"]
+
+#: Claims one replica may have in the in-memory index (about 350 MiB of index at the cap).
+MAX_BLOCKS_PER_REPLICA = 2**19
+#: Claims all replicas together may have in the in-memory index (about 700 MiB at the cap).
+MAX_BLOCKS = 2**20
 
 #: A block hash as replicas publish it: digest bytes (kvpool, vLLM's sha256 variants) or an int.
 ExternalHash = bytes | int
@@ -59,6 +73,12 @@ class BlockIndex(Protocol):
     def num_blocks(self, replica: str) -> int:
         """How many distinct blocks ``replica`` holds (any medium)."""
 
+    def limit(self, replica: str, num_blocks: int | None) -> None:
+        """``replica`` says it can hold ``num_blocks`` blocks at most (None: it does not say)."""
+
+    def figures(self) -> dict[str, object]:
+        """What the router's verbose health shows of the index."""
+
 
 def _key(h: ExternalHash) -> bytes:
     """One canonical byte form per hash, so an int and its bytes never collide with another hash's."""
@@ -70,22 +90,50 @@ def _key(h: ExternalHash) -> bytes:
 
 
 class MemoryIndex:
-    """The index in this process: two dictionaries kept in step.
+    """The index in this process: two dictionaries kept in step, and bounded.
 
     ``_holders[hash]`` is the set of replicas holding the block; ``_held[replica][hash]``
-    the set of media holding it there. A block leaves ``_holders`` when its last medium
-    on that replica lets it go.
+    the set of media holding it there, oldest claim first (a store or a match moves a
+    claim to the end). A block leaves ``_holders`` when its last medium on that replica
+    lets it go, or when its claim is dropped for a cap (:attr:`dropped` counts those).
+
+    ``max_blocks_per_replica`` / ``max_blocks``: the caps (see the module's docstring);
+    :meth:`limit` lowers one replica's cap to what it says it can hold.
     """
 
-    __slots__ = ("_holders", "_held")
+    __slots__ = ("_holders", "_held", "_limits", "_claims", "max_blocks", "max_blocks_per_replica", "dropped")
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_blocks: int = MAX_BLOCKS, max_blocks_per_replica: int = MAX_BLOCKS_PER_REPLICA) -> None:
+        for name, value in (("max_blocks", max_blocks), ("max_blocks_per_replica", max_blocks_per_replica)):
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         self._holders: dict[bytes, set[str]] = {}
-        self._held: dict[str, dict[bytes, set[Medium]]] = {}
+        self._held: dict[str, OrderedDict[bytes, set[Medium]]] = {}
+        self._limits: dict[str, int] = {}  # replicas that said how many blocks they hold at most
+        self._claims = 0  # (replica, block) pairs held, over all replicas
+        self.max_blocks = max_blocks
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self.dropped = 0
+
+    def limit(self, replica: str, num_blocks: int | None) -> None:
+        """Cap ``replica``'s claims at ``num_blocks`` (what it can hold; None: the default cap only)."""
+        if num_blocks is None:
+            self._limits.pop(replica, None)
+        else:
+            self._limits[replica] = max(1, num_blocks)
+        held = self._held.get(replica)
+        if held is not None:
+            self._drop_oldest(replica, held, len(held) - self._cap(replica))
+
+    def _cap(self, replica: str) -> int:
+        return min(self.max_blocks_per_replica, self._limits.get(replica, self.max_blocks_per_replica))
 
     def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
-        held = self._held.setdefault(replica, {})
-        for h in hashes:
+        held = self._held.get(replica)
+        if held is None:
+            held = self._held[replica] = OrderedDict()
+        before = len(held)
+        for h in reversed(list(hashes)):  # a chain's root is the newest claim of the batch: dropped last
             key = _key(h)
             media = held.get(key)
             if media is None:
@@ -93,6 +141,22 @@ class MemoryIndex:
                 self._holders.setdefault(key, set()).add(replica)
             else:
                 media.add(medium)
+                held.move_to_end(key)
+        self._claims += len(held) - before
+        self._drop_oldest(replica, held, len(held) - self._cap(replica))
+        while self._claims > self.max_blocks:  # the global cap takes from the replica with the most claims
+            sizes = sorted(((len(held), r) for r, held in self._held.items()), reverse=True)
+            (most, largest), runner_up = sizes[0], sizes[1][0] if len(sizes) > 1 else 0
+            count = min(self._claims - self.max_blocks, most - runner_up + 1)
+            self._drop_oldest(largest, self._held[largest], count)
+
+    def _drop_oldest(self, replica: str, held: OrderedDict[bytes, set[Medium]], count: int) -> None:
+        for _ in range(max(0, count)):
+            key, _media = held.popitem(last=False)
+            self._forget_holder(key, replica)
+        if count > 0:
+            self._claims -= count
+            self.dropped += count
 
     def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
         held = self._held.get(replica)
@@ -106,10 +170,15 @@ class MemoryIndex:
             media.discard(medium)
             if not media:
                 del held[key]
+                self._claims -= 1
                 self._forget_holder(key, replica)
 
     def clear(self, replica: str) -> None:
-        for key in self._held.pop(replica, {}):
+        held = self._held.pop(replica, None)
+        if held is None:
+            return
+        self._claims -= len(held)
+        for key in held:
             self._forget_holder(key, replica)
 
     def _forget_holder(self, key: bytes, replica: str) -> None:
@@ -121,16 +190,33 @@ class MemoryIndex:
     def match(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[int]:
         matched = dict.fromkeys(replicas, 0)
         alive = set(replicas)  # replicas whose run of held blocks has not ended yet
+        keys = []
         for depth, h in enumerate(hashes):
-            holders = self._holders.get(_key(h))
+            key = _key(h)
+            holders = self._holders.get(key)
             if not holders:
                 break
             alive &= holders
             if not alive:
                 break
+            keys.append(key)
             for replica in alive:
                 matched[replica] = depth + 1
+        for replica, depth in matched.items():  # a prefix in use is the last a cap drops, its root last of all
+            if depth:
+                held = self._held[replica]
+                for key in reversed(keys[:depth]):
+                    held.move_to_end(key)
         return [matched[r] for r in replicas]
+
+    def figures(self) -> dict[str, object]:
+        return {
+            "kind": "memory",
+            "claims": self._claims,
+            "dropped": self.dropped,
+            "max_blocks": self.max_blocks,
+            "max_blocks_per_replica": self.max_blocks_per_replica,
+        }
 
     def num_blocks(self, replica: str) -> int:
         return len(self._held.get(replica, ()))
@@ -240,20 +326,51 @@ class RedisIndex:
         held: set[bytes] = self._redis.sunion([self._medium(m) for m in media])  # type: ignore[assignment]  # as above
         return len(held)
 
+    def limit(self, replica: str, num_blocks: int | None) -> None:
+        pass  # bounded by the Redis server's memory policy
 
-def index_from_url(url: str | None, *, prefix: str = "kvpool:route") -> BlockIndex:
-    """A :class:`MemoryIndex` (``url`` None) or a :class:`RedisIndex` on ``url`` (checked with a PING)."""
+    def figures(self) -> dict[str, object]:
+        return {"kind": "redis"}
+
+
+#: Seconds a call to the index Redis may take (it runs on the router's event loop).
+REDIS_TIMEOUT_S = 0.5
+
+
+def index_from_url(
+    url: str | None,
+    *,
+    prefix: str = "kvpool:route",
+    max_blocks: int = MAX_BLOCKS,
+    max_blocks_per_replica: int = MAX_BLOCKS_PER_REPLICA,
+) -> BlockIndex:
+    """A :class:`MemoryIndex` with these caps (``url`` None), or a :class:`RedisIndex` on ``url``.
+
+    The Redis one is checked with a PING, and wrapped in a
+    :class:`~kvpool.router.index_guard.GuardedIndex`: when the server fails later, requests
+    are routed by load until it answers again.
+    """
     if url is None:
-        return MemoryIndex()
+        return MemoryIndex(max_blocks=max_blocks, max_blocks_per_replica=max_blocks_per_replica)
     try:
         import redis
     except ImportError:
         raise ConfigError("--index-redis needs the redis client: pip install 'kvpool[tiers]'") from None
     try:
-        client = redis.Redis.from_url(url, socket_timeout=5)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),  # one try: the guard decides when to try again
+        )
         client.ping()
     except ValueError as exc:
         raise ConfigError(f"--index-redis {url!r} is not a Redis URL: {exc}") from None
     except redis.RedisError as exc:
         raise ConfigError(f"the index Redis at {url!r} does not answer: {exc}") from None
-    return RedisIndex(client, prefix)
+    from kvpool.router.index_guard import GuardedIndex
+
+    return GuardedIndex(RedisIndex(client, prefix), (redis.RedisError, OSError))

@@ -137,9 +137,19 @@ class ReplicaMonitor:
         replica.up = True
         log.info("%s is up%s", replica.url, "" if replica.events is None else f", events at {replica.events.endpoint}")
         if replica.events is not None:
+            self.index.limit(replica.url, replica.events.num_blocks)
             feed = EventFeed(replica.url, replica.events, self.index)
             self.feeds[replica.url] = feed
             feed.start(asyncio.get_running_loop())
+
+    def resync(self, urls: set[str]) -> None:
+        """Start these replicas' event feeds over (their index entries were cleared): each catches up again."""
+        for replica in self.replicas:
+            feed = self.feeds.get(replica.url)
+            if replica.url in urls and feed is not None and replica.events is not None:
+                feed.stop()
+                self.feeds[replica.url] = fresh = EventFeed(replica.url, replica.events, self.index)
+                fresh.start(asyncio.get_running_loop())
 
     def suspect(self, replica: Replica, error: Exception) -> None:
         """A request to ``replica`` failed: a refused connection takes it down now, a replica that went

@@ -63,6 +63,7 @@ class EventsInfo:
     hash_algorithm: str
     hash_seed: str | None
     block_size: int
+    num_blocks: int | None = None  # the most blocks it can hold, over all its media, when it says
 
     @classmethod
     def from_json(cls, body: object, replica_url: str) -> EventsInfo:
@@ -84,6 +85,7 @@ class EventsInfo:
             hash_algorithm=algo,
             hash_seed=seed if isinstance(seed, str) else None,
             block_size=block_size,
+            num_blocks=capacity if type(capacity := body.get("num_blocks")) is int and capacity > 0 else None,
         )
 
     @property
