@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -26,6 +27,7 @@ from kvpool.errors import KVPoolError
 from kvpool.serve.connections import is_loopback
 from kvpool.serve.engine_loop import EngineLoop, EngineStopped, Job, QueueFull, StepHook
 from kvpool.serve.metrics import DEFAULT_PREFIX, ServerMetrics
+from kvpool.serve.prompts import PromptTokenizer
 from kvpool.serve.protocol import (
     APIError,
     Endpoint,
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
     from kvpool.engine.outputs import RequestOutput
 
 __all__ = ["ServeConfig", "build_app", "pool_health"]
+
+_LOGGER = logging.getLogger("kvpool.serve")
 
 _FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop", "aborted": "abort"}
 
@@ -163,6 +167,7 @@ class _Server:
         self.metrics = ServerMetrics(config.model_name, config.metrics_prefix)
         self.loop = EngineLoop(engine, max_waiting=config.max_waiting, hooks=(self.metrics.after_step, *hooks))
         self.max_model_len = engine.max_model_len
+        self.prompts = PromptTokenizer(engine)  # prompts are tokenized on its thread, never the engine's
         self.created = int(time.time())
 
     # -- who is asking ---------------------------------------------------------------------
@@ -214,7 +219,8 @@ class _Server:
         except ValueError as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
-    def job(self, tenant: str, gen: GenerationRequest, request_id: str) -> Job:
+    async def job(self, tenant: str, gen: GenerationRequest, request_id: str) -> Job:
+        """The engine's job: fields checked, then the prompt tokenized on the tokenizer thread."""
         from kvpool.engine.sampling import SamplingParams
 
         if gen.model != self.config.model_name:
@@ -237,7 +243,12 @@ class _Server:
             salt = self.config.salts.cache_salt(tenant, gen.cache_salt)
         except KVPoolError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
-        return Job(request_id=request_id, prompt=gen.prompt, messages=gen.messages, params=params, cache_salt=salt)
+        try:
+            token_ids = await self.prompts.token_ids(gen)
+        except KVPoolError as exc:
+            param = "prompt" if gen.messages is None else "messages"
+            raise APIError(400, str(exc), param=param, code="invalid_prompt") from None
+        return Job(request_id=request_id, prompt_token_ids=token_ids, params=params, cache_salt=salt)
 
     async def admit(self, job: Job) -> tuple[int, asyncio.Queue[Any]]:
         try:
@@ -263,7 +274,7 @@ class _Server:
         tenant = self.tenant(request)
         gen = parse_generation(endpoint, await self.read_json(request))
         response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-        job = self.job(tenant, gen, response_id)
+        job = await self.job(tenant, gen, response_id)
         num_prompt_tokens, stream = await self.admit(job)
         created = int(time.time())
         if gen.stream:
@@ -275,10 +286,13 @@ class _Server:
             await asyncio.wait({collected, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not collected.done():
+            left = not collected.done()
+            if left:
                 collected.cancel()
                 self.loop.abort(response_id)
-        if collected.cancelled():
+            await asyncio.gather(collected, gone, return_exceptions=True)
+        if left:
+            _LOGGER.info("request %s: the client went away before its answer; aborted", response_id)
             return JSONResponse(error_body("the client went away"), status_code=499)
         text, output = collected.result()
         usage = Usage(num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
@@ -309,6 +323,12 @@ class _Server:
                     yield _sse(error_body(f"the request failed: {item}", type="server_error"))
                     break
                 output = item.output
+                if output is not None and output.error is not None:
+                    finished = True  # the engine finished it, with its error
+                    if item.text:
+                        yield _sse(chunk_body(endpoint, response_id, created, model, text=item.text))
+                    yield _sse(_failure_body(output))
+                    break
                 reason = None if output is None else _finish_reason(output)
                 if item.text or reason is not None:
                     yield _sse(
@@ -342,7 +362,16 @@ async def _collect(stream: asyncio.Queue[Any]) -> tuple[str, RequestOutput]:
             raise APIError(500, f"the request failed: {item}", type="server_error")
         pieces.append(item.text)
         if item.output is not None:
+            if item.output.error is not None:
+                failure = _failure_body(item.output)["error"]
+                raise APIError(500, failure["message"], type=failure["type"], code=failure["code"])
             return "".join(pieces), item.output
+
+
+def _failure_body(output: RequestOutput) -> dict[str, Any]:
+    """The error answering a request that failed in the engine: its cause, for this request only."""
+    assert output.error is not None  # called for failed requests
+    return error_body(f"the request failed: {output.error.cause}", type="server_error", code="request_failed")
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -358,6 +387,7 @@ def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, 
     """The ASGI app serving ``engine``; ``hooks`` run on the engine thread after every step."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -371,6 +401,9 @@ def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, 
                 return await handler(request)
             except APIError as exc:
                 return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+            except ClientDisconnect:  # it left while sending its body: nobody reads an answer
+                _LOGGER.info("%s %s: the client went away while sending its request", request.method, request.url.path)
+                return Response(status_code=499)
 
         return run
 
@@ -424,9 +457,11 @@ def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         server.loop.start()
+        server.prompts.start()
         try:
             yield
         finally:
+            server.prompts.close()
             server.loop.stop()
 
     routes = [

@@ -10,15 +10,21 @@
     async for delta in stream  <-- one call_soon_threadsafe per step --  step(): deltas
 
 Every engine call happens on the engine thread, so the engine needs no lock.
+A job reaches it as token IDs: rendering a chat template and tokenizing are
+done before :meth:`EngineLoop.submit` (the server does them on a tokenizer
+thread of its own), so a huge prompt never holds up the steps of the others.
 The thread steps while any request is unfinished, and between steps it takes
 every command waiting in the inbox (admissions and aborts), so a request
 arriving mid-batch joins at the next step and an abort frees its blocks
 before the next step is scheduled. With nothing to do the thread sleeps on the
 inbox. Deltas are handed to the event loop once per step for all requests.
 
-Should a step raise, the engine has already dropped every request (see
-:meth:`LLMEngine.step <kvpool.engine.llm_engine.LLMEngine.step>`); each open
-stream gets the error and the thread goes on serving.
+A request that fails in a step comes back from
+:meth:`LLMEngine.step <kvpool.engine.llm_engine.LLMEngine.step>` as a finished
+delta whose ``output.error`` says why; its stream gets that delta like any
+other, and every other request goes on. Should a step itself raise (a bug in
+the engine, not a request's doing), every open stream gets the error and the
+thread goes on serving.
 """
 
 from __future__ import annotations
@@ -64,11 +70,10 @@ class EngineStopped(Exception):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Job:
-    """A request as the engine takes it: a prompt (text or token IDs) or a conversation."""
+    """A request as the engine takes it: its prompt already tokenized."""
 
     request_id: str
-    prompt: str | tuple[int, ...] | None
-    messages: tuple[dict[str, str], ...] | None
+    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     cache_salt: str | None
 
@@ -187,19 +192,7 @@ class EngineLoop:
                 raise EngineStopped("the server is shutting down")
             if engine.scheduler.num_waiting >= self.max_waiting:
                 raise QueueFull(self.max_waiting)
-            if job.messages is not None:
-                prompt: str | tuple[int, ...] = engine.render_chat(list(job.messages))
-                special = False  # the rendered template holds its special tokens already
-            else:
-                assert job.prompt is not None  # a Job has a prompt or messages
-                prompt, special = job.prompt, True
-            engine.add_request(
-                prompt,
-                job.params,
-                request_id=job.request_id,
-                cache_salt=job.cache_salt,
-                add_special_tokens=special,
-            )
+            engine.add_request(job.prompt_token_ids, job.params, request_id=job.request_id, cache_salt=job.cache_salt)
         except Exception as exc:
             self._send(_resolve, admitted, exc)
             return

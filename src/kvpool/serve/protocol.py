@@ -186,12 +186,10 @@ def _utf8(text: str, param: str) -> str:
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     """Options that would change the answer and that kvpool does not implement: refused, not ignored."""
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad_request(f"'n' must be 1 (one choice per request), got {n!r}", "n", "unsupported_value")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise bad_request(f"'best_of' must be 1, got {best_of!r}", "best_of", "unsupported_value")
+    for name in ("n", "best_of"):  # an integer field: true and 1.0 are not 1
+        value = _int(body, name, None, 0)
+        if value is not None and value != 1:
+            raise bad_request(f"'{name}' must be 1 (one choice per request), got {value!r}", name, "unsupported_value")
     for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "response_format"):
         value = body.get(name)
         if value not in (None, False, 0, [], {}) and not (name == "response_format" and _is_text_format(value)):
@@ -227,7 +225,7 @@ def _sampling(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> Sampl
 
 def _top_k(body: Mapping[str, Any]) -> int:
     value = body.get("top_k")
-    if value == -1:  # vLLM's "off"
+    if _is_int(value) and value == -1:  # vLLM's "off" (an integer: -1.0 is refused like any float)
         return 0
     top_k = _int(body, "top_k", 0, 0)
     return 0 if top_k is None else top_k

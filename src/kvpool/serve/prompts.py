@@ -1,0 +1,120 @@
+"""Prompts into token IDs, off the engine thread and off the event loop.
+
+Rendering a chat template and tokenizing cost time in proportion to the text:
+done on the engine thread, one client's huge prompts would hold up every
+other request's steps; done on the event loop, every connection would wait.
+:class:`PromptTokenizer` does both on one thread of its own (one thread, so
+the tokenizer is never entered by two encodes at once), and the engine only
+receives token IDs.
+
+Before any of that, text whose length alone proves it cannot fit is refused:
+every token of the tokenizer's vocabulary stands for at most ``L``
+characters (``L``: its longest token, :func:`longest_token_chars`), so a
+text of ``n`` characters needs at least ``n / L`` tokens, and one of more
+than ``max_model_len * L`` characters needs more than ``max_model_len``.
+That holds for tokenizers that keep every character in some token (the
+byte-level BPE and byte-fallback SentencePiece vocabularies of the models
+served); one that drops characters (a whitespace-splitting word vocabulary)
+may see a text refused that would have fitted, never one let through that
+would not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from kvpool.serve.protocol import APIError, GenerationRequest
+
+if TYPE_CHECKING:
+    from kvpool.engine.llm_engine import LLMEngine
+
+__all__ = ["PromptTokenizer", "longest_token_chars", "prompt_chars"]
+
+#: The tokenizer thread's name (tests look for it).
+THREAD_NAME = "kvpool-tokenizer"
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """Characters of the longest token in ``tokenizer``'s vocabulary; None without a vocabulary.
+
+    A byte-level vocabulary spells each byte as one character, so a token
+    covers at most that many bytes, hence at most that many characters.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    vocab = get_vocab()
+    return max((len(token) for token in vocab), default=0) or None
+
+
+def prompt_chars(gen: GenerationRequest) -> int:
+    """Characters of a request's text: its prompt, or every message's content (a template only adds)."""
+    if isinstance(gen.prompt, str):
+        return len(gen.prompt)
+    return sum(len(m["content"]) for m in gen.messages or ())
+
+
+class PromptTokenizer:
+    """Turns checked requests into token IDs on a thread of its own.
+
+    Args:
+        engine: its tokenizer, chat template and ``max_model_len`` are used
+            (read-only: :meth:`LLMEngine.encode` and :meth:`LLMEngine.render_chat`
+            touch nothing else of the engine).
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self.max_model_len = engine.max_model_len
+        longest = longest_token_chars(engine.tokenizer) if engine.tokenizer is not None else None
+        #: Text longer than this (in characters) cannot fit ``max_model_len``; None: no bound known.
+        self.max_chars = None if longest is None else self.max_model_len * longest
+        self._executor: ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+
+    def close(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def check_size(self, gen: GenerationRequest) -> None:
+        """Refuse (400) text that cannot fit ``max_model_len`` by its length alone; O(messages)."""
+        if self.max_chars is None:
+            return
+        chars = prompt_chars(gen)
+        if chars > self.max_chars:
+            param = "prompt" if gen.messages is None else "messages"
+            raise APIError(
+                400,
+                f"the prompt has {chars} characters; no text over {self.max_chars} characters fits the "
+                f"context of {self.max_model_len} tokens (the longest token has {self.max_chars // self.max_model_len})",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def token_ids(self, gen: GenerationRequest) -> tuple[int, ...]:
+        """The request's prompt as token IDs (the chat template applied); refuses what cannot fit first.
+
+        Raises:
+            APIError: 400 for text too long to fit.
+            KVPoolError: the tokenizer or template refused it (no tokenizer, no template).
+        """
+        if isinstance(gen.prompt, tuple):
+            return gen.prompt
+        self.check_size(gen)
+        self.start()
+        assert self._executor is not None  # just started
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._encode, gen)
+
+    def _encode(self, gen: GenerationRequest) -> tuple[int, ...]:
+        engine = self._engine
+        if gen.messages is not None:
+            text = engine.render_chat(list(gen.messages))
+            return tuple(engine.encode(text, add_special_tokens=False))  # the template wrote its own
+        assert isinstance(gen.prompt, str)  # a request has text, token IDs or messages
+        return tuple(engine.encode(gen.prompt, add_special_tokens=True))
