@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool import BlockHasher, ConfigError, HashAlgo, KVCacheManager, MultiModalInput, Request
+from kvpool import BlockHasher, ConfigError, HashAlgo, KVCacheManager, KVPoolError, MultiModalInput, Request
 from kvpool.hashing import TOKEN_TYPECODE, extra_key_bytes, lora_key, salt_key, token_bytes
 
 TOKENS = list(range(1000, 1040))  # 10 blocks of 4
@@ -89,6 +89,21 @@ def test_multimodal_items_change_only_the_blocks_they_overlap_and_later():
     assert with_a[2] != plain[2] and with_a[2] != with_b[2]
     shifted = hasher.hash_token_ids(TOKENS, mm_inputs=[MultiModalInput(identifier="img-a", offset=10, length=5)])
     assert shifted[2] != with_a[2]  # the offset within the block is part of the key
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize(("offset", "length"), [(40, 1), (38, 3), (10_000, 2)])
+def test_media_beyond_the_tokens_is_refused_as_a_request_refuses_it(algo, offset, length):
+    hasher = BlockHasher(4, algo)
+    beyond = MultiModalInput(identifier="img-far", offset=offset, length=length)
+    with pytest.raises(
+        ConfigError, match=rf"'img-far' covers positions {offset}\.\.{offset + length - 1}, beyond the 40"
+    ):
+        hasher.hash_token_ids(TOKENS, mm_inputs=[beyond])
+    with pytest.raises(KVPoolError, match="img-far"):
+        Request("r", TOKENS, mm_inputs=[beyond])
+    last = MultiModalInput(identifier="img-end", offset=36, length=4)  # up to the last token: fine
+    assert len(hasher.hash_token_ids(TOKENS, mm_inputs=[last])) == 10
 
 
 def test_xxh3_algorithm_is_available_and_different():

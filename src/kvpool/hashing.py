@@ -389,6 +389,12 @@ class BlockHasher:
             raise ConfigError(f"lora_path {lora_path!r} was given without a lora_name")
         if isinstance(mm_inputs, str | bytes) or not all(isinstance(m, MultiModalInput) for m in mm_inputs):
             raise ConfigError(f"mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
+        for item in mm_inputs:  # Request's rule: a multimodal item lies within the tokens
+            if item.offset + item.length > len(tokens):
+                raise ConfigError(
+                    f"multimodal item {item.identifier!r} covers positions {item.offset}..{item.offset + item.length - 1}, "
+                    f"beyond the {len(tokens)} tokens"
+                )
         items = tuple(sorted(mm_inputs, key=lambda m: m.offset))
         bs = self.block_size
         num_blocks = len(tokens) // bs
