@@ -9,7 +9,7 @@ import pytest
 
 from kvpool.errors import ConfigError
 from kvpool.router.index import BlockIndex, MemoryIndex, RedisIndex, index_from_url
-from kvpool.router.index_guard import GuardedIndex
+from kvpool.router.index_guard import GuardedIndex, guarded
 
 A, B, C = "http://a:1", "http://b:2", "http://c:3"
 H = [bytes([i]) * 32 for i in range(10)]
@@ -22,7 +22,7 @@ def index(request: pytest.FixtureRequest) -> Iterator[BlockIndex]:
         return
     url = request.getfixturevalue("redis_url")
     shared = index_from_url(url, prefix=f"test:{uuid.uuid4().hex}")
-    assert isinstance(shared, GuardedIndex) and isinstance(shared.inner, RedisIndex)  # routes by load if it dies
+    assert isinstance(shared, RedisIndex) and isinstance(guarded(shared), GuardedIndex)  # routed by load if it dies
     yield shared
 
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
-from kvpool.router.index_guard import GuardedIndex
+from kvpool.router.index_guard import GuardedIndex, guarded
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompts import Tokenizer, block_hashes
 from kvpool.router.replicas import Hashing, Replica
@@ -109,19 +109,19 @@ class Router:
 
     def __init__(self, options: RouteOptions, index: BlockIndex) -> None:
         self.options = options
-        self.index = index
+        self.index = guarded(index)  # a shared index that fails routes by load
         self.replicas = [Replica(url) for url in options.replicas]
         self.rule = chooser(options.routing, load_cost=options.load_cost)
         self.monitor = ReplicaMonitor(
             self.replicas,
-            index,
+            self.index,
             options.health_interval,
             options.health_timeout,
             options.admin_key,
             quarantine=options.quarantine,
         )
-        if isinstance(index, GuardedIndex):
-            index.on_recovered = self.monitor.resync  # entries lost in an outage come back from the replicas
+        if isinstance(self.index, GuardedIndex):
+            self.index.on_recovered = self.monitor.resync  # entries lost in an outage come back from the replicas
         self._client: httpx.AsyncClient | None = None
         self._loading: asyncio.Future[None] | None = None
 

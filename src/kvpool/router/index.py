@@ -346,9 +346,9 @@ def index_from_url(
 ) -> BlockIndex:
     """A :class:`MemoryIndex` with these caps (``url`` None), or a :class:`RedisIndex` on ``url``.
 
-    The Redis one is checked with a PING, and wrapped in a
-    :class:`~kvpool.router.index_guard.GuardedIndex`: when the server fails later, requests
-    are routed by load until it answers again.
+    The Redis one is checked with a PING; the router guards it
+    (:mod:`kvpool.router.index_guard`): when the server fails later, requests are routed
+    by load until it answers again.
     """
     if url is None:
         return MemoryIndex(max_blocks=max_blocks, max_blocks_per_replica=max_blocks_per_replica)
@@ -371,6 +371,4 @@ def index_from_url(
         raise ConfigError(f"--index-redis {url!r} is not a Redis URL: {exc}") from None
     except redis.RedisError as exc:
         raise ConfigError(f"the index Redis at {url!r} does not answer: {exc}") from None
-    from kvpool.router.index_guard import GuardedIndex
-
-    return GuardedIndex(RedisIndex(client, prefix), (redis.RedisError, OSError))
+    return RedisIndex(client, prefix)

@@ -25,13 +25,22 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from kvpool.router.index import BlockIndex, ExternalHash, Medium
+from kvpool.router.index import BlockIndex, ExternalHash, Medium, RedisIndex
 
-__all__ = ["GuardedIndex"]
+__all__ = ["GuardedIndex", "guarded"]
 
 log = logging.getLogger("kvpool.route")
 
 T = TypeVar("T")
+
+
+def guarded(index: BlockIndex) -> BlockIndex:
+    """``index`` as the router uses it: a Redis one guarded against its server's failures."""
+    if isinstance(index, RedisIndex):
+        import redis
+
+        return GuardedIndex(index, (redis.RedisError, OSError))
+    return index
 
 
 class GuardedIndex:
