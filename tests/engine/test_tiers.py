@@ -203,26 +203,30 @@ def test_bad_tier_specs_are_refused_before_loading(folder):
         LLMEngine(folder, **TINY_POOL, kv_tiers=["cpu:100B"], log=None)
 
 
-def test_a_failed_step_leaves_no_tier_holding_unwritten_blocks(folder, reference, monkeypatch):
+def test_a_failed_request_leaves_no_tier_holding_its_unwritten_blocks_and_resets_none(folder, reference, monkeypatch):
     engine = LLMEngine(folder, **TINY_POOL, kv_tiers=["cpu:1MiB"], log=None)
     batch = prompts(7, count=2)
     run(engine, batch[:1])
-    assert engine.kv_tiers.host.num_stored > 0
+    host = engine.kv_tiers.host
+    stored = host.num_stored
+    assert stored > 0
     runner = engine.setup.runner
 
     def broken(chunks):
         raise RuntimeError("the device fell over")
 
     monkeypatch.setattr(runner, "execute", broken)
-    engine.add_request(batch[1], PARAMS)
-    with pytest.raises(RuntimeError, match="fell over"):
-        engine.step()  # its saves were planned (host blocks reserved) but never written
+    rid = engine.add_request(batch[1], PARAMS)
+    [failed] = engine.step()  # its saves were planned (host blocks reserved) but never written
     monkeypatch.undo()
-    assert engine.kv_tiers.host.num_stored == 0
+    assert failed.request_id == rid and "fell over" in failed.output.error.cause
+    assert host.num_stored == stored  # the earlier request's blocks stay; the unwritten ones are gone
     assert engine.scheduler.num_saving == 0 and engine.manager.num_free_blocks == engine.num_blocks - 1
+    engine.manager.check_invariants()
     outs = run(engine, batch)
     assert_same_tokens(outs, batch, reference)
-    assert all(o.num_cached_tokens == 0 for o in outs)  # nothing was trusted after the failure
+    assert outs[0].num_cached_tokens > 0  # the first prompt's blocks were trusted: their K/V was written
+    assert outs[1].num_cached_tokens == 0  # nothing of the failed request's step was
 
 
 def test_damaged_and_foreign_redis_entries_are_computed_and_counted(folder, reference, redis_server):
