@@ -399,8 +399,10 @@ class LLMEngine:
         eos = self.setup.eos_token_ids
         # A model may name several end tokens; the first is "the" EOS, the others stop like it.
         extra_eos = frozenset() if params.ignore_eos else frozenset(eos[1:])
+        # None: the rest of the context (at least 1, so a prompt too long is refused below by length).
+        max_tokens = params.max_tokens or max(1, self.setup.max_model_len - len(tokens))
         stop = StopConditions(
-            max_tokens=params.max_tokens,
+            max_tokens=max_tokens,
             stop_token_ids=frozenset(params.stop_token_ids) | extra_eos,
             eos_token_id=eos[0] if eos else None,
             ignore_eos=params.ignore_eos,

@@ -13,7 +13,23 @@ from typing import Any
 from kvpool.errors import RequestFailed
 from kvpool.scheduler import FinishReason
 
-__all__ = ["IncrementalDetokenizer", "RequestDelta", "RequestOutput", "request_log_line"]
+__all__ = ["IncrementalDetokenizer", "RequestDelta", "RequestOutput", "TokenLogprobs", "request_log_line"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenLogprobs:
+    """The log-probabilities of one generated token.
+
+    They are those of the model's own distribution at that step (a
+    log-softmax of the raw logits, before penalties, temperature and the
+    top-k/top-p/min-p cuts), as vLLM returns them by default. ``top`` holds
+    the ``logprobs`` most likely ``(token_id, logprob)`` pairs, best first
+    (it may or may not include ``token_id``).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +47,13 @@ class RequestOutput:
     recomputation included. A request that failed while served has
     ``finish_reason`` ``ERROR`` and its :class:`~kvpool.errors.RequestFailed`
     in ``error`` (None otherwise); its output holds the tokens it got before.
+
+    ``stop_reason`` is the stop token ID or stop string that ended it (None
+    when it ended on EOS, length, abort or error). A stop string is cut from
+    ``text`` (kept with ``include_stop_str_in_output``), and so is the text of
+    a stop token or EOS; ``output_token_ids`` keeps every token generated.
+    ``logprobs`` holds one :class:`TokenLogprobs` per output token when the
+    request asked for them (``SamplingParams.logprobs``), else None.
     """
 
     request_id: str
@@ -47,6 +70,8 @@ class RequestOutput:
     num_preemptions: int
     cached_tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
     error: RequestFailed | None = None
+    stop_reason: int | str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,7 +96,11 @@ class RequestDelta:
     ``text`` is the newly decodable text (possibly empty while a multi-byte
     character is incomplete); ``output`` is set on the step that finished it.
     A request that failed gets a finished delta with no token and
-    ``output.error`` set.
+    ``output.error`` set. ``text`` never holds text that a stop string later
+    removes: text that could still grow into a stop string is held back until
+    it cannot (or the request finishes). ``logprobs`` holds one
+    :class:`TokenLogprobs` per token of ``token_ids`` when the request asked
+    for them, else None.
     """
 
     request_id: str
@@ -79,6 +108,7 @@ class RequestDelta:
     text: str
     finished: bool
     output: RequestOutput | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class IncrementalDetokenizer:

@@ -30,9 +30,12 @@ from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvalidTokenError
 from kvpool.hashing import to_token_array
 
-__all__ = ["GREEDY_BELOW", "SamplingFailure", "SamplingParams", "make_generator", "sample_tokens"]
+__all__ = ["GREEDY_BELOW", "MAX_LOGPROBS", "SamplingFailure", "SamplingParams", "make_generator", "sample_tokens"]
 
 _MAX_SEED = 2**63
+
+#: Most ``logprobs`` a request may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
 
 #: Temperatures below this are greedy (an argmax): smaller ones overflow the scaled logits.
 GREEDY_BELOW = 1e-5
@@ -42,12 +45,50 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_flag(name: str, value: object) -> None:
+    if type(value) is not bool:
+        raise ConfigError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_number(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> None:
+    """Refuse anything but a finite int or float in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < low
+        or (low_open and value == low)
+        or value > high
+    ):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ConfigError(f"{name} must be a finite number in {interval}, got {value!r}")
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (one string alone is one stop string, as in vLLM)."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Sequence):
+        raise ConfigError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    strings = tuple(stop)
+    for i, one in enumerate(strings):
+        if not isinstance(one, str) or not one:
+            raise ConfigError(f"stop[{i}] must be a non-empty string, got {one!r}")
+    return strings
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick a request's next tokens and when to stop.
+    """How to pick a request's next tokens and when to stop (vLLM's fields and meanings).
+
+    Every field is checked when the object is made; a bad value raises a
+    :class:`~kvpool.errors.ConfigError` (or :class:`~kvpool.errors.InvalidTokenError`)
+    naming it.
 
     Attributes:
-        max_tokens: Most tokens to generate (>= 1).
+        max_tokens: Most tokens to generate (>= 1); None generates up to the end
+            of the context (``max_model_len`` minus the prompt), resolved when the
+            request is added.
         temperature: 0 for greedy; otherwise logits are divided by it. Below
             :data:`GREEDY_BELOW` (``1e-5``) it is greedy as well.
         top_p: Nucleus mass in (0, 1]; 1 keeps every token.
@@ -55,20 +96,49 @@ class SamplingParams:
             are kept too); 0 turns the cut off.
         seed: Seeds the request's generator, for reproducible sampling; None
             draws a fresh seed.
-        stop_token_ids: Tokens that end the request (the token is kept).
+        stop_token_ids: Tokens that end the request (the token is kept in
+            ``output_token_ids``; its text is left out of ``text`` unless
+            ``include_stop_str_in_output``).
         ignore_eos: Keep generating past the model's end-of-sequence token.
+        presence_penalty: In [-2, 2]; subtracted once from the logit of every
+            token already generated (positive discourages repeats).
+        frequency_penalty: In [-2, 2]; subtracted from a token's logit once per
+            time it was generated.
+        repetition_penalty: > 0; a token seen in the prompt or the output has a
+            positive logit divided by it and a negative one multiplied by it
+            (1 turns it off).
+        min_p: In [0, 1]; after temperature, tokens whose probability is below
+            ``min_p`` times the most likely token's are dropped (0 turns it off).
+        min_tokens: Tokens generated before EOS, a stop token or a stop string
+            may end the request (EOS and stop tokens are masked until then);
+            at most ``max_tokens``.
+        stop: Strings that end the request when the generated text contains one,
+            across token boundaries; ``text`` is cut before it.
+        include_stop_str_in_output: Keep the stop string (or the stop token's
+            text) at the end of ``text``.
+        logprobs: None for no log-probabilities; k in [0, 20] for the sampled
+            token's log-probability and the k most likely tokens', each step.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("max_tokens", self.max_tokens)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens)
         if (
             isinstance(self.temperature, bool)
             or not isinstance(self.temperature, (int, float))
@@ -85,10 +155,25 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, Mapping):  # iterating a mapping would silently take its keys
             raise InvalidTokenError(f"stop_token_ids must be a sequence of token IDs, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(to_token_array(self.stop_token_ids, "stop_token_ids")))
-        if not isinstance(self.ignore_eos, bool):
-            raise ConfigError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        object.__setattr__(self, "temperature", float(self.temperature))
-        object.__setattr__(self, "top_p", float(self.top_p))
+        _check_flag("ignore_eos", self.ignore_eos)
+        _check_flag("include_stop_str_in_output", self.include_stop_str_in_output)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), low=-2.0, high=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, low_open=True)
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ConfigError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
