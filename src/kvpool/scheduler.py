@@ -75,7 +75,7 @@ class RequestStatus(Enum):
 
 class FinishReason(Enum):
     LENGTH = "length"  # max_tokens or max_model_len reached
-    STOP = "stop"  # a stop token was sampled
+    STOP = "stop"  # a stop token was sampled, or the text reached a stop string
     EOS = "eos"  # the end-of-sequence token was sampled
     ABORTED = "aborted"
     ERROR = "error"  # failed while served (the engine's output carries the error)
@@ -110,15 +110,21 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StopConditions:
-    """When a request stops generating."""
+    """When a request stops generating.
+
+    EOS and the stop tokens end a request only once more than ``min_tokens``
+    tokens were generated; ``max_tokens`` and ``max_model_len`` always do.
+    """
 
     max_tokens: int = 16
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_id: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens)
+        check_int("min_tokens", self.min_tokens, minimum=0)
         stops = self.stop_token_ids
         if isinstance(stops, Mapping):  # iterating a mapping would silently take its keys
             raise InvalidTokenError(f"stop_token_ids must be a collection of token IDs, got {stops!r}")
@@ -357,12 +363,13 @@ class Scheduler:
     def abort(self, request_id: str, *, reason: FinishReason = FinishReason.ABORTED) -> bool:
         """Stop a request now; its blocks go back to the pool.
 
-        ``reason`` is ``ABORTED`` (the caller gave up) or ``ERROR`` (it failed
-        while served). Returns whether it stopped one: an unknown or already
+        ``reason`` is ``ABORTED`` (the caller gave up), ``ERROR`` (it failed
+        while served) or ``STOP`` (its text reached a stop string, which only
+        the engine sees). Returns whether it stopped one: an unknown or already
         finished ID (a request may finish just before its abort) changes nothing.
         """
-        if reason not in (FinishReason.ABORTED, FinishReason.ERROR):
-            raise ConfigError(f"an abort's reason is ABORTED or ERROR, got {reason!r}")
+        if reason not in (FinishReason.ABORTED, FinishReason.ERROR, FinishReason.STOP):
+            raise ConfigError(f"an abort's reason is ABORTED, ERROR or STOP, got {reason!r}")
         entry = self._lookup(request_id)
         if entry is None or entry.status is RequestStatus.FINISHED:
             return False
@@ -679,10 +686,11 @@ class Scheduler:
     def _stop_reason(self, entry: _Entry, token: int) -> FinishReason | None:
         stop = entry.stop
         request = entry.request
-        if token in stop.stop_token_ids:
-            return FinishReason.STOP
-        if not stop.ignore_eos and stop.eos_token_id is not None and token == stop.eos_token_id:
-            return FinishReason.EOS
+        if request.num_output_tokens > stop.min_tokens:  # EOS first, as vLLM checks them
+            if not stop.ignore_eos and stop.eos_token_id is not None and token == stop.eos_token_id:
+                return FinishReason.EOS
+            if token in stop.stop_token_ids:
+                return FinishReason.STOP
         if request.num_output_tokens >= stop.max_tokens:
             return FinishReason.LENGTH
         max_len = self.max_model_len

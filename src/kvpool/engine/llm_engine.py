@@ -56,9 +56,10 @@ import torch
 
 from kvpool.engine.containment import dependants, forward_contained
 from kvpool.engine.kv_transfer import KVTiers, build_kv_tiers
+from kvpool.engine.live_request import LiveRequest
 from kvpool.engine.model_store import DEFAULT_MODEL
-from kvpool.engine.outputs import IncrementalDetokenizer, RequestDelta, RequestOutput
-from kvpool.engine.sampling import SamplingFailure, SamplingParams, make_generator, sample_tokens
+from kvpool.engine.outputs import RequestDelta, RequestOutput, TokenLogprobs
+from kvpool.engine.sampling import SampledToken, SamplingFailure, SamplingParams, sample_rows
 from kvpool.engine.startup import EngineOptions, EngineSetup, start_engine
 from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestFailed, RequestStateError
 from kvpool.hashing import to_token_array
@@ -108,16 +109,6 @@ class _Prepared:
     request: Request
     stop: StopConditions
     params: SamplingParams
-    prompt: str | None
-
-
-@dataclass(slots=True, eq=False)
-class _Live:
-    """The engine's side of a queued request."""
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer | None
     prompt: str | None
 
 
@@ -172,7 +163,7 @@ class LLMEngine:
         self.kv_tiers: KVTiers | None = build_kv_tiers(
             chosen.kv_tiers, chosen.kv_tier_secret_file, setup.kv_caches, self.manager,
             (getattr(setup.model.config, "architectures", None) or [type(setup.model).__name__])[0], record,
-            model_folder=setup.model_path, namespace=chosen.kv_tier_namespace,
+            model_folder=setup.model_path, namespace=chosen.kv_tier_namespace, write=chosen.kv_tier_write,
         )  # fmt: skip
         if self.kv_tiers is not None:
             setup.runner.kv_load_wait = self.kv_tiers.worker.wait_for_layer_load
@@ -186,7 +177,7 @@ class LLMEngine:
             ),
             connector=None if self.kv_tiers is None else self.kv_tiers.connector,
         )
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._next_id = 0  # automatic request IDs are str(n), n counting up from here
 
     # -- properties ----------------------------------------------------------------
@@ -339,12 +330,8 @@ class LLMEngine:
         ]
         for one in prepared:  # every check has passed: queuing cannot fail
             self.scheduler.add_request(one.request, one.stop)
-            tokenizer = self.setup.tokenizer
-            self._live[one.request.request_id] = _Live(
-                params=one.params,
-                generator=make_generator(one.params, "cpu"),
-                detokenizer=IncrementalDetokenizer(tokenizer) if tokenizer is not None else None,
-                prompt=one.prompt,
+            self._live[one.request.request_id] = LiveRequest(
+                one.params, one.prompt, self.setup.tokenizer, self.setup.eos_token_ids
             )
         self._next_id = next_id
         return ids
@@ -396,6 +383,11 @@ class LLMEngine:
         except KVPoolError as exc:
             raise type(exc)(f"request {request_id!r}: {exc}") from None
         request = Request(request_id, tokens, cache_salt=cache_salt)  # checks the salt and that tokens exist
+        if params.stop and self.setup.tokenizer is None:
+            raise ConfigError(
+                f"request {request_id!r}: stop strings {list(params.stop)!r} need a tokenizer; "
+                f"model {self.setup.model_name!r} has none"
+            )
         eos = self.setup.eos_token_ids
         # A model may name several end tokens; the first is "the" EOS, the others stop like it.
         extra_eos = frozenset() if params.ignore_eos else frozenset(eos[1:])
@@ -406,6 +398,7 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids) | extra_eos,
             eos_token_id=eos[0] if eos else None,
             ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
         )
         self.scheduler.check_request(request, stop)  # room under max_model_len, in the pool, a free ID
         return _Prepared(request=request, stop=stop, params=params, prompt=text)
@@ -448,7 +441,7 @@ class LLMEngine:
             return []
         failed: dict[str, str] = {}
         dropped: set[str] = set()
-        sampled: dict[str, int] = {}
+        sampled: dict[str, SampledToken] = {}
         tiers = self.kv_tiers
         try:
             if tiers is not None:  # loads first; a failed one is computed in this very pass
@@ -473,32 +466,42 @@ class LLMEngine:
             _LOGGER.warning("a step failed; its %d requests failed with it: %s", len(everyone), cause)
             return deltas
         failures = self._fail(failed)
-        finished = {m.request_id: m for m in self.scheduler.update(plan, sampled)}
-        deltas = []
-        for rid, token in sampled.items():
-            state = self._live[rid]
-            piece = state.detokenizer.push(token) if state.detokenizer is not None else ""
-            metrics = finished.get(rid)
-            if metrics is None:
-                deltas.append(RequestDelta(request_id=rid, token_ids=(token,), text=piece, finished=False))
-                continue
-            if state.detokenizer is not None:
-                piece += state.detokenizer.flush()
-            output = self._finish(rid, metrics)
-            deltas.append(RequestDelta(request_id=rid, token_ids=(token,), text=piece, finished=True, output=output))
-        return deltas + failures
+        tokens = {rid: s.token_id for rid, s in sampled.items()}
+        finished = {m.request_id: m for m in self.scheduler.update(plan, tokens)}
+        return [self._deliver(rid, one, finished.get(rid)) for rid, one in sampled.items()] + failures
+
+    def _deliver(self, rid: str, sampled: SampledToken, metrics: RequestMetrics | None) -> RequestDelta:
+        """The delta of a request that got a token; it finishes here if the token ended it or its text did."""
+        state = self._live[rid]
+        token = sampled.token_id
+        ended = metrics is not None and metrics.finish_reason in (FinishReason.STOP, FinishReason.EOS)
+        request = self.scheduler.request(rid)
+        piece = state.take(token, sampled.logprobs, request.num_output_tokens, ended=ended)
+        if metrics is None and state.stop_string is not None:  # the text reached a stop string
+            self.scheduler.abort(rid, reason=FinishReason.STOP)
+            metrics = self.scheduler.metrics(rid)
+        logprobs = None if sampled.logprobs is None else (sampled.logprobs,)
+        if metrics is None:
+            return RequestDelta(request_id=rid, token_ids=(token,), text=piece, finished=False, logprobs=logprobs)
+        piece += state.flush()
+        output = self._finish(rid, metrics)
+        return RequestDelta(
+            request_id=rid, token_ids=(token,), text=piece, finished=True, output=output, logprobs=logprobs
+        )
 
     def _sample(
         self, rows: Mapping[str, torch.Tensor], batched: torch.Tensor | None, failed: dict[str, str]
-    ) -> dict[str, int]:
+    ) -> dict[str, SampledToken]:
         """Tokens of the sampled requests that have not failed; a row that cannot be sampled joins ``failed``."""
         ids = [rid for rid in rows if rid not in failed]
         if not ids:
             return {}
         logits = batched if batched is not None else torch.stack([rows[rid] for rid in ids])
         live = [self._live[rid] for rid in ids]
-        sampled: dict[str, int] = {}
-        for rid, token in zip(ids, sample_tokens(logits, [s.params for s in live], [s.generator for s in live])):
+        contexts = [s.row_context(self.scheduler.request(rid)) for rid, s in zip(ids, live)]
+        picks = sample_rows(logits, [s.params for s in live], [s.generator for s in live], contexts)
+        sampled: dict[str, SampledToken] = {}
+        for rid, token in zip(ids, picks):
             if isinstance(token, SamplingFailure):
                 failed[rid] = f"its next token cannot be sampled: {token.reason}"
             else:
@@ -529,8 +532,7 @@ class LLMEngine:
                 continue
             _LOGGER.warning("request %r failed: %s", rid, cause)
             self.scheduler.abort(rid, reason=FinishReason.ERROR)
-            state = self._live[rid]
-            piece = state.detokenizer.flush() if state.detokenizer is not None else ""
+            piece = self._live[rid].flush()
             output = self._finish(rid, self.scheduler.metrics(rid), error=RequestFailed(rid, cause))
             deltas.append(RequestDelta(request_id=rid, token_ids=(), text=piece, finished=True, output=output))
         return deltas
@@ -540,16 +542,21 @@ class LLMEngine:
         self.scheduler.forget(request_id)
         state = self._live.pop(request_id)
         output_ids = tuple(request.output_token_ids)
-        tokenizer = self.setup.tokenizer
-        text = tokenizer.decode(list(output_ids), skip_special_tokens=True) if tokenizer is not None else ""
+        reason = cast(FinishReason, metrics.finish_reason)  # a finished request has its reason
+        # STOP by a token: the token is the reason; by a stop string: the string.
+        stop_reason: int | str | None = state.stop_string
+        if reason is FinishReason.STOP and stop_reason is None and output_ids:
+            stop_reason = output_ids[-1]
+        ended = reason is FinishReason.EOS or (reason is FinishReason.STOP and state.stop_string is None)
+        logprobs: tuple[TokenLogprobs, ...] | None = None if state.logprobs is None else tuple(state.logprobs)
         finished_at = metrics.finish_time
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
             prompt_token_ids=tuple(request.prompt_token_ids),
             output_token_ids=output_ids,
-            text=text,
-            finish_reason=cast(FinishReason, metrics.finish_reason),  # a finished request has its reason
+            text=state.final_text(output_ids, ended=ended),
+            finish_reason=reason,
             num_cached_tokens=metrics.num_cached_tokens,
             cached_tokens_by_tier=dict(metrics.cached_tokens_by_tier),
             num_computed_tokens=metrics.num_computed_tokens,
@@ -558,6 +565,8 @@ class LLMEngine:
             latency=None if finished_at is None else finished_at - metrics.arrival_time,
             num_preemptions=metrics.num_preemptions,
             error=error,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
         )
 
     def run_until_done(self, request_ids: Sequence[str] | None = None) -> dict[str, RequestOutput]:
