@@ -39,6 +39,12 @@ take the first tied index at or after the one after their previous choice, so th
 an idle fleet still spreads new prefixes (and their cache) over every replica
 instead of filling replica 0. A router keeps one chooser object.
 
+Where ``cached_blocks`` comes from is the router's :class:`PrefixMode`: ``precise``
+(the replicas' own KV events say which blocks each holds), ``approximate`` (the router
+remembers which replica it sent each prefix to, in a bounded LRU: for servers that
+publish no events), or ``auto`` (precise for every replica whose events the router
+follows, approximate for the others; the default).
+
 Every rule is O(n) in the number of replicas.
 Bad figures (no replicas, lengths that differ, a negative or non-finite number) raise
 :class:`~kvpool.errors.ConfigError` naming the value.
@@ -56,6 +62,7 @@ from kvpool.errors import ConfigError
 __all__ = [
     "LeastLoaded",
     "PrefixAware",
+    "PrefixMode",
     "ReplicaChooser",
     "RoundRobin",
     "Routing",
@@ -71,6 +78,14 @@ class Routing(enum.Enum):
     PREFIX = "prefix"
     ROUND_ROBIN = "round-robin"
     LEAST_LOADED = "least-loaded"
+
+
+class PrefixMode(enum.Enum):
+    """Where a router's ``prefix`` rule learns which replica holds a prompt's blocks."""
+
+    AUTO = "auto"  # the replica's events where it publishes them, the router's memory elsewhere
+    PRECISE = "precise"  # the replicas' KV events only; a replica without events is weighed by load
+    APPROXIMATE = "approximate"  # the router's memory of where it sent each prefix (LRU-bounded)
 
 
 class ReplicaChooser(Protocol):

@@ -1,10 +1,14 @@
-"""``kvpool route``: one OpenAI endpoint in front of several ``kvpool serve`` replicas (the ``serve`` and ``events`` extras).
+"""``kvpool route``: one OpenAI endpoint in front of several replicas (the light ``route`` extra).
 
-It takes the replicas' own tenant flags (``--api-key-file``, ``--tenant-secret-file``,
-``--no-tenant-isolation``): the router derives each request's cache salt as they do,
-so the block hashes it computes are theirs. The model's tokenizer comes from the
-same model store the engine uses (the converted folder, read by transformers). What
-the router can and cannot do with what it was given is said at start on stderr.
+A ``kvpool serve`` replica is named by its URL; any other server (vLLM...) is described
+with its events (``--replica URL,events=...,block-size=...`` or ``--config FILE``, see
+:mod:`kvpool.router.specs`). It takes kvpool replicas' own tenant flags
+(``--api-key-file``, ``--tenant-secret-file``, ``--no-tenant-isolation``): the router
+derives each request's cache salt as they do, so the block hashes it computes are
+theirs; in front of described replicas only (which salt by the request's own
+``cache_salt``) no tenant flag is needed. The model's tokenizer is read from the model
+folder with ``tokenizers`` and ``jinja2`` alone. What the router can and cannot do with
+what it was given, and which prefix mode it runs in and why, is said at start on stderr.
 """
 
 from __future__ import annotations
@@ -29,16 +33,26 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
     "--replica",
     "replicas",
     multiple=True,
-    required=True,
-    metavar="URL",
-    help="A kvpool serve replica's base URL (http://127.0.0.1:8001); repeat for each.",
+    metavar="URL[,KEY=VALUE...]",
+    help="A replica: a kvpool serve replica's base URL (http://127.0.0.1:8001), or any other server's "
+    "with its events described: 'http://127.0.0.1:8101,events=tcp://127.0.0.1:5557,"
+    "replay=tcp://127.0.0.1:5558,block-size=128,hash=sha256' (keys: events (or none), replay, "
+    "block-size, hash, seed, block-hash int64|bytes, num-blocks; docs/routing.md). Repeat for each.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A TOML file of [[replica]] tables (url and the keys of --replica), completed by a [defaults] table.",
 )
 @click.option(
     "--model",
     metavar="NAME_OR_PATH",
     default=_DEFAULT_MODEL,
     show_default=True,
-    help="The replicas' model: its tokenizer computes the prompts' block hashes.",
+    help="The replicas' model: a folder with tokenizer.json (and its chat template), or a kvpool model name; "
+    "its tokenizer and chat template decide the prompts' tokens, hence their block hashes.",
 )
 @click.option(
     "--api-key-file",
@@ -68,10 +82,27 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 )
 @click.option(
     "--routing",
-    type=click.Choice(["prefix", "round-robin", "least-loaded"]),
-    default="prefix",
+    type=click.Choice(["auto", "precise", "approximate", "prefix", "round-robin", "least-loaded"]),
+    default="auto",
     show_default=True,
-    help="The routing rule (kvpool.routing); the other two ignore cached prefixes, for comparison.",
+    help="The routing rule: by cached prefix against load, the prefixes learnt from the replicas' KV events "
+    "(precise; 'prefix' is its old name), from the router's memory of where it sent each one (approximate: "
+    "for servers without events), or each where it can (auto). round-robin and least-loaded ignore "
+    "prefixes, for comparison.",
+)
+@click.option(
+    "--approx-max-blocks",
+    type=click.IntRange(min=1),
+    default=2**18,
+    show_default=True,
+    help="Blocks the approximate mode remembers over all replicas (least recently used dropped first).",
+)
+@click.option(
+    "--approx-block-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Tokens per block of the approximate mode's memory (its prefixes' granularity).",
 )
 @click.option(
     "--load-cost",
@@ -135,6 +166,7 @@ def route(
     host: str,
     port: int,
     replicas: tuple[str, ...],
+    config_file: str | None,
     model: str,
     api_key_file: str | None,
     tenant_secret_file: str | None,
@@ -142,6 +174,8 @@ def route(
     admin_key_file: str | None,
     index_redis: str | None,
     routing: str,
+    approx_max_blocks: int,
+    approx_block_size: int,
     load_cost: float,
     health_interval: float,
     index_max_blocks: int,
@@ -153,25 +187,41 @@ def route(
 ) -> None:
     """Route OpenAI requests to the replica that holds the longest cached prefix, balanced against load.
 
-    The router follows each replica's KV events (found at its GET /kv-events), so
-    start the replicas with --kv-events-endpoint (and --kv-events-replay-endpoint).
+    The router follows each replica's KV events: a kvpool serve replica's are found at its
+    GET /kv-events (start it with --kv-events-endpoint and --kv-events-replay-endpoint); a vLLM
+    replica's are described (--replica URL,events=...,block-size=...,hash=...).
     """
-    require_extra("route", "serve", "starlette", "uvicorn", "httpx")
-    require_extra("route", "events", "zmq", "msgspec")
+    require_extra("route", "route", "starlette", "uvicorn", "httpx")
+    require_extra("route", "route", "zmq", "msgspec")
+    from kvpool.errors import ConfigError
     from kvpool.router import RouteOptions, Router, index_from_url
-    from kvpool.router.replicas import check_replica_url
-    from kvpool.routing import Routing
+    from kvpool.router.specs import load_config, parse_replica
+    from kvpool.routing import PrefixMode, Routing
     from kvpool.serve.connections import ConnectionLimits
     from kvpool.tenancy import KeyRing, SaltPolicy, load_secret
 
-    urls = tuple(dict.fromkeys(check_replica_url(url) for url in replicas))
+    specs = [parse_replica(text) for text in replicas]
+    if config_file is not None:
+        specs += load_config(config_file)
+    if not specs:
+        raise ConfigError("no replica: name one with --replica URL (repeat it) or list them in --config FILE")
+    seen: dict[str, object] = {}
+    for spec in specs:
+        if spec.url in seen and seen[spec.url] != spec:
+            raise ConfigError(f"replica {spec.url} is described twice, differently")
+        seen[spec.url] = spec
+    specs = list({spec.url: spec for spec in specs}.values())
+    urls = tuple(spec.url for spec in specs)
+    rule, mode = _rule(routing, Routing, PrefixMode)
     keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
     admin_key = None if admin_key_file is None else _first_key(admin_key_file)
     admin_keys = None if admin_key_file is None else KeyRing.load_lines(admin_key_file, "admin")
     limits = ConnectionLimits(
         header_timeout=header_timeout, max_connections=max_connections, shutdown_timeout=shutdown_timeout
     )
-    if no_tenant_isolation:
+    kvpool_replicas = [spec for spec in specs if spec.discover]
+    if no_tenant_isolation or (not kvpool_replicas and tenant_secret_file is None and api_key_file is None):
+        # described servers (vLLM) salt a prompt by its own cache_salt, as kvpool's --no-tenant-isolation does
         salts, salts_known = SaltPolicy.shared(), True
     else:
         secret, generated = load_secret(tenant_secret_file)
@@ -179,22 +229,27 @@ def route(
     index = index_from_url(
         index_redis, max_blocks=index_max_blocks, max_blocks_per_replica=index_max_blocks_per_replica
     )
-    tokenizer = _tokenizer(model) if salts_known else None
-    if not salts_known:
-        _log(
-            "WARNING: no --tenant-secret-file: the router cannot derive the replicas' cache salts, "
-            "so it routes by load only (give it the replicas' secret file, or --no-tenant-isolation if they run so)"
+    prefix_rule = rule is Routing.PREFIX
+    tokenizer, why_not = _tokenizer(model) if prefix_rule and salts_known else (None, None)
+    if prefix_rule and not salts_known:
+        why_not = (
+            "no --tenant-secret-file: the router cannot derive the kvpool replicas' cache salts "
+            "(give it their secret file, or --no-tenant-isolation if they run so)"
         )
-    _log(f"{len(urls)} replicas: {', '.join(urls)}")
+    _log(f"{len(urls)} replicas: {', '.join(_describe(spec) for spec in specs)}")
     _log("block index: " + (f"Redis at {index_redis}" if index_redis else "in this process"))
+    _log(_mode_line(routing, rule, mode, specs, why_not))
     options = RouteOptions(
-        replicas=urls,
+        replicas=tuple(specs),
         tokenizer=tokenizer,
         keys=keys,
         salts=salts,
         admin_key=admin_key,
         admin_keys=admin_keys,
-        routing=Routing(routing),
+        routing=rule,
+        prefix_mode=mode,
+        approx_max_blocks=approx_max_blocks,
+        approx_block_size=approx_block_size,
         load_cost=load_cost,
         health_interval=health_interval,
         upstream_timeout=upstream_timeout,
@@ -216,16 +271,76 @@ def _first_key(path: str) -> str:
     return keys[0]
 
 
-def _tokenizer(model: str) -> Any:
-    """The model's tokenizer (loaded later, in the background), or None where the engine extra is missing."""
-    try:
-        from kvpool.engine.model_store import resolve_model
-    except ImportError:
-        _log("WARNING: without the engine extra there is no tokenizer: routing by load only")
-        return None
-    from kvpool.router.prompts import PromptTokenizer
+def _rule(routing: str, routing_type: Any, mode_type: Any) -> tuple[Any, Any]:
+    """The routing rule and prefix mode a ``--routing`` name stands for."""
+    modes = {"auto": "auto", "precise": "precise", "prefix": "precise", "approximate": "approximate"}
+    if routing in modes:
+        return routing_type.PREFIX, mode_type(modes[routing])
+    return routing_type(routing), mode_type.AUTO
 
-    return PromptTokenizer(resolve_model(model))
+
+def _describe(spec: Any) -> str:
+    if spec.discover:
+        return f"{spec.url} (kvpool: events read from its /kv-events)"
+    if spec.events is None:
+        return f"{spec.url} (no events)"
+    info = spec.events
+    seed = "" if info.hash_seed is None else f", seed {info.hash_seed}"
+    return (
+        f"{spec.url} (events {info.endpoint}, replay {info.replay_endpoint or 'none'}, block size {info.block_size}, "
+        f"{info.hash_algorithm}{seed}, {info.hash_form.value} hashes)"
+    )
+
+
+def _mode_line(routing: str, rule: Any, mode: Any, specs: list[Any], why_not: str | None) -> str:
+    """The start-up line that says which prefix mode runs, and why."""
+    if rule.value != "prefix":
+        return f"prefix mode: none (--routing {routing}: cached prefixes are ignored, for comparison)"
+    if why_not is not None:
+        return f"WARNING: prefix mode: none, routing by load only: {why_not}"
+    with_events = [s for s in specs if s.discover or s.events is not None]
+    without = [s for s in specs if not s.discover and s.events is None]
+    if mode.value == "approximate":
+        return "prefix mode: approximate (--routing approximate: the router remembers where it sent each prefix)"
+    if mode.value == "precise":
+        note = "" if not without else f"; {len(without)} replicas publish no events and are weighed by load only"
+        return f"prefix mode: precise (--routing {routing}: from the replicas' KV events{note})"
+    if not with_events:
+        return "prefix mode: approximate (auto: no replica publishes KV events, so the router remembers prefixes)"
+    if without:
+        return (
+            f"prefix mode: precise for {len(with_events)} replicas with KV events, approximate for the "
+            f"{len(without)} without (auto)"
+        )
+    return "prefix mode: precise (auto: every replica's KV events are followed; a kvpool replica whose "
+    "/kv-events does not answer falls back to approximate, logged)"
+
+
+def _tokenizer(model: str) -> tuple[Any, str | None]:
+    """The model's tokenizer (loaded later, in the background) and None, or None and why there is none."""
+    from pathlib import Path
+
+    from kvpool.router.prompts import PromptTokenizer, missing_packages
+
+    missing = missing_packages()
+    if missing:
+        return None, f"{' and '.join(missing)} missing: pip install 'kvpool[route]'"
+    folder = Path(model).expanduser()
+    if not (folder / "tokenizer.json").is_file():
+        try:
+            from kvpool.engine.model_store import resolve_model
+        except ImportError:
+            why = (
+                f"--model {model!r} is not a folder with tokenizer.json, and without the engine extra "
+                "kvpool's model names cannot be resolved"
+            )
+            if model != _DEFAULT_MODEL:
+                from kvpool.errors import ConfigError
+
+                raise ConfigError(why) from None
+            return None, why
+        folder = resolve_model(model)
+    return PromptTokenizer(folder), None
 
 
 def _serve(router: Any, host: str, port: int, limits: Any) -> None:

@@ -17,8 +17,16 @@ For a generation request the router
 A transport error before any byte came back retries the request on the next best
 replica; a refused connection marks the replica down at once, a replica silent for
 longer than ``upstream_timeout`` is taken out of rotation for ``quarantine`` seconds,
-any other error has it checked at once. A replica believed down is never chosen while
-one is up.
+any other error has it checked at once. A replica marked down gets no request; with
+none up the answer is a 503 in OpenAI's error shape (``code: no_replica``).
+
+Where the cached prefixes come from is the :class:`~kvpool.routing.PrefixMode`: the
+replicas' KV events (``precise``), the router's own memory of where it sent each
+prefix (``approximate``: a :class:`MemoryIndex` of the prompts' blocks, hashed at
+``approx_block_size``, bounded by ``approx_max_blocks``), or each where it can
+(``auto``). Every answer's ``cached_tokens`` is read back (the JSON body, or the
+streamed chunk that carries the usage) and compared with the prediction
+(:mod:`kvpool.router.stats`; ``/metrics``).
 
 What a client sends is checked before it costs the router anything: the API key from
 the headers (401 before the body is read), a declared ``Content-Length`` over the limit
@@ -34,17 +42,21 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError
-from kvpool.hashing import BlockHash
-from kvpool.router.index import BlockIndex
+from kvpool.hashing import BlockHash, BlockHasher
+from kvpool.router.index import BlockIndex, MemoryIndex
 from kvpool.router.index_guard import GuardedIndex, guarded
+from kvpool.router.metrics import render_metrics
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompts import Tokenizer, block_hashes
 from kvpool.router.replicas import Hashing, Replica
-from kvpool.routing import Routing, chooser, prefix_aware
+from kvpool.router.specs import ReplicaSpec
+from kvpool.router.stats import HashVerdict
+from kvpool.router.usage import UsageScanner, cached_tokens_of
+from kvpool.routing import PrefixMode, Routing, chooser, prefix_aware
 from kvpool.serve.connections import is_loopback
 from kvpool.serve.protocol import APIError, Endpoint, GenerationRequest, error_body, parse_generation
 from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
@@ -67,6 +79,23 @@ _FORWARDED = ("authorization", "content-type", "accept")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PromptKeys:
+    """A request's prompt as the router keys it: its length, and its blocks under each hashing in use.
+
+    ``hashes``: per replica hashing, the prompt's full blocks as that replica's events spell
+    them; ``approx``: the blocks the router's own memory keys prompts by.
+    """
+
+    tokens: int = 0
+    hashes: dict[Hashing, list[BlockHash]] = field(default_factory=dict)
+    approx: list[BlockHash] = field(default_factory=list)
+
+
+#: A request that could not be keyed: routed by load.
+NO_KEYS = PromptKeys()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RouteOptions:
     """Everything ``kvpool route`` is told on its command line, checked.
 
@@ -82,7 +111,7 @@ class RouteOptions:
     streamed chunks); one that does is out of rotation for ``quarantine`` seconds.
     """
 
-    replicas: tuple[str, ...]
+    replicas: tuple[str | ReplicaSpec, ...]  # a URL: a kvpool replica (GET /kv-events); a spec: as described
     tokenizer: Tokenizer | None
     keys: KeyRing | None
     salts: SaltPolicy
@@ -96,8 +125,15 @@ class RouteOptions:
     upstream_timeout: float = 300.0
     quarantine: float = 30.0
     max_body_bytes: int = 8 * 2**20
+    prefix_mode: PrefixMode = PrefixMode.AUTO
+    approx_block_size: int = 16
+    approx_max_blocks: int = 2**18
 
     def __post_init__(self) -> None:
+        for name in ("approx_block_size", "approx_max_blocks"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("health_interval", "health_timeout", "connect_timeout", "upstream_timeout", "quarantine"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
@@ -110,7 +146,13 @@ class Router:
     def __init__(self, options: RouteOptions, index: BlockIndex) -> None:
         self.options = options
         self.index = guarded(index)  # a shared index that fails routes by load
-        self.replicas = [Replica(url) for url in options.replicas]
+        self.replicas = [_replica(entry) for entry in options.replicas]
+        # where this router sent each prefix (approximate mode): its own, never shared
+        self.approx = MemoryIndex(
+            max_blocks=options.approx_max_blocks, max_blocks_per_replica=options.approx_max_blocks
+        )
+        self.approx_hasher = BlockHasher(options.approx_block_size)
+        self.no_replica = 0  # requests answered 503 because no replica was up
         self.rule = chooser(options.routing, load_cost=options.load_cost)
         self.monitor = ReplicaMonitor(
             self.replicas,
@@ -120,6 +162,7 @@ class Router:
             options.admin_key,
             quarantine=options.quarantine,
         )
+        self.monitor.on_down = self.approx.clear  # a replica that went down lost its cache
         if isinstance(self.index, GuardedIndex):
             self.index.on_recovered = self.monitor.resync  # entries lost in an outage come back from the replicas
         self._client: httpx.AsyncClient | None = None
@@ -162,17 +205,73 @@ class Router:
             "index_blocks": {r.url: self.index.num_blocks(r.url) for r in self.replicas},
             "index": self.index.figures(),
             "events": {url: feed.figures() for url, feed in self.monitor.feeds.items()},
+            "approximate": {r.url: self.approx.num_blocks(r.url) for r in self.replicas},
         }
+
+    def metrics(self) -> str:
+        """The Prometheus text of ``/metrics``."""
+        for replica in self.replicas:
+            self.check_hashes(replica)
+        return render_metrics(self)
 
     # -- choosing -------------------------------------------------------------------------
 
     @property
     def prefix_routing(self) -> bool:
-        """Whether requests are routed by cached prefix now: a tokenizer loaded and a replica's hashing known."""
-        tokenizer = self.options.tokenizer
-        if self.options.routing is not Routing.PREFIX or tokenizer is None:
+        """Whether requests are routed by cached prefix now (precisely or approximately)."""
+        return self.prefix_mode_now != "load only"
+
+    def precise_for(self, replica: Replica) -> bool:
+        """Whether ``replica``'s cached prefixes come from its events (else, in approximate modes, from memory)."""
+        mode = self.options.prefix_mode
+        if mode is PrefixMode.APPROXIMATE or replica.events is None:
             return False
-        return tokenizer.loaded and bool(self.monitor.hashers())
+        return replica.events.hashing in self.monitor.hashers()
+
+    def approximate_for(self, replica: Replica) -> bool:
+        mode = self.options.prefix_mode
+        return mode is PrefixMode.APPROXIMATE or (mode is PrefixMode.AUTO and not self.precise_for(replica))
+
+    @property
+    def prefix_mode_now(self) -> str:
+        """``precise``, ``approximate``, ``mixed`` (some replicas each way) or ``load only``, for the replicas up."""
+        tokenizer = self.options.tokenizer
+        if self.options.routing is not Routing.PREFIX or tokenizer is None or not tokenizer.loaded:
+            return "load only"
+        up = [r for r in self.replicas if r.up]
+        precise = sum(self.precise_for(r) for r in up)
+        approximate = sum(self.approximate_for(r) for r in up)
+        if precise and approximate:
+            return "mixed"
+        return "precise" if precise else "approximate" if approximate else "load only"
+
+    def check_hashes(self, replica: Replica) -> None:
+        """Update ``replica``'s hash check; say once, loudly, when its events never match the prompts sent there."""
+        stats = replica.stats
+        feed = self.monitor.feeds.get(replica.url)
+        if not self.precise_for(replica) or feed is None:
+            return
+        before = stats.verdict
+        stats.verdict = stats.check.verify(lambda h: self.index.match([h], [replica.url])[0] > 0, feed.stored)
+        if stats.verdict is not before and stats.verdict in (HashVerdict.UNMATCHED, HashVerdict.SILENT):
+            info = replica.events
+            assert info is not None
+            what = (
+                "its KV events never name the blocks of the prompts sent to it"
+                if stats.verdict is HashVerdict.UNMATCHED
+                else "no KV event arrived from it"
+            )
+            log.warning(
+                "%s: %s (%d prompts answered; described as block-size=%d, hash=%s, seed=%s, block-hash=%s): "
+                "its settings, or the router's --model, are not the replica's; it is routed by load meanwhile",
+                replica.url,
+                what,
+                stats.check.answered,
+                info.block_size,
+                info.hash_algorithm,
+                info.hash_seed,
+                info.hash_form.value,
+            )
 
     def require_operator(self, request: Request) -> None:
         """The loopback interface, or an admin key: what sees the index and the replicas' event figures."""
@@ -219,11 +318,11 @@ class Router:
             raise APIError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
         return tenant
 
-    def prompt_hashes(self, request: GenerationRequest, tenant: str) -> dict[Hashing, list[BlockHash]]:
-        """The request's block hashes under each hashing the replicas use (usually one); empty until tokenized."""
+    def prompt_keys(self, request: GenerationRequest, tenant: str) -> PromptKeys:
+        """The request's prompt length and block hashes under each hashing in use; :data:`NO_KEYS` until tokenized."""
         tokenizer = self.options.tokenizer
         if tokenizer is None or not tokenizer.loaded or self.options.routing is not Routing.PREFIX:
-            return {}
+            return NO_KEYS
         if request.messages is not None:
             tokens = tokenizer.chat_tokens(request.messages)
         elif isinstance(request.prompt, str):
@@ -231,19 +330,24 @@ class Router:
         else:
             tokens = list(request.prompt or ())
         salt = self.options.salts.cache_salt(tenant, request.cache_salt)
-        return {hashing: block_hashes(hasher, tokens, salt) for hashing, hasher in self.monitor.hashers().items()}
+        up = [r for r in self.replicas if r.up]
+        hashes = {
+            hashing: hashing[3].published(block_hashes(hasher, tokens, salt))
+            for hashing, hasher in self.monitor.hashers().items()
+            if self.options.prefix_mode is not PrefixMode.APPROXIMATE
+        }
+        approx = block_hashes(self.approx_hasher, tokens, salt) if any(map(self.approximate_for, up)) else []
+        return PromptKeys(tokens=len(tokens), hashes=hashes, approx=approx)
 
-    def rank(self, hashes: dict[Hashing, list[BlockHash]]) -> list[tuple[Replica, int]]:
-        """Replicas in the order to try them, each with the blocks of the prompt it holds.
+    def rank(self, keys: PromptKeys) -> list[tuple[Replica, int]]:
+        """The replicas that are up, in the order to try them, each with the blocks of the prompt it holds.
 
-        Replicas that are up come first, best first by the ``prefix`` rule; those believed
-        down follow (tried only when every replica that is up has failed).
+        Best first by the ``prefix`` rule; a replica marked down is not in the list.
         """
         candidates = [r for r in self.replicas if r.up]
-        down = [r for r in self.replicas if not r.up]
         ranked: list[tuple[Replica, int]] = []
         if candidates:
-            cached = self._cached_blocks(candidates, hashes)
+            cached = self._cached_blocks(candidates, keys)
             i = self.rule.choose(cached, [r.load for r in candidates])  # its ties rotate: new prefixes spread
             while True:
                 ranked.append((candidates.pop(i), cached.pop(i)))
@@ -251,31 +355,71 @@ class Router:
                     break
                 # the fallbacks, for a retry: the same rule, without moving the chooser's rotation
                 i = prefix_aware(cached, [r.load for r in candidates], load_cost=self.options.load_cost)
-        return ranked + [(r, 0) for r in down]
+        return ranked
 
-    def _cached_blocks(self, candidates: Sequence[Replica], hashes: dict[Hashing, list[BlockHash]]) -> list[int]:
+    def _cached_blocks(self, candidates: Sequence[Replica], keys: PromptKeys) -> list[int]:
         cached = [0] * len(candidates)
-        for hashing, prompt in hashes.items():
-            group = [i for i, r in enumerate(candidates) if r.events is not None and r.events.hashing == hashing]
+        for hashing, prompt in keys.hashes.items():
+            group = [
+                i
+                for i, r in enumerate(candidates)
+                if r.events is not None and r.events.hashing == hashing and self.precise_for(r)
+            ]
             if group and prompt:
                 found = self.index.match(prompt, [candidates[i].url for i in group])
                 for i, n in zip(group, found):
                     cached[i] = n
+        if keys.approx:
+            # in the approximate unit; the rule compares blocks, so scale to the events' unit where both meet
+            group = [i for i, r in enumerate(candidates) if self.approximate_for(r)]
+            found = self.approx.match(keys.approx, [candidates[i].url for i in group])
+            for i, n in zip(group, found):
+                cached[i] = n
         return cached
+
+    def predicted_tokens(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
+        """The prompt tokens ``replica`` should serve from its cache: whole blocks, never the prompt's last token."""
+        if self.precise_for(replica):
+            assert replica.events is not None
+            block_size = replica.events.block_size
+        elif keys.approx:
+            block_size = self.options.approx_block_size
+        else:
+            return 0
+        usable = max(0, keys.tokens - 1) // block_size  # the last token is always computed
+        return min(cached_blocks, usable) * block_size
+
+    def routed(self, replica: Replica, keys: PromptKeys) -> None:
+        """``replica`` accepted a request: the approximate memory notes where its prefix now lives."""
+        if keys.approx and self.approximate_for(replica):
+            self.approx.store(replica.url, keys.approx)
+
+    def answered(self, replica: Replica, keys: PromptKeys, predicted: int, cached_tokens: int | None) -> None:
+        """``replica`` answered to the end, reporting ``cached_tokens`` (None: no usage in the answer)."""
+        if cached_tokens is not None:
+            replica.stats.report(predicted, cached_tokens)
+        if replica.events is not None:
+            prompt = keys.hashes.get(replica.events.hashing)
+            if prompt:
+                replica.stats.check.note(prompt[0])
 
     # -- forwarding -----------------------------------------------------------------------
 
-    async def forward(
-        self, request: Request, body: bytes, hashes: dict[Hashing, list[BlockHash]], stream: bool
-    ) -> Response | _Relay:
-        """Send ``body`` to the best replica; on a connection error before any answer, to the next."""
+    async def forward(self, request: Request, body: bytes, keys: PromptKeys, stream: bool) -> Response | _Relay:
+        """Send ``body`` to the best replica that is up; on a connection error before any answer, to the next.
+
+        With no replica up, or every one failing, the answer is a 503 in OpenAI's error shape.
+        """
         import httpx
         from starlette.responses import JSONResponse, Response, StreamingResponse
 
         headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
         path = request.url.path
         errors: list[str] = []
-        for replica, cached in self.rank(hashes):
+        for replica, cached in self.rank(keys):
+            if not replica.up:
+                continue  # marked down while an earlier choice was being tried
+            self.check_hashes(replica)
             outgoing = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
             replica.in_flight += 1
             try:
@@ -284,6 +428,7 @@ class Router:
                     await response.aread()
             except httpx.TransportError as exc:
                 replica.in_flight -= 1
+                replica.stats.transport_errors += 1
                 errors.append(f"{replica.url}: {type(exc).__name__}")
                 self.monitor.suspect(replica, exc)
                 continue
@@ -291,25 +436,45 @@ class Router:
                 replica.in_flight -= 1
                 raise
             replica.routed += 1
-            log.debug("%s -> %s (%d cached blocks)", path, replica.url, cached)
+            predicted = self.predicted_tokens(replica, keys, cached)
+            replica.stats.requests += 1
+            replica.stats.prompt_tokens += keys.tokens
+            replica.stats.predicted_cached_tokens += predicted
+            self.routed(replica, keys)
+            log.debug("%s -> %s (%d cached blocks, %d tokens predicted)", path, replica.url, cached, predicted)
             out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
             out_headers["x-kvpool-replica"] = replica.url
             if not stream:
                 replica.in_flight -= 1
+                if response.status_code == 200:
+                    self.answered(replica, keys, predicted, cached_tokens_of(response.content))
                 return Response(response.content, status_code=response.status_code, headers=out_headers)
             upstream = _Upstream(replica, response)
-            relay = StreamingResponse(self._relay(upstream), status_code=response.status_code, headers=out_headers)
+            scanner = UsageScanner() if response.status_code == 200 else None
+            relay = StreamingResponse(
+                self._relay(upstream, scanner, keys, predicted), status_code=response.status_code, headers=out_headers
+            )
             return _Relay(relay, upstream)
-        message = "no replica could take the request: " + ("; ".join(errors) or "none is configured")
+        if not errors:
+            self.no_replica += 1
+            message = "no replica is up" if self.replicas else "no replica is configured"
+        else:
+            message = "no replica could take the request: " + "; ".join(errors)
         return JSONResponse(error_body(message, type="service_unavailable", code="no_replica"), status_code=503)
 
-    async def _relay(self, upstream: _Upstream) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, upstream: _Upstream, scanner: UsageScanner | None, keys: PromptKeys, predicted: int
+    ) -> AsyncIterator[bytes]:
         """The replica's bytes as they arrive; closing early (a client gone) closes the upstream request too."""
         import httpx
 
         try:
             async for chunk in upstream.response.aiter_raw():
+                if scanner is not None:
+                    scanner.feed(chunk)
                 yield chunk
+            if scanner is not None:
+                self.answered(upstream.replica, keys, predicted, scanner.cached_tokens)
         except httpx.TransportError as exc:
             # Bytes already went to the client: the request cannot move. End the stream; the
             # client sees it cut short, and the replica is checked.
@@ -323,7 +488,7 @@ class Router:
         from starlette.responses import JSONResponse, Response
 
         headers = {"authorization": authorization} if authorization else {}
-        for replica in [r for r in self.replicas if r.up] + [r for r in self.replicas if not r.up]:
+        for replica in [r for r in self.replicas if r.up]:  # a replica marked down gets nothing
             try:
                 response = await self.client.get(
                     replica.url + path, headers=headers, timeout=self.options.health_timeout
@@ -333,7 +498,9 @@ class Router:
                 continue
             out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
             return Response(response.content, status_code=response.status_code, headers=out_headers)
-        return JSONResponse(error_body("no replica answers", type="service_unavailable"), status_code=503)
+        return JSONResponse(
+            error_body("no replica answers", type="service_unavailable", code="no_replica"), status_code=503
+        )
 
 
 class _Upstream:
@@ -376,7 +543,7 @@ class _Relay:
 def build_app(router: Router) -> Starlette:
     """The Starlette application serving ``router``."""
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, PlainTextResponse
     from starlette.routing import Route
 
     def refuse(error: APIError) -> Response:
@@ -394,14 +561,14 @@ def build_app(router: Router) -> Starlette:
                 raise APIError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
             parsed = parse_generation(endpoint, payload)
             try:
-                hashes = router.prompt_hashes(parsed, tenant)
+                keys = router.prompt_keys(parsed, tenant)
             except Exception as exc:  # noqa: BLE001 - the hashes are a hint: without them, route by load
                 # (the replica that takes the request reports what is wrong with it, if anything is)
                 log.warning("routing by load: the prompt could not be hashed: %r", exc)
-                hashes = {}
+                keys = NO_KEYS
         except APIError as error:
             return refuse(error)
-        return await router.forward(request, body, hashes, parsed.stream)
+        return await router.forward(request, body, keys, parsed.stream)
 
     async def chat(request: Request) -> Response | _Relay:
         return await generate(request, Endpoint.CHAT)
@@ -424,11 +591,22 @@ def build_app(router: Router) -> Starlette:
             except APIError as error:
                 return refuse(error)
         up = sum(r.up for r in router.replicas)
-        body: dict[str, Any] = {"status": "ok" if up else "no replica up", "prefix_routing": router.prefix_routing}
+        body: dict[str, Any] = {
+            "status": "ok" if up else "no replica up",
+            "prefix_routing": router.prefix_routing,
+            "prefix_mode": router.prefix_mode_now,
+        }
         body["replicas"] = [r.describe() for r in router.replicas]
         if verbose:
             body.update(router.figures())
         return JSONResponse(body, status_code=200 if up else 503)
+
+    async def metrics(request: Request) -> Response:
+        try:
+            router.require_operator(request)
+        except APIError as error:
+            return refuse(error)
+        return PlainTextResponse(router.metrics(), media_type="text/plain; version=0.0.4")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -444,6 +622,14 @@ def build_app(router: Router) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
     )
+
+
+def _replica(entry: str | ReplicaSpec) -> Replica:
+    """The router's record of a replica named by URL (kvpool: discovered) or by a spec."""
+    if isinstance(entry, str):
+        return Replica(entry)
+    return Replica(entry.url, discover=entry.discover, described=entry.events)

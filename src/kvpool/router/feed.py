@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.errors import ConfigError
 from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvpool.router.index import BlockIndex
+from kvpool.router.index import WHOLE, BlockIndex, Group
 from kvpool.router.replicas import EventsInfo
 
 if TYPE_CHECKING:
@@ -53,15 +53,48 @@ RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 5.0
 
 
-def apply_events(index: BlockIndex, replica: str, events: Sequence[KVCacheEvent]) -> None:
-    """Apply one batch of a replica's events to its entries in ``index``, in order."""
+#: Layer kinds whose group needs only the last block of a prefix (the state at its end).
+_LAST_BLOCK_KINDS = frozenset({"mamba", "mamba2", "linear_attention", "short_conv", "gdn_attention"})
+
+
+def group_of(event: BlockStored, known: dict[int, Group]) -> Group:
+    """The index's :class:`Group` for a stored batch: its group id and what of a prefix that group needs.
+
+    A sliding-window group needs the blocks its window covers (``ceil(window / block_size)``),
+    a Mamba-like group the last block, any other (full attention, MLA, a kind this router
+    does not know) every block: an unknown kind errs towards misses. ``known`` remembers
+    each group's need from its ``BlockStored`` for the ``BlockRemoved`` that only name the id.
+    """
+    kind = event.spec_kind
+    if kind == "sliding_window" and event.sliding_window:
+        tail: int | None = max(1, -(-event.sliding_window // event.block_size))
+    elif kind in _LAST_BLOCK_KINDS:
+        tail = 1
+    else:
+        tail = None
+    group = WHOLE if event.group_id == 0 and tail is None else Group(event.group_id, tail)
+    known[event.group_id] = group
+    return group
+
+
+def apply_events(
+    index: BlockIndex, replica: str, events: Sequence[KVCacheEvent], groups: dict[int, Group] | None = None
+) -> int:
+    """Apply one batch of a replica's events to its entries in ``index``, in order; returns the blocks stored.
+
+    ``groups``: what the replica's groups need, learnt from earlier batches (updated here).
+    """
+    known = {} if groups is None else groups
+    stored = 0
     for event in events:
         if isinstance(event, BlockStored):
-            index.store(replica, event.block_hashes, event.medium)
+            index.store(replica, event.block_hashes, event.medium, group_of(event, known))
+            stored += len(event.block_hashes)
         elif isinstance(event, BlockRemoved):
-            index.remove(replica, event.block_hashes, event.medium)
+            index.remove(replica, event.block_hashes, event.medium, known.get(event.group_id, Group(event.group_id)))
         elif isinstance(event, AllBlocksCleared):
             index.clear(replica)
+    return stored
 
 
 class EventFeed:
@@ -72,6 +105,13 @@ class EventFeed:
         self.info = info
         self.index = index
         self.batches = 0  # batches applied
+        self.stored = 0  # blocks the replica said it stored (BlockStored), over all batches applied
+        self.gaps = 0  # breaks in the sequence that could not be replayed (LostBatches)
+        self.lost = 0  # batches lost in those gaps
+        self.restarts = 0  # times the replica's sequence started over (a new publisher)
+        self.lag = 0.0  # seconds between the newest applied batch's timestamp and its application
+        self.last_applied: float | None = None  # time.time() of the last batch applied
+        self._groups: dict[int, Group] = {}
         self.resets = 0  # times the replica's entries were cleared for a stream fault
         self.errors = 0  # faults of the stream itself (bad messages, socket errors); each one starts it over
         self.last_error: str | None = None
@@ -97,7 +137,17 @@ class EventFeed:
 
     def figures(self) -> dict[str, object]:
         """The stream's figures, as the router's verbose health shows them."""
-        return {"batches": self.batches, "resets": self.resets, "errors": self.errors, "last_error": self.last_error}
+        return {
+            "batches": self.batches,
+            "stored": self.stored,
+            "resets": self.resets,
+            "gaps": self.gaps,
+            "lost": self.lost,
+            "restarts": self.restarts,
+            "lag_s": round(self.lag, 4),
+            "errors": self.errors,
+            "last_error": self.last_error,
+        }
 
     def _follow(self) -> None:
         """The thread: follow the stream; after a fault, clear the replica's entries and start over."""
@@ -176,10 +226,19 @@ class EventFeed:
         for item in received:
             if isinstance(item, LostBatches | PublisherRestarted):
                 self.resets += 1
+                if isinstance(item, LostBatches):
+                    self.gaps += 1
+                    self.lost += item.last - item.first + 1
+                else:
+                    self.restarts += 1
                 log.info("%s: KV event stream broke (%s): its index entries are rebuilt", self.replica, item)
                 self.index.clear(self.replica)
             else:
-                apply_events(self.index, self.replica, item.batch.events)
+                self.stored += apply_events(self.index, self.replica, item.batch.events, self._groups)
                 self.batches += 1
+                now = time.time()
+                self.last_applied = now
+                if not item.replayed:  # a replayed batch is old by design: its age is not lag
+                    self.lag = max(0.0, now - item.batch.ts)
         if self.on_applied is not None:
             self.on_applied()

@@ -11,6 +11,15 @@ A block counts as held while at least one medium of the replica holds it: a bloc
 evicted from GPU memory but kept by an offload tier (``medium="CPU"``) still saves
 its prefill there. Events name the medium; ``None`` is the replica's main pool.
 
+Hybrid models keep each block once per KV cache group (full attention, sliding window,
+Mamba...), and a prefix is reusable only when every group holds what it needs of it.
+Each claim records its :class:`Group`: a full-attention group needs every block of the
+prefix, a sliding-window group only the blocks its window reaches back over from the
+prefix's end, a Mamba group only the last. The in-memory index counts a prefix of ``k``
+blocks for a replica with several groups only when each of its groups holds what it
+needs (the groups a replica has are those its events named). The Redis index keeps the
+group in each claim but counts a block held by any group.
+
 Operations and their cost (``k`` hashes in the call, ``r`` replicas):
 
 * :meth:`store` / :meth:`remove`: O(k).
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.errors import ConfigError
@@ -42,7 +52,15 @@ from kvpool.errors import ConfigError
 if TYPE_CHECKING:
     from redis import Redis
 
-__all__ = ["MAX_BLOCKS", "MAX_BLOCKS_PER_REPLICA", "BlockIndex", "MemoryIndex", "RedisIndex", "index_from_url"]
+__all__ = [
+    "MAX_BLOCKS",
+    "MAX_BLOCKS_PER_REPLICA",
+    "BlockIndex",
+    "Group",
+    "MemoryIndex",
+    "RedisIndex",
+    "index_from_url",
+]
 
 #: Claims one replica may have in the in-memory index (about 350 MiB of index at the cap).
 MAX_BLOCKS_PER_REPLICA = 2**19
@@ -55,14 +73,30 @@ ExternalHash = bytes | int
 Medium = str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A KV cache group of a replica: its index in the replica's groups, and what of a prefix it needs.
+
+    ``tail`` None: every block of a prefix (full attention). ``tail=n``: only the
+    prefix's last ``n`` blocks (a sliding window of ``n`` blocks; 1 for Mamba's state).
+    """
+
+    id: int = 0
+    tail: int | None = None
+
+
+#: The group of a model with one group, and of events that name none.
+WHOLE = Group()
+
+
 class BlockIndex(Protocol):
     """Block hash -> the replicas that hold it."""
 
-    def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
-        """``replica`` now holds these blocks in ``medium``."""
+    def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
+        """``replica`` now holds these blocks in ``medium``, for ``group``."""
 
-    def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
-        """``replica`` no longer holds these blocks in ``medium`` (unknown ones are ignored)."""
+    def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
+        """``replica`` no longer holds these blocks in ``medium`` for ``group`` (unknown ones are ignored)."""
 
     def clear(self, replica: str) -> None:
         """Forget every block of ``replica`` (a cache reset, a replica gone, a stream that lost events)."""
@@ -93,7 +127,7 @@ class MemoryIndex:
     """The index in this process: two dictionaries kept in step, and bounded.
 
     ``_holders[hash]`` is the set of replicas holding the block; ``_held[replica][hash]``
-    the set of media holding it there, oldest claim first (a store or a match moves a
+    the set of (medium, group) pairs holding it there, oldest claim first (a store or a match moves a
     claim to the end). A block leaves ``_holders`` when its last medium on that replica
     lets it go, or when its claim is dropped for a cap (:attr:`dropped` counts those).
 
@@ -101,14 +135,24 @@ class MemoryIndex:
     :meth:`limit` lowers one replica's cap to what it says it can hold.
     """
 
-    __slots__ = ("_holders", "_held", "_limits", "_claims", "max_blocks", "max_blocks_per_replica", "dropped")
+    __slots__ = (
+        "_holders",
+        "_held",
+        "_groups",
+        "_limits",
+        "_claims",
+        "max_blocks",
+        "max_blocks_per_replica",
+        "dropped",
+    )
 
     def __init__(self, *, max_blocks: int = MAX_BLOCKS, max_blocks_per_replica: int = MAX_BLOCKS_PER_REPLICA) -> None:
         for name, value in (("max_blocks", max_blocks), ("max_blocks_per_replica", max_blocks_per_replica)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         self._holders: dict[bytes, set[str]] = {}
-        self._held: dict[str, OrderedDict[bytes, set[Medium]]] = {}
+        self._held: dict[str, OrderedDict[bytes, set[tuple[Medium, int]]]] = {}
+        self._groups: dict[str, dict[int, int | None]] = {}  # replica -> group id -> its tail (hybrid models)
         self._limits: dict[str, int] = {}  # replicas that said how many blocks they hold at most
         self._claims = 0  # (replica, block) pairs held, over all replicas
         self.max_blocks = max_blocks
@@ -128,19 +172,21 @@ class MemoryIndex:
     def _cap(self, replica: str) -> int:
         return min(self.max_blocks_per_replica, self._limits.get(replica, self.max_blocks_per_replica))
 
-    def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
+    def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
         held = self._held.get(replica)
         if held is None:
             held = self._held[replica] = OrderedDict()
+        self._groups.setdefault(replica, {})[group.id] = group.tail
+        claim = (medium, group.id)
         before = len(held)
         for h in reversed(list(hashes)):  # a chain's root is the newest claim of the batch: dropped last
             key = _key(h)
             media = held.get(key)
             if media is None:
-                held[key] = {medium}
+                held[key] = {claim}
                 self._holders.setdefault(key, set()).add(replica)
             else:
-                media.add(medium)
+                media.add(claim)
                 held.move_to_end(key)
         self._claims += len(held) - before
         self._drop_oldest(replica, held, len(held) - self._cap(replica))
@@ -150,7 +196,7 @@ class MemoryIndex:
             count = min(self._claims - self.max_blocks, most - runner_up + 1)
             self._drop_oldest(largest, self._held[largest], count)
 
-    def _drop_oldest(self, replica: str, held: OrderedDict[bytes, set[Medium]], count: int) -> None:
+    def _drop_oldest(self, replica: str, held: OrderedDict[bytes, set[tuple[Medium, int]]], count: int) -> None:
         for _ in range(max(0, count)):
             key, _media = held.popitem(last=False)
             self._forget_holder(key, replica)
@@ -158,7 +204,7 @@ class MemoryIndex:
             self._claims -= count
             self.dropped += count
 
-    def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
+    def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
         held = self._held.get(replica)
         if held is None:
             return
@@ -167,13 +213,14 @@ class MemoryIndex:
             media = held.get(key)
             if media is None:
                 continue
-            media.discard(medium)
+            media.discard((medium, group.id))
             if not media:
                 del held[key]
                 self._claims -= 1
                 self._forget_holder(key, replica)
 
     def clear(self, replica: str) -> None:
+        self._groups.pop(replica, None)
         held = self._held.pop(replica, None)
         if held is None:
             return
@@ -202,12 +249,36 @@ class MemoryIndex:
             keys.append(key)
             for replica in alive:
                 matched[replica] = depth + 1
+        for replica, depth in matched.items():
+            groups = self._groups.get(replica)
+            if depth and groups is not None and len(groups) > 1:
+                matched[replica] = self._usable(self._held[replica], keys[:depth], groups)
         for replica, depth in matched.items():  # a prefix in use is the last a cap drops, its root last of all
             if depth:
                 held = self._held[replica]
                 for key in reversed(keys[:depth]):
                     held.move_to_end(key)
         return [matched[r] for r in replicas]
+
+    @staticmethod
+    def _usable(
+        held: OrderedDict[bytes, set[tuple[Medium, int]]], keys: list[bytes], groups: dict[int, int | None]
+    ) -> int:
+        """The longest prefix of ``keys`` every group of a hybrid replica holds what it needs of.
+
+        A full-attention group must hold each block up to the prefix's end; a group with a
+        ``tail`` only the last ``tail`` blocks before it. O(len(keys) x groups x tail).
+        """
+        holding = [{g for _, g in held[key]} for key in keys]
+        whole = [g for g, tail in groups.items() if tail is None]
+        tailed = [(g, tail) for g, tail in groups.items() if tail is not None]
+        best = 0
+        for depth in range(1, len(keys) + 1):
+            if not all(g in holding[depth - 1] for g in whole):
+                break  # a full-attention group misses a block: no longer prefix can be used
+            if all(all(g in holding[j] for j in range(max(0, depth - tail), depth)) for g, tail in tailed):
+                best = depth
+        return best
 
     def figures(self) -> dict[str, object]:
         return {
@@ -273,14 +344,15 @@ class RedisIndex:
         return self._prefix + b":m:" + replica.encode()
 
     @staticmethod
-    def _member(replica: str, medium: Medium) -> bytes:
-        return f"{replica}|{'' if medium is None else medium}".encode()
+    def _member(replica: str, medium: Medium, group: Group = WHOLE) -> bytes:
+        name = "" if medium is None else medium
+        return f"{replica}|{name if group.id == 0 else f'{name}#{group.id}'}".encode()
 
-    def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
+    def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
         keys = [_key(h) for h in hashes]
         if not keys:
             return
-        member = self._member(replica, medium)
+        member = self._member(replica, medium, group)
         pipe = self._redis.pipeline(transaction=False)
         pipe.sadd(self._media(replica), member)
         pipe.sadd(self._medium(member), *keys)
@@ -288,11 +360,11 @@ class RedisIndex:
             pipe.sadd(self._block(key), member)
         pipe.execute()
 
-    def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
+    def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
         keys = [_key(h) for h in hashes]
         if not keys:
             return
-        member = self._member(replica, medium)
+        member = self._member(replica, medium, group)
         pipe = self._redis.pipeline(transaction=False)
         pipe.srem(self._medium(member), *keys)
         for key in keys:

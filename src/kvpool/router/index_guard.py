@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from kvpool.router.index import BlockIndex, ExternalHash, Medium, RedisIndex
+from kvpool.router.index import WHOLE, BlockIndex, ExternalHash, Group, Medium, RedisIndex
 
 __all__ = ["GuardedIndex", "guarded"]
 
@@ -118,11 +118,11 @@ class GuardedIndex:
         if self.on_recovered is not None and lost:
             self.on_recovered(lost)
 
-    def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
-        self._call(lambda: self.inner.store(replica, hashes, medium), None, replica)
+    def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
+        self._call(lambda: self.inner.store(replica, hashes, medium, group), None, replica)
 
-    def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None) -> None:
-        self._call(lambda: self.inner.remove(replica, hashes, medium), None, replica)
+    def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
+        self._call(lambda: self.inner.remove(replica, hashes, medium, group), None, replica)
 
     def clear(self, replica: str) -> None:
         self._call(lambda: self.inner.clear(replica), None, replica)

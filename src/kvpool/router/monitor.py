@@ -22,14 +22,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.errors import KVPoolError
-from kvpool.hashing import BlockHasher
+from kvpool.hashing import VLLM_DEFAULT_SEED, BlockHasher, HashAlgo
 from kvpool.router.feed import EventFeed
 from kvpool.router.index import BlockIndex
 from kvpool.router.replicas import EventsInfo, Hashing, Replica
+from kvpool.router.stats import HashVerdict
 
 if TYPE_CHECKING:
     import httpx
@@ -64,6 +65,7 @@ class ReplicaMonitor:
         self._pending: set[asyncio.Task[None]] = set()  # checks asked for by failed requests
         self._hashers: dict[Hashing, BlockHasher | None] = {}
         self._client: httpx.AsyncClient | None = None
+        self.on_down: Callable[[str], None] | None = None  # told the URL of each replica marked down
 
     async def start(self, client: httpx.AsyncClient) -> None:
         self._client = client
@@ -124,17 +126,29 @@ class ReplicaMonitor:
         assert self._client is not None
         replica.events = None
         replica.last_error = None
-        try:
-            response = await self._client.get(replica.url + "/kv-events", headers=self._operator, timeout=self.timeout)
-            if response.status_code == 200:
-                replica.events = EventsInfo.from_json(response.json(), replica.url)
-            else:
-                replica.last_error = f"/kv-events answered {response.status_code}: routing to it by load only"
-        except (httpx.TransportError, ValueError) as exc:  # ConfigError is a ValueError
-            replica.last_error = f"/kv-events: {exc}; routing to it by load only"
+        if not replica.discover:  # described on the command line: nothing to ask
+            replica.events = replica.described
+        else:
+            try:
+                response = await self._client.get(
+                    replica.url + "/kv-events", headers=self._operator, timeout=self.timeout
+                )
+                if response.status_code == 200:
+                    replica.events = EventsInfo.from_json(response.json(), replica.url)
+                else:
+                    hint = (
+                        "give the router the replicas' --admin-key-file"
+                        if response.status_code in (401, 403)
+                        else "not a kvpool replica? describe its events with --replica URL,events=..."
+                    )
+                    replica.last_error = f"/kv-events answered {response.status_code} ({hint}): no events from it"
+            except (httpx.TransportError, ValueError) as exc:  # ConfigError is a ValueError
+                replica.last_error = f"/kv-events: {exc}; no events from it"
         if replica.last_error and replica.events is None:
             log.warning("%s: %s", replica.url, replica.last_error)
         replica.up = True
+        replica.stats.check.reset()  # maybe another process, with other settings: judged afresh
+        replica.stats.verdict = HashVerdict.UNCHECKED
         log.info("%s is up%s", replica.url, "" if replica.events is None else f", events at {replica.events.endpoint}")
         if replica.events is not None:
             self.index.limit(replica.url, replica.events.num_blocks)
@@ -185,16 +199,19 @@ class ReplicaMonitor:
         if feed is not None:
             feed.stop()
         self.index.clear(replica.url)
+        if self.on_down is not None:
+            self.on_down(replica.url)
 
 
 def _hasher(info: EventsInfo, url: str) -> BlockHasher | None:
     """The hasher a replica advertises; None (route it by load) when this kvpool cannot compute its hashes."""
     try:
-        hasher = BlockHasher(info.block_size, info.hash_algorithm)
+        # a described replica's seed is its PYTHONHASHSEED itself; a kvpool replica tells where its seed came from
+        hasher = BlockHasher(info.block_size, info.hash_algorithm, _described_seed(info) if info.configured else None)
     except KVPoolError as exc:
         log.warning("%s hashes blocks with %r, which the router cannot reproduce: %s", url, info.hash_algorithm, exc)
         return None
-    if info.hash_seed is not None and hasher.seed_name != info.hash_seed:
+    if not info.configured and info.hash_seed is not None and hasher.seed_name != info.hash_seed:
         log.warning(
             "%s seeds its block hashes from %r, the router from %r (PYTHONHASHSEED must match): routing it by load",
             url,
@@ -203,3 +220,13 @@ def _hasher(info: EventsInfo, url: str) -> BlockHasher | None:
         )
         return None
     return hasher
+
+
+def _described_seed(info: EventsInfo) -> str | bytes | None:
+    """The seed a described replica hashes with: its PYTHONHASHSEED, or vLLM's fixed default when it has none.
+
+    (Never the router's own environment: the router's PYTHONHASHSEED says nothing about the replica's.)
+    """
+    if HashAlgo.parse(info.hash_algorithm).is_vllm:
+        return info.hash_seed if info.hash_seed is not None else VLLM_DEFAULT_SEED
+    return None if info.hash_seed is None else info.hash_seed.encode()

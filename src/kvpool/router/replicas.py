@@ -7,6 +7,7 @@ locks.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,11 +15,32 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvpool.errors import ConfigError
+from kvpool.hashing import BlockHash
+from kvpool.router.stats import ReplicaStats
 
-__all__ = ["EventsInfo", "Hashing", "Replica", "check_replica_url", "connectable_endpoint"]
+__all__ = ["EventsInfo", "HashForm", "Hashing", "Replica", "check_replica_url", "connectable_endpoint"]
 
-#: How a replica hashes blocks: (block size, algorithm, seed name). Equal values, equal hashes.
-Hashing = tuple[int, str, str | None]
+
+class HashForm(enum.Enum):
+    """How a replica's events spell a block hash.
+
+    ``BYTES``: the whole digest (kvpool; vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
+    ``INT64``: an integer, the digest's low 64 bits (vLLM's default); events decode it to
+    its 8 big-endian bytes, which are the digest's last 8 bytes.
+    """
+
+    BYTES = "bytes"
+    INT64 = "int64"
+
+    def published(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """The router's full-digest hashes as this form publishes them (what the index holds)."""
+        if self is HashForm.INT64:
+            return [BlockHash(h[-8:]) for h in hashes]
+        return hashes
+
+
+#: How a replica hashes blocks: (block size, algorithm, seed name, hash form). Equal values, equal hashes.
+Hashing = tuple[int, str, str | None, HashForm]
 
 
 def check_replica_url(url: str) -> str:
@@ -64,6 +86,8 @@ class EventsInfo:
     hash_seed: str | None
     block_size: int
     num_blocks: int | None = None  # the most blocks it can hold, over all its media, when it says
+    hash_form: HashForm = HashForm.BYTES
+    configured: bool = False  # described on the router's command line, not read from GET /kv-events
 
     @classmethod
     def from_json(cls, body: object, replica_url: str) -> EventsInfo:
@@ -91,7 +115,7 @@ class EventsInfo:
     @property
     def hashing(self) -> Hashing:
         """Replicas with equal ``hashing`` give the same block the same hash."""
-        return (self.block_size, self.hash_algorithm, self.hash_seed)
+        return (self.block_size, self.hash_algorithm, self.hash_seed, self.hash_form)
 
 
 @dataclass(slots=True)
@@ -106,11 +130,14 @@ class Replica:
     url: str
     up: bool = False
     events: EventsInfo | None = None
+    discover: bool = True  # read GET /kv-events (kvpool); otherwise ``described`` is what it publishes
+    described: EventsInfo | None = None
     in_flight: int = 0
     routed: int = 0
     failures: int = 0
     held_until: float = 0.0
     last_error: str | None = field(default=None, repr=False)
+    stats: ReplicaStats = field(default_factory=ReplicaStats, repr=False)
 
     @property
     def load(self) -> int:
@@ -124,6 +151,8 @@ class Replica:
             "in_flight": self.in_flight,
             "routed": self.routed,
             "events": None if self.events is None else self.events.endpoint,
+            "described": not self.discover,
             "last_error": self.last_error,
             "quarantined": self.held_until > time.monotonic(),
+            "hash_check": self.stats.verdict.value,
         }
