@@ -270,7 +270,7 @@ def assert_in_order(got: list, first: int) -> None:
 def test_publish_and_subscribe_with_a_gap_repaired_through_replay():
     bind, bind_replay, connect, connect_replay = endpoints()
     with KVEventPublisher(bind, replay_endpoint=bind_replay, topic="kv") as publisher:
-        assert publisher.endpoint == bind and publisher.replay_endpoint == bind_replay
+        assert publisher.endpoint == connect and publisher.replay_endpoint == connect_replay
         # a subscriber that wants everything from the start: what it joined too late for is replayed
         with KVEventSubscriber(connect, replay_endpoint=connect_replay, topic="kv", last_seq=-1) as sub:
             for i in range(3):
