@@ -13,6 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvpool"
 LAYERS = {
     "errors": 0,
     "checks": 1,
+    "secret_files": 1,  # the one reader and rule of secret files (tenancy and tier signatures ask it)
     "hashing": 2,
     "specs": 2,
     "stats": 2,
@@ -22,7 +23,6 @@ LAYERS = {
     "events": 3,
     "kv_events": 3.5,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
     "model_config": 3,
-    "tiers": 3,  # byte-level tier stores and the entry format (torch-free)
     "request": 4,
     "linked_blocks": 4,
     "recurrent_state": 4,
@@ -37,8 +37,9 @@ LAYERS = {
     "coordinator": 8,
     "invariants": 9,
     "manager": 10,
-    "connector": 10.5,  # KV connector interface and the tier hierarchy connector (torch-free)
+    "connector": 10,  # the KV connector interface (torch-free); its implementations live above
     "scheduler": 11,
+    "tiers": 11,  # tier kinds, specs, stores, entries and the tier hierarchy connector (torch-free)
     "engine": 12,
     "sim": 12,
     "serve": 12.5,  # the OpenAI-compatible HTTP server over the engine

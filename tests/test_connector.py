@@ -11,17 +11,16 @@ from hypothesis import strategies as st
 from kvpool import ConfigError, KVCacheManager, Request, RequestStateError
 from kvpool.connector import (
     NO_MATCH,
-    ByteTier,
     ConnectorMetadata,
     ExternalMatch,
-    HostTier,
     KVConnector,
-    TierHierarchyConnector,
     TierRun,
     TransferResult,
 )
 from kvpool.events import BlockRemoved, BlockStored
 from kvpool.scheduler import Scheduler, SchedulerConfig, StopConditions
+from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
+from kvpool.tiers.spec import WritePolicy
 
 BS = 4
 
@@ -459,3 +458,75 @@ def test_the_connector_example_in_the_docs_runs():
     assert out.chunks[0].start_position == 8 and len(conn.loads["a"]) == 2
     (metrics,) = sched.update(out, {"a": 1})
     assert metrics.cached_tokens_by_tier == {"gpu": 0, "dict": 8}
+
+
+# -- write-back: blocks go down when the pool evicts them -----------------------------------------
+
+
+def write_back(num_blocks=5, host_blocks=8):
+    mgr = KVCacheManager(num_blocks, BS, enable_events=True)
+    host, disk = HostTier(host_blocks), DictStore("disk")
+    conn = TierHierarchyConnector(mgr, [host, ByteTier(disk)], write=WritePolicy.WRITE_BACK)
+    return Scheduler(mgr, SchedulerConfig(), connector=conn), conn, host, disk
+
+
+def test_write_back_saves_nothing_on_fill_and_spills_what_the_pool_evicts():
+    sched, conn, host, disk = write_back()
+    a = Request("a", prompt(13))
+    out, _ = run_one(sched, a)  # three full blocks and a partial one: the whole pool of 4
+    assert out.connector_meta.saves == () and out.connector_meta.spills == ()
+    assert host.num_stored == 0 and conn.counters["cpu"].saved_blocks == 0
+    sched.manager.take_events()
+    b = Request("b", prompt(13, base=500))
+    out, _ = run_one(sched, b)  # needs the 4 blocks: a's 3 cached ones are evicted
+    spills = out.connector_meta.spills
+    assert sorted(s.key for s in spills) == sorted(bytes(h) for h in a.block_hashes[:3])
+    assert all(s.request_id is None and s.tiers == ("cpu", "disk") and s.host_slot is not None for s in spills)
+    assert host.num_stored == 3 and host.pool.num_free_blocks == 8  # indexed, and not pinned
+    events = sched.manager.take_events()
+    stored = [e.block_hashes for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert sorted(stored) == sorted((h,) for h in a.block_hashes[:3])
+    # a comes back: its blocks are found in the CPU tier, and loaded
+    a2 = Request("a2", prompt(13))
+    sched.manager.hash_request(a2)
+    assert conn.get_num_new_matched_tokens(a2, 0).runs == (TierRun("cpu", 12),)
+
+
+def test_write_back_sends_a_loaded_block_only_to_the_tiers_above_its_own():
+    sched, conn, host, disk = write_back()
+    b = Request("b", prompt(13, base=500))
+    sched.manager.hash_request(b)
+    for key in b.block_hashes:
+        disk.data[bytes(key)] = b"kv"
+    out, metrics = run_one(sched, b)
+    assert metrics.cached_tokens_by_tier == {"gpu": 0, "disk": 12} and out.connector_meta.saves == ()
+    out, _ = run_one(sched, Request("c", prompt(13, base=900)))  # evicts b's blocks
+    assert [s.tiers for s in out.connector_meta.spills] == [("cpu",)] * 3
+
+
+def test_write_back_a_block_reused_in_the_pool_never_crosses_the_link():
+    sched, conn, host, disk = write_back(num_blocks=32)
+    for i in range(5):
+        out, _ = run_one(sched, Request(f"a{i}", prompt(13)))
+        assert out.connector_meta.spills == () and out.connector_meta.saves == ()
+    assert conn.counters["cpu"].saved_blocks == conn.counters["disk"].saved_blocks == 0
+    through = hierarchy(num_blocks=32)
+    for i in range(5):
+        run_one(through[0], Request(f"a{i}", prompt(13)))
+    assert through[1].counters["cpu"].saved_blocks == 3  # write-through: saved at once, whether reused or not
+
+
+def test_write_back_forgets_what_a_failed_step_may_have_left():
+    sched, conn, host, disk = write_back()
+    run_one(sched, Request("a", prompt(13)))
+    conn.reset()
+    out, _ = run_one(sched, Request("b", prompt(13, base=500)))
+    assert out.connector_meta.spills == ()  # a's blocks may hold what the failed step left: not sent down
+
+
+def test_the_write_policy_is_checked():
+    with pytest.raises(ConfigError, match="WritePolicy"):
+        TierHierarchyConnector(KVCacheManager(8, BS), [HostTier(2)], write="write-back")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'write-sideways'"):
+        WritePolicy.parse("write-sideways")
+    assert WritePolicy.parse("write-back") is WritePolicy.WRITE_BACK

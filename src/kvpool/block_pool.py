@@ -14,6 +14,10 @@ managers. Its operations:
   first). A block whose count reaches 0 goes to the free queue: to the front
   when it has no hash, to the back when it is cached.
 * ``cache_full_blocks(...)``: blocks that became full enter the index.
+* For a layer above (a KV tier's bookkeeping): ``cached_block`` and
+  ``cache_block`` (one hash, no event), ``stored_event`` (the event of
+  blocks a request filled, in any medium), ``record`` (an event into the
+  pool's stream) and ``watch_evictions`` (told of every eviction run).
 
 Block 0 is the null block: materialised, never handed out, never freed, never
 cached.
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.errors import InvariantViolation
-from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvpool.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.free_queue import FreeBlockQueue
 from kvpool.hashing import BlockHash
 from kvpool.prefix_index import PrefixIndex, VerifiedPrefixIndex
@@ -65,6 +69,7 @@ class BlockPool:
         "num_resets",
         "touch",
         "_on_hit",
+        "_on_evict",
     )
 
     def __init__(
@@ -95,6 +100,7 @@ class BlockPool:
         # any other policy gets the plain loop and pays nothing for the option.
         self._on_hit: Callable[[list[KVBlock]], None] | None = getattr(self.free_queue, "on_hit", None)
         self.touch = self._touch if self._on_hit is None else self._touch_reporting_hits
+        self._on_evict: Callable[[Sequence[KVBlock]], None] | None = None
 
     # -- sizes -------------------------------------------------------------------
 
@@ -130,6 +136,8 @@ class BlockPool:
 
     def _evict_run(self, blocks: list[KVBlock]) -> None:
         """Evict cached blocks from their indexes, one call per group (in the single-group case, one call)."""
+        if self._on_evict is not None:
+            self._on_evict(blocks)
         events = self.events
         if events is not None:
             for block in blocks:
@@ -229,22 +237,74 @@ class BlockPool:
     def _record_stored(
         self, request: Request, hashes: Sequence[BlockHash], stored: list[int], group_id: int, block_size: int
     ) -> None:
-        tokens = request.all_token_ids
-        first = stored[0]
+        event = self.stored_event(request, hashes, stored, group_id=group_id, block_size=block_size)
+        self.events.append(event)  # type: ignore[union-attr]  # called only when events are on
+
+    def stored_event(
+        self,
+        request: Request,
+        hashes: Sequence[BlockHash],
+        positions: Sequence[int],
+        *,
+        group_id: int = 0,
+        block_size: int,
+        medium: str = MEDIUM_GPU,
+        tokens: Sequence[int] | None = None,
+    ) -> BlockStored:
+        """The event of ``request``'s blocks at ``positions`` (consecutive) stored in ``medium``; records nothing.
+
+        ``tokens``: the request's tokens when the caller already holds a copy
+        (``request.all_token_ids`` copies them).
+        """
+        if tokens is None:
+            tokens = request.all_token_ids
+        first = positions[0]
         kind, window = self.group_kinds[group_id]
-        self.events.append(  # type: ignore[union-attr]  # called only when events are on
-            BlockStored(
-                block_hashes=tuple(hashes[k] for k in stored),
-                parent_block_hash=hashes[first - 1] if first else None,
-                token_ids=tuple(t for k in stored for t in tokens[k * block_size : (k + 1) * block_size]),
-                block_size=block_size,
-                lora_name=request.lora_name,
-                extra_keys=tuple(request.extra_keys(k * block_size, (k + 1) * block_size) for k in stored),
-                group_id=group_id,
-                spec_kind=kind,
-                sliding_window=window,
-            )
+        return BlockStored(
+            block_hashes=tuple(hashes[k] for k in positions),
+            parent_block_hash=hashes[first - 1] if first else None,
+            token_ids=tuple(t for k in positions for t in tokens[k * block_size : (k + 1) * block_size]),
+            block_size=block_size,
+            lora_name=request.lora_name,
+            extra_keys=tuple(request.extra_keys(k * block_size, (k + 1) * block_size) for k in positions),
+            group_id=group_id,
+            medium=medium,
+            spec_kind=kind,
+            sliding_window=window,
         )
+
+    @property
+    def records_events(self) -> bool:
+        """Whether the pool records KV events (``enable_events``)."""
+        return self.events is not None
+
+    def record(self, event: KVCacheEvent) -> None:
+        """Add ``event`` (a layer above's, e.g. a tier's) to the pool's stream; nothing when events are off."""
+        if self.events is not None:
+            self.events.append(event)
+
+    def watch_evictions(self, callback: Callable[[Sequence[KVBlock]], None]) -> None:
+        """Call ``callback`` with every run of blocks ``get_new_blocks`` evicts, before their hashes are dropped.
+
+        One watcher (a write-back tier); set once, after construction.
+        """
+        if self._on_evict is not None:
+            raise InvariantViolation("the pool's evictions are already watched")
+        self._on_evict = callback
+
+    # -- one block under one hash (a tier's own pool) -----------------------------------
+
+    def cached_block(self, block_hash: BlockHash, group_id: int = 0) -> KVBlock | None:
+        """The block cached under ``block_hash`` in group ``group_id``, or None; O(1)."""
+        return self.indexes[group_id].get(block_hash)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, group_id: int = 0) -> None:
+        """Cache one held block under ``block_hash`` (no event: its owner announces it); O(1)."""
+        self.indexes[group_id].insert_run([block], 0, 1, [block_hash], None, group_id)
+
+    def num_cached(self, group_id: int = 0) -> int:
+        """Blocks cached in group ``group_id``'s index."""
+        return len(self.indexes[group_id])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
+from kvpool.secret_files import MIN_SECRET_BYTES, check_secret, read_secret_file
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -47,8 +48,6 @@ __all__ = [
 
 #: The tenant of every request on a server without an API key file.
 DEFAULT_TENANT = "default"
-#: The shortest server secret accepted (HMAC-SHA256's own block is 64 bytes; 16 is the floor of guessing).
-MIN_SECRET_BYTES = 16
 _GENERATED_SECRET_BYTES = 32
 
 
@@ -151,17 +150,7 @@ def load_secret(path: str | os.PathLike[str] | None) -> tuple[bytes, bool]:
     """
     if path is None:
         return secrets.token_bytes(_GENERATED_SECRET_BYTES), True
-    source = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            secret = f.read().rstrip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the tenant secret file {source!r}: {exc.strerror or exc}") from None
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            f"the tenant secret file {source!r} holds {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES}"
-        )
-    return secret, False
+    return read_secret_file(path, purpose="tenant secret"), False
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +167,7 @@ class SaltPolicy:
 
     @classmethod
     def isolated(cls, secret: bytes) -> SaltPolicy:
-        if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
-            raise ConfigError(f"the tenant secret must be at least {MIN_SECRET_BYTES} bytes")
-        return cls(secret)
+        return cls(check_secret(secret, purpose="tenant secret"))
 
     @classmethod
     def shared(cls) -> SaltPolicy:

@@ -139,8 +139,8 @@ def test_damaged_disk_entries_are_computed_and_counted(folder, reference, tmp_pa
 def test_entries_signed_with_another_secret_are_never_used(folder, reference, tmp_path):
     spec = f"disk:{tmp_path / 'kv'}:1MiB"
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    ours.write_text("one secret\n")
-    theirs.write_text("another secret\n")
+    ours.write_text("one secret, sixteen bytes or more\n")
+    theirs.write_text("another secret, just as long\n")
     batch = prompts(4, count=2)
     writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], kv_tier_secret_file=str(theirs), log=None)
     run(writer, batch)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.secret_files import MIN_SECRET_BYTES
 from kvpool.tiers import CorruptEntry, CorruptKind, EntryCodec
 from tests.tiers.conftest import LAYOUT, block_key
 
@@ -31,7 +32,9 @@ def test_round_trip_signed_and_unsigned(codec, signed_codec):
 
 @settings(max_examples=200, deadline=None)
 @given(
-    payload=st.binary(max_size=4096), key=st.binary(min_size=1, max_size=64), secret=st.none() | st.binary(min_size=1)
+    payload=st.binary(max_size=4096),
+    key=st.binary(min_size=1, max_size=64),
+    secret=st.none() | st.binary(min_size=MIN_SECRET_BYTES),
 )
 def test_round_trip_any_payload(payload, key, secret):
     codec = EntryCodec(LAYOUT, secret)
@@ -41,7 +44,7 @@ def test_round_trip_any_payload(payload, key, secret):
 @settings(max_examples=200, deadline=None)
 @given(payload=st.binary(min_size=1, max_size=512), data=st.data())
 def test_any_single_bit_flip_is_refused(payload, data):
-    codec = EntryCodec(LAYOUT, b"secret")
+    codec = EntryCodec(LAYOUT, b"a secret of sixteen bytes")
     entry = bytearray(codec.encode(KEY, payload))
     bit = data.draw(st.integers(0, len(entry) * 8 - 1))
     entry[bit // 8] ^= 1 << (bit % 8)
@@ -96,7 +99,7 @@ def test_entry_replayed_under_another_key(codec):
 
 def test_unsigned_and_wrongly_signed(codec, signed_codec):
     assert refused(signed_codec, codec.encode(KEY, b"p")) is CorruptKind.UNSIGNED
-    other = EntryCodec(LAYOUT, secret=b"another secret")
+    other = EntryCodec(LAYOUT, secret=b"another secret, just as long")
     assert refused(signed_codec, other.encode(KEY, b"p")) is CorruptKind.BAD_SIGNATURE
     # a planted entry whose payload and checksum were both replaced still fails the HMAC
     forged = bytearray(signed_codec.encode(KEY, b"p"))
@@ -130,6 +133,8 @@ def test_bad_fingerprint_names_the_field(change):
 def test_bad_codec_arguments(codec):
     with pytest.raises(ConfigError, match="secret"):
         EntryCodec(LAYOUT, secret=b"")
+    with pytest.raises(ConfigError, match=f"holds 15 bytes; it needs at least {MIN_SECRET_BYTES}"):
+        EntryCodec(LAYOUT, secret=b"x" * 15)  # the floor tenancy keeps too (kvpool.secret_files)
     with pytest.raises(ConfigError, match="fingerprint"):
         EntryCodec("llama")  # type: ignore[arg-type]  # the wrong type on purpose
     with pytest.raises(ConfigError, match="key"):

@@ -93,7 +93,9 @@ def test_planted_entries_are_counted_misses(redis_url, caplog):
     client.set(prefix + block_key(1), own[:-1] + bytes([own[-1] ^ 1]))  # bit flip
     client.set(prefix + block_key(2), entry)  # a valid entry replayed under another hash
     client.set(prefix + block_key(3), unsigned.encode(block_key(3), b"planted KV"))  # unsigned
-    client.set(prefix + block_key(4), EntryCodec(codec.fingerprint, b"guess").encode(block_key(4), b"planted"))
+    client.set(
+        prefix + block_key(4), EntryCodec(codec.fingerprint, b"a guess at the secret").encode(block_key(4), b"planted")
+    )
     with caplog.at_level(logging.WARNING, logger="kvpool.tiers"):
         assert store.get_many([block_key(i) for i in range(6)]) == [None] * 5 + [payload(5)]
     stats = store.stats

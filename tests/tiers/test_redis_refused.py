@@ -35,7 +35,7 @@ def test_a_refused_entry_is_deleted_and_the_block_stored_again(redis_url):
     name = store.prefix + block_key(0)
     planted = {
         "truncated": codec.encode(block_key(0), payload(0))[:-7],
-        "bad signature": EntryCodec(codec.fingerprint, b"a guess").encode(block_key(0), payload(9)),
+        "bad signature": EntryCodec(codec.fingerprint, b"a guess at the secret").encode(block_key(0), payload(9)),
         "unsigned": EntryCodec(codec.fingerprint).encode(block_key(0), payload(9)),
         "foreign layout": fresh_codec(b"the replicas' secret").encode(block_key(0), payload(9)),
         "oversized": b"KVPE" + bytes(codec.max_entry_bytes(len(block_key(0)))),

@@ -17,6 +17,7 @@ from kvpool.tiers import (
     EntryCodec,
     RedisStore,
     RedisTarget,
+    TierKind,
     open_store,
     parse_size,
     parse_spec,
@@ -26,7 +27,7 @@ from tests.tiers.conftest import LAYOUT, block_key
 
 @pytest.fixture(params=["disk", "redis"])
 def store(request, tmp_path) -> BlockStore:
-    codec = EntryCodec(dataclasses.replace(LAYOUT, hash_seed=uuid.uuid4().hex), b"secret")
+    codec = EntryCodec(dataclasses.replace(LAYOUT, hash_seed=uuid.uuid4().hex), b"a secret of sixteen bytes")
     if request.param == "disk":
         return open_store(f"disk:{tmp_path / 'kv'}:1MiB", codec)
     return open_store(request.getfixturevalue("redis_url"), codec)
@@ -60,12 +61,12 @@ def test_open_store_kinds(tmp_path, codec):
 
 def test_parse_spec_checks_without_opening(tmp_path):
     target = parse_spec(f"disk:{tmp_path}/never/made:2GiB")
-    assert target == DiskTarget(f"{tmp_path}/never/made", 2 * 2**30) and target.kind == "disk"
+    assert target == DiskTarget(f"{tmp_path}/never/made", 2 * 2**30) and target.kind is TierKind.DISK
     assert not (tmp_path / "never").exists()
     redis_target = parse_spec("rediss+cluster://:pw@h:7000?ttl=5&ssl_ca_certs=/ca.pem")
     assert redis_target == RedisTarget("rediss://:pw@h:7000?ssl_ca_certs=%2Fca.pem", True, 5, "rediss+cluster://h:7000")
-    assert redis_target.kind == "redis"
-    assert parse_spec("cpu:4GiB") == CpuTarget(4 * 2**30) and CpuTarget.kind == "cpu"
+    assert redis_target.kind is TierKind.REDIS
+    assert parse_spec("cpu:4GiB") == CpuTarget(4 * 2**30) and CpuTarget.kind is TierKind.CPU
 
 
 def test_open_store_leaves_host_memory_to_the_engine(codec):

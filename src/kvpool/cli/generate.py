@@ -25,6 +25,7 @@ import click
 from kvpool.cli.params import fail, require_extra
 from kvpool.errors import KVPoolError
 from kvpool.hashing import HashAlgo
+from kvpool.tiers.spec import WritePolicy
 
 __all__ = ["chat", "generate"]
 
@@ -34,7 +35,7 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 #: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
 _ENGINE_FLAGS = (
     "model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo", "kv_tiers", "kv_tier_secret_file",
-    "kv_tier_namespace",
+    "kv_tier_namespace", "kv_tier_write",
 )  # fmt: skip
 
 #: The sources ``--json`` always reports, in this order (the pool, then the tier kinds).
@@ -82,6 +83,12 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--kv-tier-namespace", metavar="NAME", default=None,
             help="Name the weights in disk and Redis tier entries by NAME instead of hashing the model's files "
             "(engines given the same NAME must run the same weights).",
+        ),
+        click.option(
+            "--kv-tier-write", "kv_tier_write", type=click.Choice([p.value for p in WritePolicy]),
+            default=WritePolicy.WRITE_THROUGH.value, show_default=True,
+            help="When blocks go down to the KV tiers: write-through (when a block fills) or write-back "
+            "(when the pool evicts it, which saves bandwidth).",
         ),
     ]  # fmt: skip
     for option in reversed(options):

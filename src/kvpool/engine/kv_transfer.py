@@ -6,15 +6,19 @@
     disk:/var/cache/kvpool:50GiB      a directory (kvpool.tiers.DiskStore)
     redis://127.0.0.1:6379/0          a Redis server shared by replicas (rediss:// for TLS)
 
-:func:`build_kv_tiers` turns them into the two halves of a connector:
-:class:`~kvpool.connector.TierHierarchyConnector` (decisions, in the core) and
-:class:`KVTransferWorker` (this module), which implements
-:class:`~kvpool.connector.KVConnectorWorker`:
+:func:`build_kv_tiers` parses them once (:func:`kvpool.tiers.store.parse_specs`) and
+turns them into the two halves of a connector:
+:class:`~kvpool.tiers.hierarchy.TierHierarchyConnector` (decisions, torch-free,
+with its :class:`~kvpool.tiers.spec.WritePolicy`) and :class:`KVTransferWorker`
+(this module), which implements :class:`~kvpool.connector.KVConnectorWorker`:
 
 * the CPU tier is one host tensor ``[host blocks, layers, 2, block_size,
   kv_heads, head_dim]`` (pinned on CUDA); a host block holds one pool block's
-  KV for every layer, at the slot the core's :class:`~kvpool.connector.HostTier`
+  KV for every layer, at the slot :class:`~kvpool.tiers.hierarchy.HostTier`
   names;
+* a write-back spill (a block the pool evicted this step) is copied out at
+  the start of :meth:`KVTransferWorker.start_load`, before loads and the
+  forward pass write that block again;
 * a byte tier (disk, Redis) receives that same block as bytes through the
   :class:`kvpool.tiers.store.BlockStore` protocol, which wraps it in an entry
   that cannot lie (layout fingerprint with the weights' digest, checksum,
@@ -37,25 +41,20 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
 
-from kvpool.connector import (
-    BlockLoad,
-    ByteTier,
-    ConnectorMetadata,
-    HostTier,
-    TierHierarchyConnector,
-    TransferResult,
-)
+from kvpool.connector import BlockLoad, ConnectorMetadata, TransferResult
 from kvpool.engine.kv_cache import KVCaches
 from kvpool.engine.memory import format_bytes
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.manager import KVCacheManager
-from kvpool.tiers.store import CpuTarget, parse_spec
+from kvpool.secret_files import read_secret_file
+from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
+from kvpool.tiers.spec import CpuTarget, TierKind, WritePolicy
+from kvpool.tiers.store import parse_specs
 
 if TYPE_CHECKING:
     from kvpool.scheduler import Scheduler, SchedulerOutput
@@ -66,18 +65,14 @@ __all__ = ["KVTiers", "KVTransferWorker", "TierFigures", "build_kv_tiers", "chec
 _LOGGER = logging.getLogger("kvpool.engine")
 
 
+_CPU = TierKind.CPU.value
+
+
 def check_tier_specs(specs: Sequence[str]) -> tuple[str, ...]:
     """The tier specs, checked as far as it is possible without opening anything (EngineOptions asks)."""
     if isinstance(specs, str) or not isinstance(specs, Sequence):
         raise ConfigError(f"kv_tiers must be a list of tier specs such as 'cpu:4GiB', got {specs!r}")
-    kinds: list[str] = []
-    for spec in specs:
-        if not isinstance(spec, str) or not spec.strip():
-            raise ConfigError(f"a KV tier spec must be a non-empty string, got {spec!r}")
-        kind = parse_spec(spec).kind
-        if kind in kinds:
-            raise ConfigError(f"KV tier {kind!r} is given twice ({spec!r}); each kind of tier appears once")
-        kinds.append(kind)
+    parse_specs(specs)
     return tuple(specs)
 
 
@@ -135,7 +130,7 @@ class KVTransferWorker:
             self.host = torch.empty(shape, dtype=spec.dtype, pin_memory=self._cuda)
         self.stores = {store.name: store for store in stores}
         self.figures: dict[str, TierFigures] = {
-            name: TierFigures(name) for name in (["cpu"] if host_blocks else []) + list(self.stores)
+            name: TierFigures(name) for name in ([_CPU] if host_blocks else []) + list(self.stores)
         }
         cuda: Any = torch.cuda  # its Stream and Event constructors carry no annotations
         self._stream = cuda.Stream(self.device) if self._cuda else None
@@ -165,6 +160,8 @@ class KVTransferWorker:
 
     def start_load(self, meta: ConnectorMetadata) -> None:
         self._events = None
+        if meta.spills:
+            self.save(ConnectorMetadata(saves=meta.spills))  # before anything writes those blocks again
         if not meta.loads:
             return
         failed: dict[str, int] = {}  # request -> first block position that did not arrive
@@ -173,7 +170,7 @@ class KVTransferWorker:
         for i, load in enumerate(meta.loads):
             by_tier.setdefault(load.tier, []).append(i)
         for tier, indices in by_tier.items():
-            if tier == "cpu":
+            if tier == _CPU:
                 continue
             started = time.perf_counter()
             loads = [meta.loads[i] for i in indices]
@@ -190,7 +187,7 @@ class KVTransferWorker:
             if first_failed is not None and load.position >= first_failed:
                 self.figures[load.tier].failed_loads += 1
                 continue  # computed instead, with every later block of the request
-            if load.tier == "cpu":
+            if load.tier == _CPU:
                 from_host.append(load)
             else:
                 from_bytes.append((load, payloads[i]))
@@ -264,8 +261,8 @@ class KVTransferWorker:
             return
         started = time.perf_counter()
         caches = self.kv_caches
-        to_host = [j for j, s in enumerate(saves) if "cpu" in s.tiers]
-        to_bytes = [j for j, s in enumerate(saves) if any(t != "cpu" for t in s.tiers)]
+        to_host = [j for j, s in enumerate(saves) if _CPU in s.tiers]
+        to_bytes = [j for j, s in enumerate(saves) if any(t != _CPU for t in s.tiers)]
         ids = torch.tensor([s.block_id for s in saves], dtype=torch.int64, device=self.device)
         host_pick = None if len(to_host) == len(saves) else torch.tensor(to_host, dtype=torch.int64, device=self.device)
         bytes_pick = (
@@ -286,10 +283,10 @@ class KVTransferWorker:
         by_tier: dict[str, list[int]] = {}
         for row, j in enumerate(to_bytes):
             for tier in saves[j].tiers:
-                if tier != "cpu":
+                if tier != _CPU:
                     by_tier.setdefault(tier, []).append(row)
         if to_host:
-            figures = self.figures["cpu"]
+            figures = self.figures[_CPU]
             figures.blocks_saved += len(to_host)
             figures.bytes_saved += len(to_host) * self.block_bytes
             figures.save_seconds += copied * len(to_host)
@@ -301,7 +298,7 @@ class KVTransferWorker:
             figures.blocks_saved += stored
             figures.bytes_saved += stored * self.block_bytes
             figures.failed_saves += len(rows) - stored
-        self._saved.update(s.request_id for s in saves)
+        self._saved.update(s.request_id for s in saves if s.request_id is not None)  # a spill has none
 
     def _put(self, tier: str, keys: Sequence[bytes], rows: list[int], staging: torch.Tensor) -> int:
         raw = staging.view(torch.uint8).reshape(staging.shape[0], -1).numpy()
@@ -344,7 +341,7 @@ class KVTiers:
     def before_forward(self, scheduler: Scheduler, plan: SchedulerOutput) -> SchedulerOutput:
         """Start the step's loads; the plan to run (failed loads are computed instead)."""
         meta = plan.connector_meta
-        if meta is None or not meta.loads:
+        if meta is None or not (meta.loads or meta.spills):
             return plan
         self.worker.start_load(meta)
         return scheduler.apply_transfers(plan, self.worker.get_finished())
@@ -380,7 +377,9 @@ class KVTiers:
         self.connector.reset()
         meta = plan.connector_meta
         if meta:
-            rids = frozenset([*(t.request_id for t in meta.loads), *(t.request_id for t in meta.saves)])
+            rids = frozenset(
+                [*(t.request_id for t in meta.loads), *(t.request_id for t in meta.saves if t.request_id is not None)]
+            )
             try:
                 scheduler.apply_transfers(plan, TransferResult(finished_loads=rids, finished_saves=rids))
             except KVPoolError:
@@ -406,17 +405,6 @@ class KVTiers:
 
     def close(self) -> None:
         self.worker.close()
-
-
-def read_secret(path: str | os.PathLike[str]) -> bytes:
-    """The tier secret in the file at ``path`` (surrounding whitespace removed)."""
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the KV tier secret file {str(path)!r}: {exc.strerror}") from None
-    if not secret:
-        raise ConfigError(f"the KV tier secret file {str(path)!r} is empty")
-    return secret
 
 
 def tier_weights(model_folder: str | os.PathLike[str], namespace: str | None, log: Callable[[str], None]) -> str:
@@ -448,14 +436,16 @@ def build_kv_tiers(
     *,
     model_folder: str | os.PathLike[str],
     namespace: str | None = None,
+    write: WritePolicy = WritePolicy.WRITE_THROUGH,
 ) -> KVTiers | None:
-    """Open the tiers ``specs`` name, in lookup order; None when there are none.
+    """Open the tiers ``specs`` name, in lookup order, saving by the ``write`` policy; None when there are none.
 
     Disk and Redis entries carry a :class:`~kvpool.tiers.entry.LayoutFingerprint` that names the
     weights (:func:`tier_weights`: ``namespace``, else the digest of ``model_folder``'s files), so
     an engine never reads another model's entries.
     """
-    specs = check_tier_specs(specs)
+    targets = parse_specs(specs)  # the one parse: everything below takes the typed targets
+    specs = tuple(specs)
     if not specs:
         if secret_file is not None:
             raise ConfigError("kv_tier_secret_file is given but no KV tier is")
@@ -466,9 +456,9 @@ def build_kv_tiers(
     if not _one_pair_per_layer(kv_caches) or len(manager.groups) != 1:
         raise ConfigError("KV tiers support models with one full-attention layer group")
     spec = kv_caches.spec
-    secret = None if secret_file is None else read_secret(secret_file)
+    secret = None if secret_file is None else read_secret_file(secret_file, purpose="KV tier secret")
     codec: EntryCodec | None = None
-    if any(not isinstance(parse_spec(one), CpuTarget) for one in specs):  # host memory holds this model only
+    if any(not isinstance(target, CpuTarget) for target in targets):  # host memory holds this model only
         seed = manager.hasher.seed
         fingerprint = LayoutFingerprint(
             architecture=architecture,
@@ -486,8 +476,7 @@ def build_kv_tiers(
     stores: list[BlockStore] = []
     host: HostTier | None = None
     try:
-        for one in specs:
-            target = parse_spec(one)
+        for one, target in zip(specs, targets):
             if isinstance(target, CpuTarget):
                 size = target.capacity_bytes
                 blocks = size // spec.block_bytes
@@ -500,7 +489,7 @@ def build_kv_tiers(
                 )
                 continue
             assert codec is not None  # built above for every byte tier
-            store = open_store(one, codec)
+            store = open_store(target, codec)
             stores.append(store)
             tiers.append(ByteTier(store))
             log(f"KV tier {store.name}: {one}" + ("" if secret is None else " (entries signed)"))
@@ -508,6 +497,6 @@ def build_kv_tiers(
         for store in stores:
             store.close()
         raise
-    connector = TierHierarchyConnector(manager, tiers)
+    connector = TierHierarchyConnector(manager, tiers, write=write)
     worker = KVTransferWorker(kv_caches, host.num_blocks if host is not None else 0, stores)
     return KVTiers(connector=connector, worker=worker, specs=specs, host=host, stores=tuple(stores))

@@ -65,6 +65,7 @@ from kvpool.model_config import max_position_embeddings, serving_dtype
 from kvpool.model_layers import layer_sliding_windows, layer_specs_from_config
 from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_cache
 from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
+from kvpool.tiers.spec import WritePolicy
 
 __all__ = ["EngineOptions", "EngineSetup", "start_engine"]
 
@@ -110,6 +111,9 @@ class EngineOptions:
             vouches that every engine given the same namespace (and the same
             layout) runs the same weights; None hashes the folder once
             (:func:`kvpool.engine.model_store.model_digest`).
+        kv_tier_write: when blocks go down to the tiers, a
+            :class:`kvpool.tiers.WritePolicy` or its name: ``write-through``
+            (when a block fills) or ``write-back`` (when the pool evicts it).
     """
 
     model: str | os.PathLike[str]
@@ -127,6 +131,7 @@ class EngineOptions:
     kv_tiers: tuple[str, ...] = ()
     kv_tier_secret_file: str | os.PathLike[str] | None = None
     kv_tier_namespace: str | None = None
+    kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -154,6 +159,7 @@ class EngineOptions:
         if not isinstance(self.enable_kv_events, bool):
             raise ConfigError(f"enable_kv_events must be a bool, got {self.enable_kv_events!r}")
         object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
+        object.__setattr__(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
         secret = self.kv_tier_secret_file
         if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
             raise ConfigError(f"kv_tier_secret_file must be a file path, given with kv_tiers; got {secret!r}")

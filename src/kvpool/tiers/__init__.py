@@ -1,32 +1,48 @@
-"""Tiers below GPU memory, as byte stores: blocks keyed by chained block hash, kept as entries that cannot lie.
+"""Tiers below GPU memory: their kinds and specs, their stores, and the hierarchy that uses them.
 
+* :mod:`kvpool.tiers.spec`: :class:`TierKind`, :class:`WritePolicy`, the host-memory spec.
+* :mod:`kvpool.tiers.store`: the :class:`BlockStore` contract, the registry of kinds
+  (:data:`~kvpool.tiers.store.BACKENDS`), :func:`parse_spec` (the one spec parser) and :func:`open_store`.
 * :mod:`kvpool.tiers.entry`: the entry format and :class:`EntryCodec` (header, checksum, HMAC).
-* :mod:`kvpool.tiers.store`: the :class:`BlockStore` contract and :func:`open_store` for a spec.
 * :mod:`kvpool.tiers.disk`: :class:`DiskStore`, a directory bounded in bytes, LRU, restart-safe.
 * :mod:`kvpool.tiers.redis_store`: :class:`RedisStore`, a Redis server or cluster shared by replicas.
+* :mod:`kvpool.tiers.hierarchy`: :class:`TierHierarchyConnector`, the KV connector over the tiers,
+  with its write policy; the engine moves its bytes, the simulator times them.
 
-Torch-free; the Redis client is imported only when a Redis store is opened (the ``tiers`` extra).
+Torch-free; the Redis client is imported only when a Redis spec is parsed or a store opened (the
+``tiers`` extra).
 """
 
 from kvpool.tiers.counters import TierStats
-from kvpool.tiers.disk import DiskStore
+from kvpool.tiers.disk import DiskStore, DiskTarget
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, LayoutFingerprint
+from kvpool.tiers.hierarchy import ByteTier, HostTier, TierCounters, TierHierarchyConnector
 from kvpool.tiers.redis_store import RedisStore, RedisTarget
-from kvpool.tiers.store import BlockStore, CpuTarget, DiskTarget, open_store, parse_size, parse_spec
+from kvpool.tiers.spec import CpuTarget, TierKind, WritePolicy
+from kvpool.tiers.store import BACKENDS, BlockStore, TierTarget, open_store, parse_size, parse_spec, parse_specs
 
 __all__ = [
+    "BACKENDS",
     "BlockStore",
+    "ByteTier",
     "CorruptEntry",
     "CorruptKind",
     "CpuTarget",
     "DiskStore",
     "DiskTarget",
     "EntryCodec",
+    "HostTier",
     "LayoutFingerprint",
     "RedisStore",
     "RedisTarget",
+    "TierCounters",
+    "TierHierarchyConnector",
+    "TierKind",
     "TierStats",
+    "TierTarget",
+    "WritePolicy",
     "open_store",
     "parse_size",
     "parse_spec",
+    "parse_specs",
 ]

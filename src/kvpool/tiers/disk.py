@@ -50,14 +50,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvariantViolation
 from kvpool.tiers.counters import StoreCounters, TierStats
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, Payload
+from kvpool.tiers.spec import TierBackend, TierKind, parse_size
 
-__all__ = ["DiskStore"]
+__all__ = ["BACKEND", "DiskStore", "DiskTarget"]
 
 _log = logging.getLogger("kvpool.tiers.disk")
 _SUFFIX = ".kv"
@@ -82,10 +85,28 @@ def _entry_key(shard: str, name: str) -> bytes | None:
     return bytes.fromhex(stem)
 
 
+@dataclass(frozen=True, slots=True)
+class DiskTarget:
+    """A disk tier spec, checked: the directory and its bound in bytes."""
+
+    path: str
+    capacity_bytes: int
+
+    kind: ClassVar[TierKind] = TierKind.DISK
+
+    @classmethod
+    def parse(cls, spec: str) -> DiskTarget:
+        """``disk:PATH:SIZE``; ConfigError naming the spec."""
+        path, sep, size = spec.removeprefix("disk:").rpartition(":")
+        if not sep or not path:
+            raise ConfigError(f"disk tier spec {spec!r} must be disk:PATH:SIZE, e.g. disk:/var/cache/kvpool:50GiB")
+        return cls(path, parse_size(size, field=f"size in tier spec {spec!r}"))
+
+
 class DiskStore:
     """Blocks in files under ``directory``, at most ``capacity_bytes`` of entries. Thread-safe."""
 
-    name = "disk"
+    name = TierKind.DISK.value
 
     def __init__(
         self,
@@ -429,3 +450,13 @@ class DiskStore:
         except OSError:  # already gone (another process evicted it), a directory, or unwritable: nothing to free
             return False
         return True
+
+
+def _open(target: DiskTarget, codec: EntryCodec) -> DiskStore:
+    return DiskStore(target.path, target.capacity_bytes, codec)
+
+
+#: The disk tier, as the registry (:data:`kvpool.tiers.store.BACKENDS`) holds it.
+BACKEND = TierBackend(
+    kind=TierKind.DISK, prefixes=("disk:",), parse=DiskTarget.parse, open=_open, example="disk:PATH:SIZE"
+)

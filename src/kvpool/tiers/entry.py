@@ -42,6 +42,7 @@ from enum import Enum
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.hashing import HashAlgo
+from kvpool.secret_files import check_secret
 from kvpool.specs import KVDtype
 
 __all__ = ["FORMAT_VERSION", "CorruptEntry", "CorruptKind", "EntryCodec", "LayoutFingerprint", "Payload"]
@@ -131,7 +132,7 @@ class LayoutFingerprint:
 class EntryCodec:
     """Encodes payloads into entries for one layout and decodes them back, refusing anything else.
 
-    ``secret``: with it, ``encode`` signs every entry and ``decode`` refuses unsigned entries and
+    ``secret``: at least :data:`~kvpool.secret_files.MIN_SECRET_BYTES` bytes; with it, ``encode`` signs every entry and ``decode`` refuses unsigned entries and
     entries signed with another secret. Share it between the replicas that share a tier.
     Both directions cost one SHA-256 pass over the payload plus one copy.
     """
@@ -139,8 +140,8 @@ class EntryCodec:
     def __init__(self, fingerprint: LayoutFingerprint, secret: bytes | None = None) -> None:
         if not isinstance(fingerprint, LayoutFingerprint):
             raise ConfigError(f"fingerprint must be a LayoutFingerprint, got {fingerprint!r}")
-        if secret is not None and (not isinstance(secret, bytes) or not secret):
-            raise ConfigError("secret must be non-empty bytes or None (got an empty or non-bytes value)")
+        if secret is not None:
+            check_secret(secret, purpose="KV tier secret")
         self.fingerprint = fingerprint
         self._layout = fingerprint.digest()
         self._secret = secret

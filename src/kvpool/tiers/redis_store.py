@@ -39,8 +39,9 @@ from urllib.parse import parse_qsl, urlencode
 from kvpool.errors import ConfigError
 from kvpool.tiers.counters import StoreCounters, TierStats
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, Payload
+from kvpool.tiers.spec import TierBackend, TierKind
 
-__all__ = ["REDIS_SCHEMES", "RedisStore", "RedisTarget"]
+__all__ = ["BACKEND", "REDIS_SCHEMES", "RedisStore", "RedisTarget"]
 
 #: URL schemes a Redis tier spec may start with.
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"})
@@ -66,7 +67,7 @@ class RedisTarget:
     ttl_s: int | None
     display_url: str  # for logs: no password, no query
 
-    kind: ClassVar[str] = "redis"
+    kind: ClassVar[TierKind] = TierKind.REDIS
 
     @classmethod
     def parse(cls, url: str) -> RedisTarget:
@@ -91,7 +92,7 @@ class RedisTarget:
 class RedisStore:
     """Blocks in Redis under a per-layout key prefix. Thread-safe: calls take turns on one client."""
 
-    name = "redis"
+    name = TierKind.REDIS.value
 
     def __init__(
         self,
@@ -283,3 +284,17 @@ def _ttl(text: str | None, url: str) -> int | None:
     if not text.isdigit() or int(text) <= 0:
         raise ConfigError(f"ttl in redis tier URL {url!r} must be a positive number of seconds, got {text!r}")
     return int(text)
+
+
+def _open(target: RedisTarget, codec: EntryCodec) -> RedisStore:
+    return RedisStore(target, codec)
+
+
+#: The Redis tier, as the registry (:data:`kvpool.tiers.store.BACKENDS`) holds it.
+BACKEND = TierBackend(
+    kind=TierKind.REDIS,
+    prefixes=tuple(f"{scheme}://" for scheme in sorted(REDIS_SCHEMES)),
+    parse=RedisTarget.parse,
+    open=_open,
+    example="redis://HOST:PORT/DB, rediss://... (TLS), redis+cluster://HOST:PORT or unix:///PATH",
+)

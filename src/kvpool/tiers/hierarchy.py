@@ -1,0 +1,504 @@
+"""The tier hierarchy: a KV connector over tiers looked up in order by the chained block hash.
+
+:class:`TierHierarchyConnector` is the scheduler side of kvpool's offloading
+connector (:mod:`kvpool.connector` holds the interface): it decides, torch-free,
+which blocks load from which tier and which go down, and when. The engine's
+worker (:mod:`kvpool.engine.kv_transfer`) moves the bytes; the simulator's
+(:mod:`kvpool.sim.transfers`) only accounts their time. Both drive this same
+class through the same scheduler.
+
+The tiers it looks in:
+
+* :class:`HostTier`: host memory, whose bookkeeping is a
+  :class:`~kvpool.block_pool.BlockPool` of host blocks (the pool's free queue is
+  its LRU order, its prefix index the key lookup);
+* :class:`ByteTier`: a :class:`~kvpool.tiers.store.BlockStore` (disk, Redis),
+  of which only the lookup is made here.
+
+When a block goes down is the :class:`~kvpool.tiers.spec.WritePolicy`, chosen
+once at construction: at fill (``WRITE_THROUGH``, :meth:`_save_on_fill`) or at
+eviction from the GPU pool (``WRITE_BACK``, :meth:`_spill_evicted`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpool.block import KVBlock
+from kvpool.block_pool import BlockPool
+from kvpool.checks import check_int
+from kvpool.connector import (
+    GPU,
+    NO_MATCH,
+    BlockLoad,
+    BlockSave,
+    ConnectorMetadata,
+    ExternalMatch,
+    TierRun,
+    TransferResult,
+)
+from kvpool.errors import ConfigError, InvariantViolation
+from kvpool.events import BlockRemoved, BlockStored
+from kvpool.groups.full_attention import FullAttentionManager
+from kvpool.hashing import BlockHash
+from kvpool.manager import KVCacheManager
+from kvpool.request import Request
+from kvpool.tiers.spec import TierKind, WritePolicy
+
+__all__ = ["ByteTier", "HostTier", "PrefixLookup", "Tier", "TierCounters", "TierHierarchyConnector"]
+
+_LOGGER = logging.getLogger("kvpool.tiers")
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Cumulative figures of one tier, as the connector sees it."""
+
+    name: str
+    hit_blocks: int = 0  # blocks promised from this tier at admission
+    failed_blocks: int = 0  # promised blocks that were then computed (the load failed)
+    saved_blocks: int = 0  # blocks sent to this tier
+    lookup_errors: int = 0  # lookups that raised (a backend fault; counted as misses)
+
+
+class HostTier:
+    """The CPU tier's bookkeeping: host blocks in a :class:`~kvpool.block_pool.BlockPool` of their own.
+
+    A host block holds one pool block's KV for every layer. The pool's prefix
+    index maps a chained block hash to the host block holding it, and its
+    free queue is the eviction order: a stored block rests in the queue as a
+    cached block (least recently used first), a load or a save pins it for the
+    step (reference count 1) and releases it to the back. The worker side owns
+    the host memory and copies at the slots named here. O(1) per block.
+    """
+
+    name = TierKind.CPU.value
+
+    def __init__(self, num_blocks: int) -> None:
+        check_int("CPU tier blocks", num_blocks)
+        self.num_blocks = num_blocks
+        # Host block 0 is the pool's null block, never used; the pool's events name the keys it evicts.
+        self.pool = BlockPool(num_blocks + 1, enable_events=True)
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys evicted since the last call, oldest first (for the tier's ``BlockRemoved`` events)."""
+        return [bytes(h) for e in self.pool.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        cached = self.pool.cached_block
+        count = 0
+        for key in keys:
+            if cached(BlockHash(key)) is None:
+                break
+            count += 1
+        return count
+
+    def pin(self, key: bytes) -> int:
+        """The host block holding ``key``, pinned until :meth:`release`."""
+        block = self.pool.cached_block(BlockHash(key))
+        if block is None:
+            raise InvariantViolation(f"host block for key {key.hex()[:16]} was evicted between lookup and load")
+        self.pool.touch([block])
+        return block.block_id
+
+    def reserve(self, key: bytes) -> int | None:
+        """A host block to save ``key`` into, pinned and indexed; None if it is there already or all are pinned."""
+        if self.pool.cached_block(BlockHash(key)) is not None or self.pool.num_free_blocks == 0:
+            return None
+        [block] = self.pool.get_new_blocks(1)  # evicts the least recently used cached block
+        self.pool.cache_block(block, BlockHash(key))
+        return block.block_id
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Unpin host blocks: back of the queue, most recently used."""
+        blocks: list[KVBlock] = [self.pool.block(slot) for slot in slots]
+        self.pool.free_blocks(blocks)
+
+    def discard(self, slots: Sequence[int]) -> None:
+        """Unpin host blocks reserved for saves that will never be written, and forget their keys.
+
+        No removal is announced: a reserved key is announced stored only once its save is done.
+        """
+        blocks: list[KVBlock] = [self.pool.block(slot) for slot in slots]
+        for block in blocks:
+            if block.block_hash is not None:
+                self.pool.uncache(block)
+        self.pool.take_events()  # only these removals since the last save was planned (take_evicted drains)
+        self.pool.free_blocks(blocks)
+
+    def clear(self) -> list[bytes]:
+        """Forget every stored block and pin (after a step failed: a reserved block may never have been written).
+
+        Returns the keys it forgot.
+        """
+        forgotten = [bytes(b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
+        self.pool = BlockPool(self.num_blocks + 1, enable_events=True)
+        return forgotten
+
+    @property
+    def num_stored(self) -> int:
+        return self.pool.num_cached()
+
+
+class PrefixLookup(Protocol):
+    """The part of a :class:`kvpool.tiers.store.BlockStore` the scheduler side uses."""
+
+    name: str
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+
+class ByteTier:
+    """A tier whose entries are bytes in a :class:`kvpool.tiers.store.BlockStore` (disk, Redis).
+
+    Only the lookup is made here; the worker side reads and writes the store.
+    A store that raises is a miss, logged once: faults never stop serving.
+    """
+
+    def __init__(self, store: PrefixLookup) -> None:
+        name = getattr(store, "name", None)
+        if not isinstance(name, str) or not callable(getattr(store, "contains_prefix", None)):
+            raise ConfigError(f"a byte tier needs a BlockStore (name, contains_prefix, ...), got {store!r}")
+        self.name = name
+        self.store = store
+        self._warned = False
+        self.lookup_errors = 0
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        try:
+            found = self.store.contains_prefix(keys)
+        except Exception as exc:  # noqa: BLE001  # a backend fault is a miss; serving goes on
+            self.lookup_errors += 1
+            if not self._warned:
+                _LOGGER.warning("KV tier %s: lookup failed (%s); treated as a miss", self.name, exc)
+                self._warned = True
+            return 0
+        self._warned = False
+        return found if type(found) is int and 0 <= found <= len(keys) else 0
+
+
+Tier = HostTier | ByteTier
+
+
+@dataclass(frozen=True, slots=True)
+class _Resident:
+    """A full block in the GPU pool that write-back will send down when the pool evicts it."""
+
+    key: BlockHash
+    origin: str | None  # the tier it was loaded from; None: computed here
+    event: BlockStored | None  # its stored-block event (medium GPU), when events are recorded
+
+
+class TierHierarchyConnector:
+    """Offloading through tiers looked up in the user's order by the chained block hash.
+
+    Lookup: after the local hit, each next block is taken from the first tier
+    that holds it, as a run as long as that tier holds; the match ends at the
+    first block no tier holds. Because the key is the request's chained block
+    hash, cache salts and LoRA names isolate tenants in every tier as they do
+    in the pool.
+
+    Saves (``write``, a :class:`WritePolicy`): a block goes to every tier above
+    the one it came from (all tiers when computed), once. Write-through sends
+    it when it becomes full in a step; write-back when the GPU pool evicts it,
+    as a *spill* (:attr:`ConnectorMetadata.spills`) the worker copies out
+    before the step's loads and forward pass reuse the block. Blocks of the
+    local hit are not sent again.
+
+    Requires a single full-attention layer group and, unless
+    ``allow_fast_hash`` (a simulation, where no other process shares a key), a
+    cryptographic block hash (a fast hash would let two prompts share a key
+    across processes).
+    """
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        tiers: Sequence[Tier],
+        *,
+        write: WritePolicy = WritePolicy.WRITE_THROUGH,
+        allow_fast_hash: bool = False,
+    ) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise ConfigError(f"manager must be a KVCacheManager, got {manager!r}")
+        if not isinstance(write, WritePolicy):
+            raise ConfigError(f"write must be a WritePolicy, got {write!r}")
+        tiers = tuple(tiers)
+        if not tiers:
+            raise ConfigError("a tier hierarchy needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names) or GPU in names:
+            raise ConfigError(f"tier names must be distinct and not {GPU!r}, got {names}")
+        if not manager.enable_caching:
+            raise ConfigError("KV tiers need prefix caching (blocks are found by their hash)")
+        if not manager.hasher.algo.is_cryptographic and not allow_fast_hash:
+            raise ConfigError(f"KV tiers need a cryptographic block hash, not {manager.hasher.algo.value!r}")
+        if len(manager.groups) != 1 or type(manager.groups[0]) is not FullAttentionManager:
+            raise ConfigError("KV tiers support models with one full-attention layer group")
+        self.manager = manager
+        self.tiers = tiers
+        self.write = write
+        self.block_size = manager.block_size
+        self.counters = {t.name: TierCounters(t.name) for t in tiers}
+        self._pool = manager.pool
+        self._host = next((t for t in tiers if isinstance(t, HostTier)), None)
+        self._all = tuple(names)
+        self._rank = {name: i for i, name in enumerate(names)}
+        self._pending_loads: dict[str, list[BlockLoad]] = {}
+        self._saved_upto: dict[str, int] = {}  # blocks of the request handled (hit, saved or skipped)
+        self._origin: dict[str, dict[int, str]] = {}  # loaded block position -> its tier
+        self._pinned: dict[str, list[int]] = {}  # host blocks pinned by in-flight transfers
+        self._saving: set[str] = set()
+        self._stored: dict[str, list[BlockStored]] = {}  # tier events of planned saves, published when done
+        # Write-back: full blocks in the pool by block ID, and the ones evicted since the last plan.
+        self._resident: dict[int, _Resident] = {}
+        self._evicted: list[tuple[int, _Resident]] = []
+        if write is WritePolicy.WRITE_BACK:
+            self._on_fill = self._remember_on_fill
+            self._pool.watch_evictions(self._note_evicted)
+        else:
+            self._on_fill = self._save_on_fill
+
+    # -- lookup ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        if first * bs != num_computed_tokens:
+            return NO_MATCH  # a partial local hit cannot be extended by whole blocks
+        keys = request.block_hashes[first : (request.num_tokens - 1) // bs]
+        runs: list[TierRun] = []
+        pos = 0
+        while pos < len(keys):
+            rest = keys[pos:]
+            for tier in self.tiers:
+                found = tier.contains_prefix(rest)
+                if found:
+                    runs.append(TierRun(tier.name, found * bs))
+                    pos += found
+                    break
+            else:
+                break
+        return ExternalMatch(tuple(runs))
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_local_tokens: int, match: ExternalMatch
+    ) -> None:
+        rid = request.request_id
+        bs = self.block_size
+        pos = num_local_tokens // bs
+        self._saved_upto[rid] = pos
+        origin: dict[int, str] = {}
+        loads: list[BlockLoad] = []
+        if match.runs:
+            hashes = request.block_hashes
+            for run in match.runs:
+                counters = self.counters[run.tier]
+                for _ in range(run.num_tokens // bs):
+                    key = bytes(hashes[pos])
+                    slot = None
+                    if self._host is not None and run.tier == self._host.name:
+                        slot = self._host.pin(key)
+                        self._pinned.setdefault(rid, []).append(slot)
+                    loads.append(BlockLoad(rid, pos, block_ids[pos], key, run.tier, slot))
+                    origin[pos] = run.tier
+                    counters.hit_blocks += 1
+                    pos += 1
+        self._origin[rid] = origin
+        if loads:
+            self._pending_loads[rid] = loads
+
+    # -- a step ---------------------------------------------------------------------
+
+    def build_meta(self, scheduled: Sequence[tuple[Request, int]]) -> ConnectorMetadata:
+        loads = [load for batch in self._pending_loads.values() for load in batch]
+        self._pending_loads.clear()
+        spills = self._spill_evicted()
+        saves: list[BlockSave] = []
+        bs = self.block_size
+        for request, end in scheduled:
+            rid = request.request_id
+            done = self._saved_upto.get(rid)
+            if done is None:
+                continue
+            full = min(end // bs, len(request.block_hashes))
+            if full <= done:
+                continue
+            self._on_fill(request, done, full, saves)
+            self._saved_upto[rid] = full
+        return ConnectorMetadata(tuple(loads), tuple(saves), tuple(spills))
+
+    def _below(self, origin: str | None) -> tuple[str, ...]:
+        """The tiers a block goes down to: all when computed here, else those above the tier it came from."""
+        return self._all if origin is None else self._all[: self._rank[origin]]
+
+    def _save_on_fill(self, request: Request, first: int, stop: int, saves: list[BlockSave]) -> None:
+        """Write-through: blocks ``first .. stop-1`` of ``request`` became full this step; plan their saves."""
+        rid = request.request_id
+        hashes = request.block_hashes
+        table = self.manager.get_block_ids(rid)[0]
+        origin = self._origin.get(rid, {})
+        tokens: Sequence[int] | None = None
+        for pos in range(first, stop):
+            tiers = self._below(origin.get(pos))
+            if not tiers:
+                continue
+            key = bytes(hashes[pos])
+            tiers, slot = self._reserve_host(key, tiers, rid)
+            if not tiers:
+                continue
+            saves.append(BlockSave(rid, table[pos], key, tiers, slot))
+            for name in tiers:
+                self.counters[name].saved_blocks += 1
+            self._saving.add(rid)
+            if self._pool.records_events:
+                tokens = tokens or request.all_token_ids  # a copy: taken once per request
+                event = self._pool.stored_event(request, hashes, [pos], block_size=self.block_size, tokens=tokens)
+                stored = self._stored.setdefault(rid, [])
+                stored.extend(dataclasses.replace(event, medium=name.upper()) for name in tiers)
+
+    def _remember_on_fill(self, request: Request, first: int, stop: int, saves: list[BlockSave]) -> None:
+        """Write-back: blocks ``first .. stop-1`` of ``request`` became full; they go down when evicted."""
+        rid = request.request_id
+        hashes = request.block_hashes
+        table = self.manager.get_block_ids(rid)[0]
+        origin = self._origin.get(rid, {})
+        tokens: Sequence[int] | None = None
+        for pos in range(first, stop):
+            source = origin.get(pos)
+            if not self._below(source):
+                self._resident.pop(table[pos], None)
+                continue
+            event = None
+            if self._pool.records_events:
+                tokens = tokens or request.all_token_ids
+                event = self._pool.stored_event(request, hashes, [pos], block_size=self.block_size, tokens=tokens)
+            self._resident[table[pos]] = _Resident(hashes[pos], source, event)
+
+    def _note_evicted(self, blocks: Sequence[KVBlock]) -> None:
+        """The GPU pool evicts ``blocks`` (their hashes still set): remember the ones write-back must save."""
+        resident = self._resident
+        for block in blocks:
+            entry = resident.pop(block.block_id, None)
+            if entry is not None and entry.key == block.block_hash:
+                self._evicted.append((block.block_id, entry))
+
+    def _spill_evicted(self) -> list[BlockSave]:
+        """Write-back: saves of the blocks evicted since the last plan, copied out before anything reuses them.
+
+        A spill belongs to no request; its host block is released at once (it is
+        written at the start of this step, before any later plan can take it).
+        """
+        if not self._evicted:
+            return []
+        spills: list[BlockSave] = []
+        for block_id, entry in self._evicted:
+            key = bytes(entry.key)
+            tiers, slot = self._reserve_host(key, self._below(entry.origin), None)
+            if not tiers:
+                continue
+            spills.append(BlockSave(None, block_id, key, tiers, slot))
+            for name in tiers:
+                self.counters[name].saved_blocks += 1
+            if entry.event is not None:
+                for name in tiers:
+                    self._pool.record(dataclasses.replace(entry.event, medium=name.upper()))
+        self._evicted.clear()
+        if self._host is not None:
+            slots = [s.host_slot for s in spills if s.host_slot is not None]
+            if slots:
+                self._host.release(slots)
+        return spills
+
+    def _reserve_host(self, key: bytes, tiers: tuple[str, ...], rid: str | None) -> tuple[tuple[str, ...], int | None]:
+        """A host block for ``key`` when the CPU tier is among ``tiers``; the tiers left to save to, and the slot."""
+        host = self._host
+        if host is None or host.name not in tiers:
+            return tiers, None
+        slot = host.reserve(key)
+        if slot is None:  # already there (or every host block pinned this step)
+            return tuple(t for t in tiers if t != host.name), None
+        if rid is not None:
+            self._pinned.setdefault(rid, []).append(slot)
+        self._record_removed(host.name, host.take_evicted())
+        return tiers, slot
+
+    def update_finished(self, result: TransferResult) -> None:
+        bs = self.block_size
+        for rid, valid in result.failed_loads.items():
+            for pos, tier in self._origin.get(rid, {}).items():
+                if pos * bs >= valid:
+                    self.counters[tier].failed_blocks += 1
+        done = result.finished_loads | result.finished_saves
+        for rid in done:
+            if rid in result.finished_saves:
+                self._saving.discard(rid)
+                for event in self._stored.pop(rid, ()):
+                    self._pool.record(event)
+            if rid not in self._saving and self._host is not None:
+                slots = self._pinned.pop(rid, None)
+                if slots:
+                    self._host.release(slots)
+
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> bool:
+        rid = request.request_id
+        self._saved_upto.pop(rid, None)
+        self._origin.pop(rid, None)
+        if self._pending_loads.pop(rid, None) is not None and rid not in self._saving:
+            slots = self._pinned.pop(rid, None)  # loads never sent: nothing will report them
+            if slots and self._host is not None:
+                self._host.release(slots)
+        return rid in self._saving
+
+    def forget_request(self, request_id: str, unwritten_slots: Collection[int]) -> None:
+        """Drop one failed request's transfers; nothing of any other request or tier changes.
+
+        Its planned saves will not be sent: the host blocks reserved for them
+        (``unwritten_slots``) are forgotten, the ones it pinned for loads are
+        released. Call it before the scheduler finishes the request, which
+        then frees its blocks at once (no save is awaited).
+        """
+        self._pending_loads.pop(request_id, None)
+        self._saving.discard(request_id)
+        self._stored.pop(request_id, None)
+        slots = self._pinned.pop(request_id, None)
+        if slots and self._host is not None:
+            kept = [s for s in slots if s not in unwritten_slots]
+            lost = [s for s in slots if s in unwritten_slots]
+            if kept:
+                self._host.release(kept)
+            if lost:
+                self._host.discard(lost)
+
+    def reset(self) -> None:
+        """Forget every transfer in flight and the CPU tier's contents (the engine's recovery after a failed step).
+
+        A host block is indexed when its save is planned, so a step that failed
+        before its saves ran may have left keys over blocks never written: the
+        CPU tier starts empty again. Byte tiers are untouched: a store only
+        holds what a completed save wrote. Write-back forgets the pool's blocks
+        it would have saved (their KV may be what the failed step left).
+        """
+        self._pending_loads.clear()
+        self._saved_upto.clear()
+        self._origin.clear()
+        self._pinned.clear()
+        self._saving.clear()
+        self._stored.clear()
+        self._resident.clear()
+        self._evicted.clear()
+        if self._host is not None:
+            self._record_removed(self._host.name, self._host.clear())
+
+    def _record_removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._pool.record(BlockRemoved(block_hashes=tuple(BlockHash(k) for k in keys), medium=tier.upper()))
+
+    # -- figures ---------------------------------------------------------------------
+
+    def lookup_errors(self) -> dict[str, int]:
+        return {t.name: t.lookup_errors for t in self.tiers if isinstance(t, ByteTier)}
