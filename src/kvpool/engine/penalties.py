@@ -49,8 +49,11 @@ def apply_penalties(
         seen = counts > 0
         seen[prompt[prompt < vocab]] = True
         # A seen token moves towards less likely: divided when positive, multiplied when not.
-        scale = torch.where(out > 0, 1.0 / repetition, repetition)
-        out = torch.where(seen, out * scale, out)
+        # In float64, so that an extreme penalty saturates to +-inf instead of failing to convert
+        # (and -inf times a penalty that float32 would round to 0 stays -inf rather than NaN).
+        wide = out.double()
+        moved = torch.where(wide > 0, wide / repetition, wide * repetition)
+        out = torch.where(seen, moved, wide).float()
     if frequency != 0.0:
         out -= frequency * counts
     if presence != 0.0:
