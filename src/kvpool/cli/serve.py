@@ -68,8 +68,38 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
 )
 @click.option("--max-waiting", type=POSITIVE_INT, default=256, show_default=True, help="Waiting requests before 429.")
 @click.option("--metrics-prefix", default="kvpool:", show_default=True, help="Metric name prefix ('vllm:' for vLLM's).")
-@click.option("--kv-events-endpoint", default=None, help="Publish KV cache events on this ZeroMQ endpoint.")
-@click.option("--kv-events-replay-endpoint", default=None, help="Serve replays of missed KV events here.")
+@click.option(
+    "--kv-events-endpoint",
+    default=None,
+    metavar="ENDPOINT",
+    help="Publish KV cache events here: bind:tcp://127.0.0.1:5557 listens on the loopback only "
+    "(rule: docs/kv_events.md).",
+)
+@click.option(
+    "--kv-events-replay-endpoint",
+    default=None,
+    metavar="ENDPOINT",
+    help="Serve replays of missed KV events here (always bound): tcp://127.0.0.1:5558.",
+)
+@click.option(
+    "--kv-events-secret-key",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="This replica's CURVE key pair (a ZeroMQ .key_secret certificate): events and replays are "
+    "encrypted and open only to --kv-events-client-keys.",
+)
+@click.option(
+    "--kv-events-client-keys",
+    type=click.Path(),
+    default=None,
+    help="CURVE public keys allowed to subscribe: a ZeroMQ .key certificate, or a directory of them.",
+)
+@click.option(
+    "--kv-events-include-token-ids",
+    is_flag=True,
+    help="Put token IDs, LoRA names and extra keys (tenant cache salts among them) in BlockStored events "
+    "although tenants are isolated: for a trusted consumer only.",
+)
 @_engine_flags
 @reports_errors("serve")
 def serve(
@@ -85,6 +115,9 @@ def serve(
     metrics_prefix: str,
     kv_events_endpoint: str | None,
     kv_events_replay_endpoint: str | None,
+    kv_events_secret_key: str | None,
+    kv_events_client_keys: str | None,
+    kv_events_include_token_ids: bool,
     **kw: Any,
 ) -> None:
     """Serve the model over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models).
@@ -106,8 +139,14 @@ def serve(
     else:
         secret, generated = load_secret(tenant_secret_file)
         salts = SaltPolicy.isolated(secret)
-    if kv_events_replay_endpoint is not None and kv_events_endpoint is None:
-        raise click.UsageError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    events = _events_setup(
+        kv_events_endpoint,
+        kv_events_replay_endpoint,
+        kv_events_secret_key,
+        kv_events_client_keys,
+        include_token_ids=kv_events_include_token_ids,
+        isolated=salts.isolates_tenants,
+    )
 
     options = generate_command.engine_options(kw)  # generate's mapping of its engine flags
     options["enable_kv_events"] = kv_events_endpoint is not None
@@ -137,30 +176,79 @@ def serve(
             max_waiting=max_waiting,
             metrics_prefix=metrics_prefix,
         )
-        _serve(engine, config, host, port, kv_events_endpoint, kv_events_replay_endpoint)
+        _serve(engine, config, host, port, events)
     finally:
         if engine.kv_tiers is not None:
             engine.kv_tiers.close()
 
 
-def _serve(engine: Any, config: Any, host: str, port: int, events: str | None, replay: str | None) -> None:
+def _events_setup(
+    endpoint: str | None,
+    replay: str | None,
+    secret_key: str | None,
+    client_keys: str | None,
+    *,
+    include_token_ids: bool,
+    isolated: bool,
+) -> dict[str, Any] | None:
+    """The event publisher's arguments, checked before the engine starts; None without ``--kv-events-endpoint``.
+
+    Under isolated tenants events carry block hashes only, unless the operator
+    trusts every subscriber with prompts (``--kv-events-include-token-ids``).
+    """
+    given = {
+        "--kv-events-replay-endpoint": replay,
+        "--kv-events-secret-key": secret_key,
+        "--kv-events-client-keys": client_keys,
+        "--kv-events-include-token-ids": include_token_ids or None,
+    }
+    if endpoint is None:
+        for flag, value in given.items():
+            if value is not None:
+                raise click.UsageError(f"{flag} needs --kv-events-endpoint")
+        return None
+    if (secret_key is None) != (client_keys is None):
+        raise click.UsageError("--kv-events-secret-key and --kv-events-client-keys go together")
+    require_extra("serve", "events", "zmq", "msgspec")
+    from kvpool.kv_events import CurveServer, EventContent, parse_publisher_endpoint, parse_replay_endpoint
+
+    parse_publisher_endpoint(endpoint, "--kv-events-endpoint")
+    if replay is not None:
+        parse_replay_endpoint(replay, "--kv-events-replay-endpoint")
+    curve = None if secret_key is None or client_keys is None else CurveServer.load(secret_key, client_keys)
+    content = EventContent.FULL if include_token_ids or not isolated else EventContent.HASHES
+    return {"endpoint": endpoint, "replay_endpoint": replay, "curve": curve, "content": content}
+
+
+def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any] | None) -> None:
     """Serve until interrupted; with an events endpoint, publish the pool's events after every step."""
     if events is None:
         _run(engine, config, host, port)
         return
-    require_extra("serve", "events", "zmq", "msgspec")
-    from kvpool.kv_events import KVEventPublisher, describe_events
+    from kvpool.kv_events import EventContent, KVEventPublisher, describe_events
 
-    publisher = KVEventPublisher(events, replay_endpoint=replay)
+    publisher = KVEventPublisher(**events)
     try:
         where = describe_events(
             engine.manager.hasher,
             endpoint=publisher.endpoint,
             replay_endpoint=publisher.replay_endpoint,
             topic=publisher.topic,
+            content=publisher.content,
+            curve_public_key=publisher.curve_public_key,
         )
         replaying = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
-        _log(f"KV events on {publisher.endpoint}{replaying}")
+        _log(f"KV events: {publisher.attach.value} {publisher.endpoint}{replaying}")
+        if publisher.curve is None:
+            _log("KV events are plain TCP: whoever reaches the endpoints reads them (--kv-events-secret-key: CURVE)")
+        else:
+            _log(f"KV events need CURVE: {len(publisher.curve.clients)} client keys may subscribe")
+        if publisher.content is EventContent.HASHES:
+            _log("KV events carry block hashes only: no token IDs, LoRA names or cache salts")
+        elif config.salts.isolates_tenants:
+            _log(
+                "WARNING: --kv-events-include-token-ids: every subscriber reads every tenant's prompt tokens and salts"
+            )
 
         def publish(engine: Any, deltas: Any) -> None:
             taken = engine.manager.take_events()
