@@ -25,19 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import KVPoolError
 from kvpool.serve.connections import is_loopback
-from kvpool.serve.engine_loop import EngineLoop, EngineStopped, Job, QueueFull, StepHook
+from kvpool.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, StepHook
+from kvpool.serve.errors import APIError, error_body, error_type
+from kvpool.serve.generation import Plan, collect, events, plan_jobs, whole_body
 from kvpool.serve.metrics import DEFAULT_PREFIX, ServerMetrics
 from kvpool.serve.prompts import PromptTokenizer
-from kvpool.serve.protocol import (
-    APIError,
-    Endpoint,
-    GenerationRequest,
-    Usage,
-    chunk_body,
-    completion_body,
-    error_body,
-    parse_generation,
-)
+from kvpool.serve.protocol import Endpoint, GenerationRequest, parse_generation
+from kvpool.serve.stats_log import StatsLog
 from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
 
 if TYPE_CHECKING:
@@ -47,13 +41,10 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from kvpool.engine.llm_engine import LLMEngine
-    from kvpool.engine.outputs import RequestOutput
 
 __all__ = ["ServeConfig", "build_app", "pool_health"]
 
 _LOGGER = logging.getLogger("kvpool.serve")
-
-_FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop", "aborted": "abort"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +63,9 @@ class ServeConfig:
         metrics_prefix: the metric names' prefix (``kvpool:``; ``vllm:`` for vLLM's dashboards).
         kv_events: returns the ``GET /kv-events`` body (a JSON-able value);
             None answers that route with 404.
+        log_requests: log a line per request when admitted and when finished.
+        stats_interval: seconds between stats lines in the log (throughput,
+            running/waiting, KV usage, prefix hit rate); None logs none.
     """
 
     model_name: str
@@ -83,6 +77,8 @@ class ServeConfig:
     retry_after: int = 1
     metrics_prefix: str = DEFAULT_PREFIX
     kv_events: Callable[[], object] | None = None
+    log_requests: bool = False
+    stats_interval: float | None = 10.0
 
 
 def pool_health(engine: LLMEngine) -> dict[str, Any]:
@@ -165,7 +161,10 @@ class _Server:
     def __init__(self, engine: LLMEngine, config: ServeConfig, hooks: tuple[StepHook, ...]) -> None:
         self.config = config
         self.metrics = ServerMetrics(config.model_name, config.metrics_prefix)
-        self.loop = EngineLoop(engine, max_waiting=config.max_waiting, hooks=(self.metrics.after_step, *hooks))
+        self.stats = StatsLog()
+        self.loop = EngineLoop(
+            engine, max_waiting=config.max_waiting, hooks=(self.metrics.after_step, self.stats.after_step, *hooks)
+        )
         self.max_model_len = engine.max_model_len
         self.prompts = PromptTokenizer(engine)  # prompts are tokenized on its thread, never the engine's
         self.created = int(time.time())
@@ -219,40 +218,45 @@ class _Server:
         except ValueError as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
-    async def job(self, tenant: str, gen: GenerationRequest, request_id: str) -> Job:
-        """The engine's job: fields checked, then the prompt tokenized on the tokenizer thread."""
-        from kvpool.engine.sampling import SamplingParams
-
-        if gen.model != self.config.model_name:
+    def check_model(self, gen: GenerationRequest) -> None:
+        """The request's ``model`` must be the served one (vLLM's rule: leaving it out means that one)."""
+        if gen.model is not None and gen.model != self.config.model_name:
             raise APIError(
                 404,
                 f"the model {gen.model!r} does not exist; this server serves {self.config.model_name!r}",
                 param="model",
                 code="model_not_found",
             )
-        s = gen.sampling
-        try:
-            params = SamplingParams(
-                max_tokens=s.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                seed=s.seed,
-                ignore_eos=s.ignore_eos,
+
+    async def plan(self, tenant: str, gen: GenerationRequest, response_id: str) -> Plan:
+        """The request's engine requests: fields checked, then every prompt tokenized on the tokenizer thread."""
+        self.check_model(gen)
+        max_tokens = gen.sampling.max_tokens
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"'max_tokens' ({max_tokens}) cannot be greater than the context of {self.max_model_len} tokens",
+                param="max_tokens",
+                code="invalid_value",
             )
+        sequences = gen.n * max(1, len(gen.prompts))
+        if sequences > self.config.max_waiting:  # never admissible: a 429 would invite a retry in vain
+            raise APIError(
+                400,
+                f"the request asks for {sequences} sequences; this server queues at most "
+                f"{self.config.max_waiting} waiting",
+                param="n",
+                code="invalid_value",
+            )
+        try:
             salt = self.config.salts.cache_salt(tenant, gen.cache_salt)
         except KVPoolError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from None
-        try:
-            token_ids = await self.prompts.token_ids(gen)
-        except KVPoolError as exc:
-            param = "prompt" if gen.messages is None else "messages"
-            raise APIError(400, str(exc), param=param, code="invalid_prompt") from None
-        return Job(request_id=request_id, prompt_token_ids=token_ids, params=params, cache_salt=salt)
+            raise APIError(400, str(exc), param="cache_salt", code="invalid_value") from None
+        return await plan_jobs(gen, response_id, salt, self.prompts)
 
-    async def admit(self, job: Job) -> tuple[int, asyncio.Queue[Any]]:
+    async def admit(self, plan: Plan) -> asyncio.Queue[Any]:
         try:
-            return await self.loop.submit(job)
+            counts, stream = await self.loop.submit_all(plan.jobs)
         except QueueFull as exc:
             raise APIError(
                 429,
@@ -265,6 +269,17 @@ class _Server:
             raise APIError(503, str(exc), type="server_error", code="unavailable") from None
         except KVPoolError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from None
+        plan.admitted(counts)
+        if self.config.log_requests:
+            _LOGGER.info(
+                "request %s: %d prompt(s) of %s tokens, %d sequence(s), %s",
+                plan.response_id,
+                len(plan.prompt_tokens),
+                "/".join(map(str, plan.prompt_tokens)),
+                len(plan.jobs),
+                plan.jobs[0].params,
+            )
+        return stream
 
     # -- answers -----------------------------------------------------------------------------------
 
@@ -274,13 +289,24 @@ class _Server:
         tenant = self.tenant(request)
         gen = parse_generation(endpoint, await self.read_json(request))
         response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-        job = await self.job(tenant, gen, response_id)
-        num_prompt_tokens, stream = await self.admit(job)
+        plan = await self.plan(tenant, gen, response_id)
+        stream = await self.admit(plan)
         created = int(time.time())
+        model = self.config.model_name
         if gen.stream:
-            events = self._events(gen, response_id, created, num_prompt_tokens, stream)
-            return _EventStream(events, lambda: self.loop.abort(response_id))
-        collected = asyncio.ensure_future(_collect(stream))
+            finished = False
+
+            def on_finish() -> None:
+                nonlocal finished
+                finished = True
+
+            def abandon() -> None:
+                if not finished:
+                    self.abort(plan)
+
+            chunks = events(plan, created, model, stream, self.prompts, _sse, on_finish)
+            return _EventStream(self._logged(plan, chunks), abandon)
+        collected = asyncio.ensure_future(collect(plan, stream))
         gone = asyncio.ensure_future(_disconnected(request.receive))
         try:
             await asyncio.wait({collected, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -289,98 +315,48 @@ class _Server:
             left = not collected.done()
             if left:
                 collected.cancel()
-                self.loop.abort(response_id)
+            if left or collected.cancelled() or collected.exception() is not None:
+                self.abort(plan)  # finished ones are left alone
             await asyncio.gather(collected, gone, return_exceptions=True)
         if left:
             _LOGGER.info("request %s: the client went away before its answer; aborted", response_id)
             return JSONResponse(error_body("the client went away"), status_code=499)
-        text, output = collected.result()
-        usage = Usage(num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
-        body = completion_body(
-            endpoint, response_id, created, self.config.model_name, text, _finish_reason(output), usage
-        )
-        return JSONResponse(body)
+        collected.result()  # raises the APIError of a failed request
+        self._log_finished(plan)
+        return JSONResponse(await whole_body(plan, created, model, self.prompts))
 
-    async def _events(
-        self,
-        gen: GenerationRequest,
-        response_id: str,
-        created: int,
-        num_prompt_tokens: int,
-        stream: asyncio.Queue[Any],
-    ) -> AsyncIterator[bytes]:
-        endpoint, model = gen.endpoint, self.config.model_name
-        finished = False
-        try:
-            if endpoint is Endpoint.CHAT:
-                yield _sse(
-                    chunk_body(endpoint, response_id, created, model, role=True, include_usage=gen.include_usage)
-                )
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine dropped it already
-                    yield _sse(error_body(f"the request failed: {item}", type="server_error"))
-                    break
-                output = item.output
-                if output is not None and output.error is not None:
-                    finished = True  # the engine finished it, with its error
-                    if item.text:
-                        yield _sse(chunk_body(endpoint, response_id, created, model, text=item.text))
-                    yield _sse(_failure_body(output))
-                    break
-                reason = None if output is None else _finish_reason(output)
-                if item.text or reason is not None:
-                    yield _sse(
-                        chunk_body(
-                            endpoint,
-                            response_id,
-                            created,
-                            model,
-                            text=item.text,
-                            finish_reason=reason,
-                            include_usage=gen.include_usage,
-                        )
-                    )
-                if output is not None:
-                    finished = True
-                    if gen.include_usage:
-                        usage = Usage(num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
-                        yield _sse(chunk_body(endpoint, response_id, created, model, usage=usage))
-                    break
-            yield _sse("[DONE]")
-        finally:
-            if not finished:
-                self.loop.abort(response_id)
+    def abort(self, plan: Plan) -> None:
+        for request_id in plan.request_ids:
+            self.loop.abort(request_id)
+
+    async def _logged(self, plan: Plan, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(chunks) as source:  # type: ignore[type-var]  # an async generator
+            async for chunk in source:
+                yield chunk
+        self._log_finished(plan)
+
+    def _log_finished(self, plan: Plan) -> None:
+        if not self.config.log_requests:
+            return
+        from kvpool.engine.outputs import request_log_line
+
+        for seq in plan.sequences.values():
+            if seq.output is not None:
+                _LOGGER.info("%s", request_log_line(seq.output))
 
 
-async def _collect(stream: asyncio.Queue[Any]) -> tuple[str, RequestOutput]:
-    pieces = []
+async def _log_stats(stats: StatsLog, interval: float) -> None:
+    """A stats line every ``interval`` seconds while anything happens (the log's heartbeat, not a test's clock)."""
     while True:
-        item = await stream.get()
-        if isinstance(item, BaseException):
-            raise APIError(500, f"the request failed: {item}", type="server_error")
-        pieces.append(item.text)
-        if item.output is not None:
-            if item.output.error is not None:
-                failure = _failure_body(item.output)["error"]
-                raise APIError(500, failure["message"], type=failure["type"], code=failure["code"])
-            return "".join(pieces), item.output
-
-
-def _failure_body(output: RequestOutput) -> dict[str, Any]:
-    """The error answering a request that failed in the engine: its cause, for this request only."""
-    assert output.error is not None  # called for failed requests
-    return error_body(f"the request failed: {output.error.cause}", type="server_error", code="request_failed")
+        await asyncio.sleep(interval)
+        line = stats.line()
+        if line is not None:
+            _LOGGER.info("%s", line)
 
 
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _finish_reason(output: RequestOutput) -> str:
-    return _FINISH_REASONS[output.finish_reason.value]
 
 
 def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, ...] = ()) -> Starlette:
@@ -449,18 +425,45 @@ def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, 
             return Response(body, media_type="application/json")
         return JSONResponse(body)
 
+    async def tokenize(request: Request) -> Response:
+        from kvpool.serve.tokenize import tokenize_body
+
+        server.tenant(request)
+        body = await tokenize_body(await server.read_json(request), server.prompts, server.check_model)
+        return JSONResponse(body)
+
+    async def detokenize(request: Request) -> Response:
+        from kvpool.serve.tokenize import detokenize_body
+
+        server.tenant(request)
+        body = await detokenize_body(await server.read_json(request), server.prompts, server.check_model)
+        return JSONResponse(body)
+
+    async def version(request: Request) -> Response:
+        from kvpool import __version__
+
+        return JSONResponse({"version": __version__})
+
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         detail = exc.detail if isinstance(exc, HTTPException) else "internal server error"
-        return JSONResponse(error_body(str(detail), code=str(status)), status_code=status)
+        return JSONResponse(error_body(str(detail), type=error_type(status), code=str(status)), status_code=status)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         server.loop.start()
         server.prompts.start()
+        stats = (
+            None
+            if config.stats_interval is None
+            else asyncio.ensure_future(_log_stats(server.stats, config.stats_interval))
+        )
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
+                await asyncio.gather(stats, return_exceptions=True)
             server.prompts.close()
             server.loop.stop()
 
@@ -471,6 +474,9 @@ def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, 
         Route("/health", answers(health), methods=["GET"]),
         Route("/metrics", answers(metrics), methods=["GET"]),
         Route("/kv-events", answers(kv_events), methods=["GET"]),
+        Route("/tokenize", answers(tokenize), methods=["POST"]),
+        Route("/detokenize", answers(detokenize), methods=["POST"]),
+        Route("/version", answers(version), methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

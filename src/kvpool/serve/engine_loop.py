@@ -139,20 +139,32 @@ class EngineLoop:
     # -- requests (event loop side) -----------------------------------------------------------
 
     async def submit(self, job: Job) -> tuple[int, asyncio.Queue[Any]]:
-        """Queue ``job`` on the engine; returns its prompt's token count and its stream.
+        """Queue ``job`` on the engine; returns its prompt's token count and its stream (see :meth:`submit_all`)."""
+        [count], stream = await self.submit_all([job])
+        return count, stream
 
-        Raises what refused it: :class:`QueueFull`, or the engine's
+    async def submit_all(self, jobs: Sequence[Job]) -> tuple[list[int], asyncio.Queue[Any]]:
+        """Queue ``jobs`` on the engine in one ``add_requests`` (all or none); their prompt sizes and one stream.
+
+        The stream yields every job's deltas (each names its request) and, should
+        a step fail, the error. Jobs with the same prompt share its blocks
+        through the prefix cache: they are admitted together, so the prompt is
+        computed once.
+
+        Raises what refused them: :class:`QueueFull`, or the engine's
         ``KVPoolError`` (a prompt too long for the context, a bad token, ...).
-        If the caller is cancelled while waiting, the request is aborted.
+        If the caller is cancelled while waiting, the requests are aborted.
         """
         loop = self._require_loop()
-        admitted: asyncio.Future[int] = loop.create_future()
+        admitted: asyncio.Future[list[int]] = loop.create_future()
         stream: asyncio.Queue[Any] = asyncio.Queue()
-        self._inbox.put(lambda: self._admit(job, admitted, stream))
+        jobs = list(jobs)
+        self._inbox.put(lambda: self._admit(jobs, admitted, stream))
         try:
             return await admitted, stream
         except asyncio.CancelledError:
-            self.abort(job.request_id)  # queued after the admission: it finds the request if it was admitted
+            for job in jobs:  # queued after the admission: it finds the requests if they were admitted
+                self.abort(job.request_id)
             raise
 
     def abort(self, request_id: str) -> None:
@@ -185,19 +197,25 @@ class EngineLoop:
 
     # -- the engine thread ------------------------------------------------------------------
 
-    def _admit(self, job: Job, admitted: asyncio.Future[int], stream: asyncio.Queue[Any]) -> None:
+    def _admit(self, jobs: list[Job], admitted: asyncio.Future[list[int]], stream: asyncio.Queue[Any]) -> None:
         engine = self.engine
         try:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
-            if engine.scheduler.num_waiting >= self.max_waiting:
+            if engine.scheduler.num_waiting + len(jobs) > self.max_waiting:
                 raise QueueFull(self.max_waiting)
-            engine.add_request(job.prompt_token_ids, job.params, request_id=job.request_id, cache_salt=job.cache_salt)
+            engine.add_requests(
+                [job.prompt_token_ids for job in jobs],
+                [job.params for job in jobs],
+                request_ids=[job.request_id for job in jobs],
+                cache_salts=[job.cache_salt for job in jobs],
+            )
         except Exception as exc:
             self._send(_resolve, admitted, exc)
             return
-        self._streams[job.request_id] = stream
-        self._send(_resolve, admitted, engine.scheduler.request(job.request_id).num_prompt_tokens)
+        for job in jobs:
+            self._streams[job.request_id] = stream
+        self._send(_resolve, admitted, [engine.scheduler.request(job.request_id).num_prompt_tokens for job in jobs])
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -245,7 +263,7 @@ class EngineLoop:
             if command is not None:
                 command()  # an admission now refuses with EngineStopped
         stopped = EngineStopped("the server is shutting down")
-        open_streams = [(stream, stopped) for stream in self._streams.values()]
+        open_streams = [(stream, stopped) for stream in {id(q): q for q in self._streams.values()}.values()]
         for request_id in list(self._streams):
             self._abort(request_id)
         self._send(_deliver, open_streams)
@@ -263,7 +281,7 @@ class EngineLoop:
             deltas = engine.step()
         except Exception as exc:
             _LOGGER.exception("an engine step failed; its requests are dropped")
-            failed = [(stream, exc) for stream in self._streams.values()]
+            failed = [(stream, exc) for stream in {id(q): q for q in self._streams.values()}.values()]
             for request_id in list(self._streams):
                 engine.abort(request_id)
             self._streams.clear()

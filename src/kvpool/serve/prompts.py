@@ -22,8 +22,9 @@ would not.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvpool.serve.protocol import APIError, GenerationRequest
 
@@ -34,6 +35,10 @@ __all__ = ["PromptTokenizer", "longest_token_chars", "prompt_chars"]
 
 #: The tokenizer thread's name (tests look for it).
 THREAD_NAME = "kvpool-tokenizer"
+#: Token texts remembered for logprobs before the memory is cleared.
+_MAX_REMEMBERED = 65536
+
+T = TypeVar("T")
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:
@@ -49,10 +54,12 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     return max((len(token) for token in vocab), default=0) or None
 
 
-def prompt_chars(gen: GenerationRequest) -> int:
-    """Characters of a request's text: its prompt, or every message's content (a template only adds)."""
-    if isinstance(gen.prompt, str):
-        return len(gen.prompt)
+def prompt_chars(gen: GenerationRequest, source: str | tuple[int, ...] | None = None) -> int:
+    """Characters of one prompt's text: ``source``, or every message's content (a template only adds)."""
+    if isinstance(source, str):
+        return len(source)
+    if source is None and gen.messages is None:  # a completions request: its longest prompt
+        return max((len(p) for p in gen.prompts if isinstance(p, str)), default=0)
     return sum(len(m["content"]) for m in gen.messages or ())
 
 
@@ -72,6 +79,7 @@ class PromptTokenizer:
         #: Text longer than this (in characters) cannot fit ``max_model_len``; None: no bound known.
         self.max_chars = None if longest is None else self.max_model_len * longest
         self._executor: ThreadPoolExecutor | None = None
+        self._texts: dict[int, str] = {}
 
     def start(self) -> None:
         if self._executor is None:
@@ -82,11 +90,11 @@ class PromptTokenizer:
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
 
-    def check_size(self, gen: GenerationRequest) -> None:
+    def check_size(self, gen: GenerationRequest, source: str | tuple[int, ...] | None = None) -> None:
         """Refuse (400) text that cannot fit ``max_model_len`` by its length alone; O(messages)."""
         if self.max_chars is None:
             return
-        chars = prompt_chars(gen)
+        chars = prompt_chars(gen, source)
         if chars > self.max_chars:
             param = "prompt" if gen.messages is None else "messages"
             raise APIError(
@@ -97,24 +105,48 @@ class PromptTokenizer:
                 code="context_length_exceeded",
             )
 
-    async def token_ids(self, gen: GenerationRequest) -> tuple[int, ...]:
-        """The request's prompt as token IDs (the chat template applied); refuses what cannot fit first.
+    async def token_ids(self, gen: GenerationRequest, source: str | tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """One prompt of the request as token IDs: ``source`` (a completions prompt), or its messages
+        with the chat template applied; text that cannot fit is refused before it is tokenized.
 
         Raises:
             APIError: 400 for text too long to fit.
             KVPoolError: the tokenizer or template refused it (no tokenizer, no template).
         """
-        if isinstance(gen.prompt, tuple):
-            return gen.prompt
-        self.check_size(gen)
+        if source is None and gen.messages is None:
+            source = gen.prompt
+        if isinstance(source, tuple):
+            return source
+        self.check_size(gen, source)
+        return await self._run(self._encode, gen, source)
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (special tokens left out), decoded on the tokenizer thread."""
+        return await self._run(self._engine.decode, token_ids)
+
+    async def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
+        """Each token's own text (for logprobs), decoded on the tokenizer thread and remembered."""
+        missing = sorted({t for t in token_ids if t not in self._texts})
+        if missing:
+            texts = await self._run(self._decode_each, missing)
+            if len(self._texts) > _MAX_REMEMBERED:
+                self._texts.clear()
+            self._texts.update(texts)
+        return self._texts
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         self.start()
         assert self._executor is not None  # just started
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._encode, gen)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _encode(self, gen: GenerationRequest) -> tuple[int, ...]:
+    def _decode_each(self, token_ids: list[int]) -> dict[int, str]:
+        tokenizer = self._engine.tokenizer
+        return {t: tokenizer.decode([t], skip_special_tokens=False) for t in token_ids}
+
+    def _encode(self, gen: GenerationRequest, source: str | None) -> tuple[int, ...]:
         engine = self._engine
-        if gen.messages is not None:
+        if source is None:
+            assert gen.messages is not None  # a request has text, token IDs or messages
             text = engine.render_chat(list(gen.messages))
             return tuple(engine.encode(text, add_special_tokens=False))  # the template wrote its own
-        assert isinstance(gen.prompt, str)  # a request has text, token IDs or messages
-        return tuple(engine.encode(gen.prompt, add_special_tokens=True))
+        return tuple(engine.encode(source, add_special_tokens=True))

@@ -1,74 +1,25 @@
-"""The OpenAI API's shapes: request bodies checked into typed values, responses and errors as JSON.
+"""The OpenAI API's requests: bodies checked (by the pydantic models of :mod:`.schema`) into typed values.
 
 Parsing is strict at this boundary: every field kvpool reads is checked for
-type and range, unsupported options that would change the result (``n > 1``,
-``logprobs``, stop strings, ...) are refused by name rather than ignored, and
-unknown fields are ignored, as the OpenAI API does. Every refusal is an
-:class:`APIError` that carries the HTTP status and the OpenAI error body.
+type and range, options vLLM honours that kvpool does not implement are refused
+by name rather than ignored, and unknown fields are ignored, as the OpenAI API
+does. Every refusal is an :class:`APIError` carrying the HTTP status and the
+OpenAI error body, its ``param`` naming the field (``messages[2].content``).
 
-Nothing here imports torch; sampling values are checked by
-:class:`~kvpool.engine.sampling.SamplingParams` when the engine builds them.
+Response bodies are :mod:`.responses`'. Nothing here imports torch; sampling
+values are checked again by :class:`~kvpool.engine.sampling.SamplingParams`
+when the server builds them.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = [
-    "APIError",
-    "Endpoint",
-    "GenerationRequest",
-    "Sampling",
-    "Usage",
-    "chunk_body",
-    "completion_body",
-    "error_body",
-    "parse_generation",
-]
+from kvpool.serve.errors import APIError, bad_request, error_body
 
-#: Tokens generated when a request names no ``max_tokens`` (the OpenAI completions default).
-DEFAULT_MAX_TOKENS = 16
-_MAX_SEED = 2**63
-
-
-class APIError(Exception):
-    """A refused request: its HTTP status and the OpenAI-style error it is answered with."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    @property
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(
-    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
+__all__ = ["APIError", "Endpoint", "GenerationRequest", "Sampling", "error_body", "parse_generation"]
 
 
 class Endpoint(Enum):
@@ -92,308 +43,205 @@ class Endpoint(Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sampling:
-    """The sampling fields of a request, as given (the engine's SamplingParams checks them again)."""
+    """The sampling fields of a request with vLLM's defaults filled in (``SamplingParams`` checks them again).
 
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    ignore_eos: bool
+    ``max_tokens`` None is the rest of the context; ``top_k`` 0 is off (vLLM's
+    -1 arrives as 0); ``logprobs`` None asks for none, k for the sampled
+    token's logprob and the k most likely.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The fields as ``SamplingParams`` keyword arguments."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+#: Each field's value that changes nothing (an engine without the field can still serve it).
+NEUTRAL = Sampling()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GenerationRequest:
     """One checked completion or chat request.
 
-    Exactly one of ``prompt`` (text or token IDs, completions) and ``messages``
-    (a conversation, chat) is set.
+    Completions carry ``prompts`` (one or several, text or token IDs) and no
+    ``messages``; chat carries ``messages`` and no prompts. Each prompt is
+    answered with ``n`` choices.
     """
 
     endpoint: Endpoint
-    model: str
-    prompt: str | tuple[int, ...] | None
+    model: str | None
+    prompts: tuple[str | tuple[int, ...], ...]
     messages: tuple[dict[str, str], ...] | None
     sampling: Sampling
-    stream: bool
-    include_usage: bool
-    cache_salt: str | None
+    n: int = 1
+    echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    cache_salt: str | None = None
 
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-# -- field readers -----------------------------------------------------------------------
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float, *, open_low: bool) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request(f"'{name}' must be a number, got {value!r}", name)
-    if value > high or value < low or (open_low and value == low):
-        bracket = "(" if open_low else "["
-        raise bad_request(f"'{name}' must be in {bracket}{low}, {high}], got {value!r}", name)
-    return float(value)
-
-
-def _int(body: Mapping[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise bad_request(f"'{name}' must be an integer, got {value!r}", name)
-    if value < low or (high is not None and value >= high):
-        limit = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise bad_request(f"'{name}' must be an integer {limit}, got {value!r}", name)
-    return int(value)
-
-
-def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, got {value!r}", name)
-    return value
-
-
-def _utf8(text: str, param: str) -> str:
-    """``text``, refused if it holds a lone surrogate (JSON can carry one; no tokenizer can encode it)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(f"'{param}' is not valid Unicode (it holds a lone surrogate)", param) from None
-    return text
-
-
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    """Options that would change the answer and that kvpool does not implement: refused, not ignored."""
-    for name in ("n", "best_of"):  # an integer field: true and 1.0 are not 1
-        value = _int(body, name, None, 0)
-        if value is not None and value != 1:
-            raise bad_request(f"'{name}' must be 1 (one choice per request), got {value!r}", name, "unsupported_value")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "response_format"):
-        value = body.get(name)
-        if value not in (None, False, 0, [], {}) and not (name == "response_format" and _is_text_format(value)):
-            raise bad_request(f"'{name}' is not supported by this server", name, "unsupported_parameter")
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise bad_request("'stop' strings are not supported by this server", "stop", "unsupported_parameter")
-    for name in ("logit_bias",):
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported by this server", name, "unsupported_parameter")
-
-
-def _is_text_format(value: object) -> bool:
-    return isinstance(value, Mapping) and value.get("type") == "text"
-
-
-def _sampling(body: Mapping[str, Any], max_tokens_names: Sequence[str]) -> Sampling:
-    max_tokens: int | None = None
-    for name in max_tokens_names:  # chat's newer name wins over the older one
-        value = _int(body, name, None, 1)
-        if value is not None:
-            max_tokens = value
-            break
-    return Sampling(
-        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0, open_low=False),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-        top_k=_top_k(body),
-        seed=_int(body, "seed", None, 0, _MAX_SEED),
-        ignore_eos=_bool(body, "ignore_eos", False),
-    )
-
-
-def _top_k(body: Mapping[str, Any]) -> int:
-    value = body.get("top_k")
-    if _is_int(value) and value == -1:  # vLLM's "off" (an integer: -1.0 is refused like any float)
-        return 0
-    top_k = _int(body, "top_k", 0, 0)
-    return 0 if top_k is None else top_k
-
-
-def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not isinstance(options, Mapping):
-        raise bad_request(f"'stream_options' must be an object, got {options!r}", "stream_options")
-    if not stream:
-        raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
-    return _bool(options, "include_usage", False)
-
-
-def _cache_salt(body: Mapping[str, Any]) -> str | None:
-    salt = body.get("cache_salt")
-    if salt is None:
-        return None
-    if not isinstance(salt, str) or not salt:
-        raise bad_request(f"'cache_salt' must be a non-empty string, got {salt!r}", "cache_salt")
-    return _utf8(salt, "cache_salt")
-
-
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("'prompt' is empty", "prompt")
-        return _utf8(prompt, "prompt")
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise bad_request("'prompt' token IDs must be >= 0", "prompt")
-        return tuple(prompt)
-    if prompt is None:
-        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad_request("'prompt' holds several prompts; send one per request", "prompt", "unsupported_value")
-    raise bad_request("'prompt' must be a string or a list of token IDs", "prompt")
-
-
-def _content(message: Mapping[str, Any], i: int) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return _utf8(content, f"messages[{i}].content")
-    if isinstance(content, list):  # content parts: only text is served
-        texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            texts.append(_utf8(part["text"], f"messages[{i}].content"))
-        return "".join(texts)
-    if content is None and message.get("role") == "assistant":
-        return ""
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-
-
-def _messages(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
-    messages = body.get("messages")
-    if messages is None:
-        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise bad_request(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise bad_request(
-                f"messages[{i}].role must be system, developer, user or assistant, got {role!r}", f"messages[{i}].role"
-            )
-        checked.append({"role": "system" if role == "developer" else role, "content": _content(message, i)})
-    return tuple(checked)
+    @property
+    def prompt(self) -> str | tuple[int, ...] | None:
+        """The first prompt (what a router hashes), None for chat."""
+        return self.prompts[0] if self.prompts else None
 
 
 def parse_generation(endpoint: Endpoint, body: object) -> GenerationRequest:
-    """A request body checked field by field; raises :class:`APIError` (400) naming the first bad one."""
-    if not isinstance(body, Mapping):
-        raise bad_request("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a string", "model", "missing_required_parameter")
-    _refuse_unsupported(body)
-    stream = _bool(body, "stream", False)
-    if endpoint is Endpoint.CHAT:
-        prompt, messages = None, _messages(body)
-        sampling = _sampling(body, ("max_completion_tokens", "max_tokens"))
-    else:
-        prompt, messages = _prompt(body), None
-        sampling = _sampling(body, ("max_tokens",))
-    return GenerationRequest(
-        endpoint=endpoint,
-        model=model,
-        prompt=prompt,
-        messages=messages,
-        sampling=sampling,
-        stream=stream,
-        include_usage=_stream_options(body, stream),
-        cache_salt=_cache_salt(body),
+    """A decoded JSON request body, checked; raises :class:`APIError` (400) naming the first bad field."""
+    from pydantic import ValidationError
+
+    from kvpool.serve.schema import ChatBody, CompletionBody
+
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        if endpoint is Endpoint.CHAT:
+            chat = ChatBody.model_validate(body)
+            return _chat(chat)
+        return _completion(CompletionBody.model_validate(body))
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> Sampling:
+    given = {
+        name: getattr(body, name)
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_tokens",
+            "include_stop_str_in_output",
+            "ignore_eos",
+        )
+        if getattr(body, name) is not None
+    }
+    top_k = body.top_k
+    return Sampling(
+        max_tokens=max_tokens,
+        top_k=0 if top_k in (None, -1) else top_k,
+        stop=body.stop or (),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        logprobs=logprobs,
+        **given,
     )
 
 
-# -- responses ---------------------------------------------------------------------------
-
-
-def _choice(endpoint: Endpoint, text: str, finish_reason: str | None, *, delta: bool) -> dict[str, Any]:
-    if endpoint is Endpoint.COMPLETIONS:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if delta:
-        return {
-            "index": 0,
-            "delta": {"content": text} if text else {},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
+def _common(body: Any) -> dict[str, Any]:
+    options = body.stream_options
     return {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
+        "model": body.model,
+        "n": body.n,
+        "stream": body.stream,
+        "include_usage": bool(options is not None and options.include_usage),
+        "cache_salt": body.cache_salt,
     }
 
 
-def completion_body(
-    endpoint: Endpoint, response_id: str, created: int, model: str, text: str, finish_reason: str, usage: Usage
-) -> dict[str, Any]:
-    """A whole (not streamed) response."""
-    return {
-        "id": response_id,
-        "object": endpoint.object_name,
-        "created": created,
-        "model": model,
-        "choices": [_choice(endpoint, text, finish_reason, delta=False)],
-        "usage": usage.body(),
-    }
+def _completion(body: Any) -> GenerationRequest:
+    return GenerationRequest(
+        endpoint=Endpoint.COMPLETIONS,
+        prompts=body.prompt,
+        messages=None,
+        sampling=_sampling(body, body.max_tokens, body.logprobs),
+        echo=body.echo,
+        **_common(body),
+    )
 
 
-def chunk_body(
-    endpoint: Endpoint,
-    response_id: str,
-    created: int,
-    model: str,
-    *,
-    text: str = "",
-    finish_reason: str | None = None,
-    role: bool = False,
-    usage: Usage | None = None,
-    include_usage: bool = False,
-) -> dict[str, Any]:
-    """One streamed chunk; a usage-only chunk (``usage`` given) has no choices, as OpenAI sends it."""
-    chunk: dict[str, Any] = {
-        "id": response_id,
-        "object": endpoint.chunk_object_name,
-        "created": created,
-        "model": model,
-    }
-    if usage is not None:
-        chunk["choices"] = []
-        chunk["usage"] = usage.body()
-        return chunk
-    choice = _choice(endpoint, text, finish_reason, delta=True)
-    if role:
-        choice["delta"] = {"role": "assistant", "content": text}
-    chunk["choices"] = [choice]
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+def _chat(body: Any) -> GenerationRequest:
+    messages = tuple(
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""} for m in body.messages
+    )
+    # The newer name wins over the older one, as in OpenAI's API.
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return GenerationRequest(
+        endpoint=Endpoint.CHAT,
+        prompts=(),
+        messages=messages,
+        sampling=_sampling(body, max_tokens, logprobs),
+        **_common(body),
+    )
+
+
+# -- pydantic's errors, as the server words them ---------------------------------------
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """``("messages", 2, "content")`` -> ``messages[2].content``."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif not part.startswith(("function-", "tagged-union")):  # pydantic's own validator names
+            text += f".{part}" if text else part
+    return text or None
+
+
+_WANTED = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+
+
+def validation_error(exc: Any) -> APIError:
+    """The first of a pydantic ``ValidationError``'s errors as a 400 naming its field."""
+    error = exc.errors(include_url=False)[0]
+    kind, loc, ctx = error["type"], tuple(error["loc"]), error.get("ctx") or {}
+    param = _param(loc)
+    name = f"'{param}'" if param else "the request body"
+    given = repr(error.get("input"))
+    if len(given) > 80:
+        given = given[:77] + "..."
+    if kind == "missing":
+        return bad_request(f"{name} is required", param, "missing_required_parameter")
+    if kind in _WANTED:
+        return bad_request(f"{name} must be {_WANTED[kind]}, got {given}", param)
+    if kind in _BOUNDS:
+        sign, key = _BOUNDS[kind]
+        return bad_request(f"{name} must be {sign} {ctx[key]}, got {given}", param)
+    if kind == "literal_error":
+        return bad_request(f"{name} must be {ctx.get('expected')}, got {given}", param)
+    if kind == "too_short":
+        return bad_request(f"{name} must be non-empty", param)
+    if kind == "too_long":
+        return bad_request(f"{name} holds too many items (at most {ctx.get('max_length')})", param)
+    return bad_request(f"{name}: {error['msg']}, got {given}", param)
