@@ -15,13 +15,28 @@ conversation's replica by parity. Reported per rule: the share of prompt tokens 
 median and 90th percentile latency of a follow-up (``max_tokens`` 4), and how many requests
 each replica served.
 
+``--vllm``: two real vLLM-CPU replicas (``benchmarks/vllm_fleet.py``) behind every router at
+once, in one run: ``kvpool route`` precise and approximate, round-robin (``kvpool route
+--routing round-robin``), and the routers on PyPI a user would pick instead,
+``vllm-router --policy cache_aware`` and ``sglang-router launch --policy cache_aware``
+(each from its own virtual environment, ``--vllm-router`` / ``--sglang-router``; a router
+that cannot start is reported with its error, and the others still run). Each router
+gets its own ``--conversations`` conversations with distinct system prompts (three
+128-token blocks), ``--turns`` follow-ups each, streamed with ``include_usage``; the
+routers' requests are interleaved one at a time so every router meets the same machine.
+Reported per router: prompt tokens served from cache, time to first token p50/p90 over
+the follow-ups, and throughput (requests per second of the router's own requests'
+wall time).
+
     python benchmarks/bench_route.py --index --redis redis://127.0.0.1:6379/0
     python benchmarks/bench_route.py --fleet
+    python benchmarks/bench_route.py --vllm
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -207,6 +222,177 @@ def _workload(httpx: Any, routers: dict[str, str], args: argparse.Namespace) -> 
     return lines
 
 
+def _vllm_system(run: int, i: int) -> dict[str, str]:
+    topic = f"{run}{i:02d}"
+    return {"role": "system", "content": f"Topic {topic}. " + f"You answer questions on topic {topic} briefly. " * 32}
+
+
+def _external(cmd: list[str], log: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """Start a router from another virtual environment; (None, why) when it cannot start."""
+    if not Path(cmd[0]).is_file():
+        return None, f"{cmd[0]} is not installed"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, ""
+
+
+def run_vllm(args: argparse.Namespace) -> None:
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vllm_fleet
+
+    python, why = vllm_fleet.vllm_python()
+    if python is None:
+        raise SystemExit(f"no vLLM-CPU: {why}")
+    model = vllm_fleet.model_folder()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-route-vllm-"))
+    replicas = [vllm_fleet.VLLMReplica(python, model, tmp, f"vllm-{k}").start() for k in range(2)]
+    processes: list[subprocess.Popen[bytes]] = []
+    routers: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    try:
+        t0 = time.monotonic()
+        for r in replicas:
+            r.wait_ready()
+        print(f"two vLLM-CPU replicas ready in {time.monotonic() - t0:.0f} s (--enforce-eager; logs in {tmp})")
+        specs = [a for r in replicas for a in ("--replica", r.spec)]
+        urls = [r.url for r in replicas]
+        for name, routing in (("kvpool precise", "precise"), ("kvpool approximate", "approximate"),
+                              ("round-robin", "round-robin")):  # fmt: skip
+            port = _free_port()
+            cmd = ["route", "--port", str(port), "--routing", routing, "--model", str(model), *specs]
+            processes.append(_kvpool(cmd, tmp / f"router-{routing}.log"))
+            routers[name] = f"http://127.0.0.1:{port}"
+        for name, cmd in (
+            ("vllm-router cache_aware", [args.vllm_router, "--policy", "cache_aware", "--worker-urls", *urls]),
+            ("sglang-router cache_aware", [args.sglang_router, "launch", "--policy", "cache_aware", "--worker-urls", *urls]),
+        ):  # fmt: skip
+            port = _free_port()
+            proc, why = _external([*cmd, "--host", "127.0.0.1", "--port", str(port)], tmp / f"{name.split()[0]}.log")
+            if proc is None:
+                failed[name] = why
+                continue
+            processes.append(proc)
+            routers[name] = f"http://127.0.0.1:{port}"
+        for name, base in list(routers.items()):
+            probe = "/health" if name.startswith(("kvpool", "round")) else "/v1/models"
+            try:
+                _wait(base + probe, lambda r: r.status_code == 200, name, timeout=120)
+            except SystemExit as exc:
+                log = tmp / (f"{name.split()[0]}.log" if not name.startswith(("kvpool", "round")) else "")
+                tail = log.read_text(errors="replace")[-600:] if log.is_file() else ""
+                failed[name] = f"{exc}: {tail.strip()}"
+                del routers[name]
+        for name, base in routers.items():
+            if name.startswith("kvpool precise"):
+                _wait(base + "/health", lambda r: r.json().get("prefix_mode") == "precise", "precise mode", 120)
+        print(
+            f"{len(routers)} routers in front of the same two replicas; {args.conversations} conversations x "
+            f"{args.turns} follow-ups per router, streamed, requests interleaved one at a time"
+        )
+        runs = {
+            name: _VLLMRun(base, n, args.conversations, str(model)) for n, (name, base) in enumerate(routers.items())
+        }
+        for i in range(args.conversations):
+            for run in runs.values():
+                run.turn(httpx, i, first=True)
+        for turn in range(args.turns):
+            for i in range(args.conversations):
+                for run in runs.values():
+                    run.turn(httpx, i, first=False, question=f"And what about point {turn}?")
+        print("| router | prompt tokens from cache | TTFT p50 | TTFT p90 | throughput | failed |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for name, run in runs.items():
+            print(run.row(name))
+        for name, why in failed.items():
+            print(f"| {name} | could not run: {why[:300]} | | | | |")
+        for name, base in routers.items():
+            if name.startswith("kvpool precise"):
+                metrics = httpx.get(base + "/metrics").text
+                keep = ("kvpool_router_reported_cached", "kvpool_router_predicted_reported", "kvpool_router_exact",
+                        "kvpool_router_reports_total", "kvpool_router_event_lag")  # fmt: skip
+                print("kvpool precise /metrics:")
+                for line in metrics.splitlines():
+                    if line.startswith(keep):
+                        print("  " + line)
+    finally:
+        for p in processes:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        for p in processes:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for r in replicas:
+            r.kill()
+
+
+class _VLLMRun:
+    """One router's conversations against the vLLM fleet, streamed: time to first token and usage."""
+
+    def __init__(self, base: str, number: int, conversations: int, model: str) -> None:
+        self.base = base
+        self.model = model
+        self.histories = [
+            [_vllm_system(number, i), {"role": "user", "content": "Hello."}] for i in range(conversations)
+        ]
+        self.prompt = self.cached = self.failed = 0
+        self.ttft: list[float] = []
+        self.wall = 0.0
+        self.requests = 0
+
+    def turn(self, httpx: Any, i: int, *, first: bool, question: str = "") -> None:
+        import json
+
+        history = self.histories[i]
+        if not first:
+            history.append({"role": "user", "content": question})
+        body = {"model": self.model, "messages": history, "max_tokens": 8, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        t0 = time.perf_counter()
+        first_token, text, usage = None, [], None
+        try:
+            with httpx.stream("POST", self.base + "/v1/chat/completions", json=body, timeout=300) as reply:
+                reply.raise_for_status()
+                for line in reply.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices", []):
+                        piece = choice.get("delta", {}).get("content")
+                        if piece:
+                            first_token = first_token or time.perf_counter()
+                            text.append(piece)
+        except httpx.HTTPError:
+            self.failed += 1
+            history.append({"role": "assistant", "content": "Sure."})
+            return
+        end = time.perf_counter()
+        self.wall += end - t0
+        self.requests += 1
+        history.append({"role": "assistant", "content": "".join(text) or "Sure."})
+        if usage is not None:
+            self.prompt += usage["prompt_tokens"]
+            self.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        if not first:
+            self.ttft.append((first_token or end) - t0)
+
+    def row(self, name: str) -> str:
+        ttft = sorted(self.ttft)
+        p50 = statistics.median(ttft) * 1000 if ttft else float("nan")
+        p90 = ttft[int(0.9 * (len(ttft) - 1))] * 1000 if ttft else float("nan")
+        share = self.cached / self.prompt if self.prompt else 0.0
+        rate = self.requests / self.wall if self.wall else 0.0
+        return (
+            f"| {name} | {share:.1%} ({self.cached} of {self.prompt}) | {p50:.0f} ms | {p90:.0f} ms | "
+            f"{rate:.2f} req/s | {self.failed} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--index", action="store_true", help="time the block index")
@@ -216,16 +402,21 @@ def main() -> None:
     parser.add_argument("--prompt-blocks", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=201)
     parser.add_argument("--fleet", action="store_true", help="run the live two-replica fleet")
+    parser.add_argument("--vllm", action="store_true", help="two vLLM-CPU replicas behind every router, side by side")
+    parser.add_argument("--vllm-router", default="/root/.venvs/vllm-router/bin/vllm-router")
+    parser.add_argument("--sglang-router", default="/root/.venvs/sglang-router/bin/sglang-router")
     parser.add_argument("--rules", nargs="+", default=["prefix", "round-robin"])
     parser.add_argument("--conversations", type=int, default=5)
     parser.add_argument("--turns", type=int, default=3)
     args = parser.parse_args()
-    if not (args.index or args.fleet):
-        parser.error("say --index, --fleet or both")
+    if not (args.index or args.fleet or args.vllm):
+        parser.error("say --index, --fleet, --vllm or several")
     if args.index:
         run_index(args)
     if args.fleet:
         run_fleet(args)
+    if args.vllm:
+        run_vllm(args)
 
 
 if __name__ == "__main__":

@@ -25,23 +25,45 @@ And ``kvpool_router_no_replica_total`` (requests answered 503 with no replica up
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
+from kvpool.router.index import BlockIndex
+from kvpool.router.monitor import ReplicaMonitor
+from kvpool.router.replicas import Replica
 from kvpool.router.stats import HashVerdict
 
-if TYPE_CHECKING:
-    from kvpool.router.app import Router
-    from kvpool.router.replicas import Replica
+__all__ = ["MetricsSource", "render_metrics"]
 
-__all__ = ["render_metrics"]
+
+class MetricsSource(Protocol):
+    """What the metrics read of a router (:class:`kvpool.router.app.Router` is one)."""
+
+    @property
+    def replicas(self) -> Sequence[Replica]: ...
+
+    @property
+    def monitor(self) -> ReplicaMonitor: ...
+
+    @property
+    def index(self) -> BlockIndex: ...
+
+    @property
+    def approx(self) -> BlockIndex: ...
+
+    @property
+    def no_replica(self) -> int: ...
+
+    def precise_for(self, replica: Replica) -> bool: ...
+
+    def approximate_for(self, replica: Replica) -> bool: ...
 
 
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(router: Router) -> str:
+def render_metrics(router: MetricsSource) -> str:
     """The text of ``/metrics`` for ``router`` (see the module)."""
     lines: list[str] = []
 
