@@ -8,8 +8,8 @@ from kvpool.errors import ConfigError
 from kvpool.routing import Routing
 from kvpool.sim.simulator import CostModel, SimulationConfig, SimulationResult, simulate, ttft_quantile
 from kvpool.sim.sizing import fewest_replicas
-from kvpool.sim.tiers import parse_tier
 from kvpool.sim.traces import SharedSegment, TraceRequest, UniqueSegment
+from kvpool.tiers import parse_specs
 
 COST = CostModel(step_overhead_s=0.01, prefill_s_per_token=0.0001, decode_s_per_seq=0.0005)
 
@@ -71,7 +71,7 @@ def test_a_shared_redis_tier_serves_one_replica_what_another_computed():
     ]
     config = SimulationConfig(num_blocks=6, cost=COST, replicas=2, routing=Routing.ROUND_ROBIN)
     private = simulate(trace, config)
-    shared = simulate(trace, SimulationConfig(**{**_fields(config), "tiers": (parse_tier("redis=100"),)}))
+    shared = simulate(trace, SimulationConfig(**{**_fields(config), "tiers": parse_specs(["redis://127.0.0.1:1/0"])}))
     assert private.hit_tokens == 0
     assert shared.hit_tokens_by_tier == {"gpu": 0, "redis": 64}
 

@@ -17,25 +17,31 @@ def invoke(*args: str, requests: int = 60):
 
 
 @pytest.mark.slow
-def test_tiers_report_hits_per_tier_and_their_links():
-    result = invoke("--tier", "cpu=600", "--tier", "disk=2000", "--tier-bandwidth", "disk=2", "--json")
+def test_tiers_report_hits_per_tier_and_their_links(tmp_path):
+    # 16-token blocks of 131,072 B per token (the default): 2 MiB each; 600 and 2,000 blocks
+    disk_spec = f"disk:{tmp_path}:4000MiB"
+    result = invoke("--tier", "cpu:1200MiB", "--tier", disk_spec, "--tier-bandwidth", "disk=2", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     sim = data["simulation"]
     assert set(sim["hit_tokens_by_tier"]) == {"gpu", "cpu", "disk"}
-    assert sum(sim["hit_tokens_by_tier"].values()) == sim["hit_tokens"]
+    assert sum(sim["hit_tokens_by_tier"].values()) == sim["prefill_tokens_saved"]
     assert sim["hit_tokens_by_tier"]["cpu"] > 0 and sim["tier_load_seconds"] > 0
+    assert data["tiers"][0]["capacity_blocks"] == 600 and data["tiers"][0]["write"] == "write-through"
     disk = data["tiers"][1]
     assert disk["kind"] == "disk" and disk["bandwidth_gb_per_s"] == 2.0 and disk["latency_us"] == 100.0
+    assert disk["capacity_blocks"] == 2000 and not any(tmp_path.iterdir())  # nothing written: keys only
     plain = json.loads(invoke("--json").stdout)["simulation"]
     assert sim["token_hit_rate"] > plain["token_hit_rate"]
 
 
 @pytest.mark.slow
 def test_the_table_compares_each_tier_load_with_the_recompute():
-    result = invoke("--tier", "redis=600", "--tier-bandwidth", "redis=0.01")
+    result = invoke(
+        "--tier", "redis://127.0.0.1:1/0", "--tier-bandwidth", "redis=0.01", "--kv-tier-write", "write-back"
+    )
     assert result.exit_code == 0, result.output
-    assert "tier redis: 600 blocks (shared by every replica)" in result.stdout
+    assert "tier redis (write-back): unbounded (shared by every replica)" in result.stdout
     assert "SLOWER than recomputing it" in result.stdout and "hits by tier" in result.stdout
 
 
@@ -95,12 +101,16 @@ def test_plot_draws_the_timeline(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--tier", "gpu=5"], "unknown kind 'gpu'"),
-        (["--tier", "cpu=-5"], "KIND=BLOCKS"),
-        (["--tier", "cpu=5", "--tier", "cpu=6"], "each tier kind may appear once"),
-        (["--tier", "cpu=5", "--tier-bandwidth", "disk=3"], "no --tier disk=BLOCKS"),
-        (["--tier", "cpu=5", "--tier-bandwidth", "cpu=0"], "finite number > 0"),
-        (["--tier", "cpu=5", "--tier-latency", "cpu=nan"], "finite number >= 0"),
+        (["--tier", "gpu:5GiB"], "unknown tier spec 'gpu:5GiB'"),
+        (["--tier", "cpu=40000"], "unknown tier spec 'cpu=40000'"),  # the engine's grammar, and only it
+        (["--tier", "cpu:-5GiB"], "'cpu:-5GiB'"),
+        (["--tier", "cpu:100B"], "holds no block of 2097152 bytes"),
+        (["--tier", "cpu:1GiB", "--tier", "cpu:2GiB"], "KV tier 'cpu' is given twice"),
+        (["--tier", "cpu:1GiB", "--tier-bandwidth", "disk=3"], "no --tier of kind 'disk'"),
+        (["--tier", "cpu:1GiB", "--tier-bandwidth", "cpu=0"], "finite number > 0"),
+        (["--tier", "cpu:1GiB", "--tier-latency", "cpu=nan"], "finite number >= 0"),
+        (["--tier", "cpu:1GiB", "--kv-tier-write", "sideways"], "--kv-tier-write"),
+        (["--sequential", "--tier", "cpu:1GiB"], "--sequential replays one pool alone"),
         (["--ttft-slo", "soon"], "is not a duration"),
         (["--ttft-slo", "-2s"], "--ttft-slo"),
         (["--ttft-slo", "2s", "--ttft-slo-percentile", "100"], "--ttft-slo-percentile"),
@@ -116,20 +126,13 @@ def test_bad_flags_exit_2_naming_the_value(args, message):
     assert message in result.stderr and "Traceback" not in result.output
 
 
-def test_sequential_replay_takes_tiers():
-    result = invoke("--sequential", "--tier", "cpu=600", "--json")
-    assert result.exit_code == 0, result.output
-    seq = json.loads(result.stdout)["sequential"]
-    assert seq["hit_tokens_by_tier"]["cpu"] > 0
-
-
 def test_tier_loads_are_sized_from_the_model_or_the_flag():
     from kvpool.model_config import load_model_config
     from kvpool.model_layers import layer_specs_from_config
     from kvpool.specs import group_layers, pool_block_bytes
 
     block = pool_block_bytes(group_layers(layer_specs_from_config(load_model_config("smollm2-135m"), block_size=16)))
-    sized = json.loads(invoke("--tier", "cpu=50", "--model", "smollm2-135m", "--json", requests=5).stdout)
+    sized = json.loads(invoke("--tier", "cpu:1GiB", "--model", "smollm2-135m", "--json", requests=5).stdout)
     assert sized["tiers"][0]["load_ms_per_block"] == pytest.approx((10e-6 + block / 25e9) * 1e3)
-    given = json.loads(invoke("--tier", "cpu=50", "--kv-bytes-per-token", "1000", "--json", requests=5).stdout)
+    given = json.loads(invoke("--tier", "cpu:1MiB", "--kv-bytes-per-token", "1000", "--json", requests=5).stdout)
     assert given["tiers"][0]["load_ms_per_block"] == pytest.approx((10e-6 + 16_000 / 25e9) * 1e3)

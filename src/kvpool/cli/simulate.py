@@ -29,8 +29,9 @@ from kvpool.routing import Routing
 if TYPE_CHECKING:
     from kvpool.sim.simulator import SimulationConfig, SimulationResult
     from kvpool.sim.sizing import SizingResult
-    from kvpool.sim.tiers import TierSpec
     from kvpool.sim.traces import TraceRequest
+    from kvpool.sim.transfers import TierLink
+    from kvpool.tiers.store import TierTarget
 
 SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_REQUESTS = 500
@@ -113,22 +114,31 @@ def _kind_values(flag: str, items: tuple[str, ...], kinds: set[str]) -> dict[str
             bound = ">= 0" if flag == "--tier-latency" else "> 0"
             raise KVPoolError(f"{flag} {item!r}: give KIND=NUMBER with a finite number {bound}, e.g. cpu=25")
         if kind not in kinds:
-            raise KVPoolError(f"{flag} {item!r}: no --tier {kind}=BLOCKS is given")
+            raise KVPoolError(f"{flag} {item!r}: no --tier of kind {kind!r} is given")
         values[kind] = value
     return values
 
 
-def _tiers(tier: tuple[str, ...], bandwidths: tuple[str, ...], latencies: tuple[str, ...]) -> tuple[TierSpec, ...]:
-    from kvpool.sim.tiers import parse_tier
+def _tiers(
+    tier: tuple[str, ...], bandwidths: tuple[str, ...], latencies: tuple[str, ...]
+) -> tuple[tuple[TierTarget, ...], dict[Any, TierLink]]:
+    """The tier specs (the engine's grammar, parsed once) and each kind's link, defaults overridden by the flags."""
+    from kvpool.sim.transfers import DEFAULT_LINKS, TierLink
+    from kvpool.tiers.store import parse_specs
 
-    kinds = {t.partition("=")[0].strip() for t in tier}
+    targets = parse_specs(tier)
+    kinds = {t.kind.value for t in targets}
     bandwidth = _kind_values("--tier-bandwidth", bandwidths, kinds)
     latency = _kind_values("--tier-latency", latencies, kinds)
-    specs = []
-    for text in tier:
-        kind = text.partition("=")[0].strip()
-        specs.append(parse_tier(text, bandwidth_gb_per_s=bandwidth.get(kind), latency_us=latency.get(kind)))
-    return tuple(specs)
+    links = {}
+    for target in targets:
+        default = DEFAULT_LINKS[target.kind]
+        name = target.kind.value
+        links[target.kind] = TierLink(
+            bandwidth_bytes_per_s=bandwidth[name] * 1e9 if name in bandwidth else default.bandwidth_bytes_per_s,
+            latency_s=latency[name] / 1e6 if name in latency else default.latency_s,
+        )
+    return targets, links
 
 
 def _block_bytes(model: str, block_size: int) -> int:
@@ -204,6 +214,7 @@ def _print_table(result: SimulationResult, label: str) -> None:
         )
         rows.insert(4, ("hits by tier", f"{share} of prompt tokens"))
         rows.insert(5, ("tier load time", f"{result.tier_load_seconds:,.1f} s in all (added to the steps that load)"))
+        rows.insert(6, ("tier save time", f"{result.tier_save_seconds:,.1f} s in all (not on the steps' path)"))
     if result.replicas > 1:
         rows.insert(1, ("replicas", f"{result.replicas}, routing {result.routing}"))
         rows.append(
@@ -267,8 +278,17 @@ def _print_table(result: SimulationResult, label: str) -> None:
     "--tier",
     "tier_flags",
     multiple=True,
-    metavar="KIND=BLOCKS",
-    help="An offload tier below each replica's pool (cpu, disk, redis), capacity in blocks; repeat, in lookup order.",
+    metavar="SPEC",
+    help="A KV tier below each replica's pool, as the engine's --kv-tier takes it (cpu:4GiB, disk:PATH:50GiB, "
+    "redis://HOST:PORT/DB; sizes become blocks through the block's bytes); repeat, in lookup order.",
+)
+@click.option(
+    "--kv-tier-write",
+    "tier_write",
+    type=click.Choice(["write-through", "write-back"]),
+    default="write-through",
+    show_default=True,
+    help="When blocks go down to the tiers: when they fill, or when the pool evicts them (as the engine's flag).",
 )
 @click.option(
     "--tier-bandwidth",
@@ -352,6 +372,7 @@ def simulate(
     prefill_us_per_token: float,
     decode_us_per_seq: float,
     tier_flags: tuple[str, ...],
+    tier_write: str,
     tier_bandwidth: tuple[str, ...],
     tier_latency: tuple[str, ...],
     kv_bytes_per_token: int | None,
@@ -388,14 +409,19 @@ def simulate(
         _plot_folder(plot_dir, "--plot-dir")
     if plot_path is not None:
         _plot_folder(plot_path.parent, "--plot")
-    tiers = _tiers(tier_flags, tier_bandwidth, tier_latency)
+    from kvpool.tiers.spec import WritePolicy
+
+    tiers, links = _tiers(tier_flags, tier_bandwidth, tier_latency)
+    write = WritePolicy.parse(tier_write)
     rules = [Routing(r) for r in dict.fromkeys(routing_rules)] or (
         list(Routing) if replicas > 1 or ttft_slo is not None else [Routing.PREFIX]
     )
     if ttft_slo is not None and replicas > 1:
         raise KVPoolError(f"--ttft-slo searches for the number of replicas; drop --replicas {replicas}")
-    if sequential and (replicas > 1 or routing_rules or ttft_slo is not None):
-        raise KVPoolError("--sequential replays one pool; drop it to use --replicas, --routing or --ttft-slo")
+    if sequential and (replicas > 1 or routing_rules or ttft_slo is not None or tiers):
+        raise KVPoolError(
+            "--sequential replays one pool alone; drop it to use --tier, --replicas, --routing or --ttft-slo"
+        )
     requests = _load(trace, max_requests, seed)
     if not requests:
         raise KVPoolError(f"trace {trace} holds no requests")
@@ -414,7 +440,7 @@ def simulate(
         **({} if kv_bytes_per_token is None else {"kv_bytes_per_token": kv_bytes_per_token}),
     )
     if tiers:
-        output["tiers"] = _describe_tiers(tiers, cost, block_size, show)
+        output["tiers"] = _describe_tiers(tiers, links, write, cost, block_size, show)
 
     if curve_only:
         pass
@@ -429,7 +455,6 @@ def simulate(
                 policy=policy,
                 hash_algo=hash_algo,
                 lookahead=lookahead,
-                tiers=tiers,
                 progress=_deltas(bar.update),
             )
         from dataclasses import asdict
@@ -453,6 +478,8 @@ def simulate(
             max_num_seqs=max_num_seqs,
             cost=cost,
             tiers=tiers,
+            tier_write=write,
+            tier_links=links,
             replicas=replicas,
             routing=rules[0],
         )
@@ -488,28 +515,38 @@ def _replay(requests: list[TraceRequest], config: SimulationConfig, show: bool) 
         return run_simulation(requests, config, progress=bar.update)
 
 
-def _describe_tiers(tiers: tuple[TierSpec, ...], cost: Any, block_size: int, show: bool) -> list[dict[str, Any]]:
+def _describe_tiers(
+    tiers: tuple[TierTarget, ...], links: dict[Any, TierLink], write: Any, cost: Any, block_size: int, show: bool
+) -> list[dict[str, Any]]:
+    from kvpool.sim.transfers import capacity_blocks
+    from kvpool.tiers.spec import TierKind
+
     block_bytes = block_size * cost.kv_bytes_per_token
     recompute = block_size * cost.prefill_s_per_token
     described = []
-    for spec in tiers:
-        load = spec.load_seconds(1, block_bytes)
+    for target in tiers:
+        link = links[target.kind]
+        blocks = capacity_blocks(target, block_bytes)
+        shared = target.kind is TierKind.REDIS
+        load = link.seconds(1, block_bytes)
         described.append(
             {
-                "kind": spec.name,
-                "capacity_blocks": spec.capacity_blocks,
-                "bandwidth_gb_per_s": spec.bandwidth_bytes_per_s / 1e9,
-                "latency_us": spec.latency_s * 1e6,
-                "shared": spec.shared,
+                "kind": target.kind.value,
+                "capacity_blocks": blocks,
+                "write": write.value,
+                "bandwidth_gb_per_s": link.bandwidth_bytes_per_s / 1e9,
+                "latency_us": link.latency_s * 1e6,
+                "shared": shared,
                 "load_ms_per_block": load * 1e3,
                 "recompute_ms_per_block": recompute * 1e3,
             }
         )
         if show:
             verdict = "faster" if load < recompute else "SLOWER"
+            size = "unbounded" if blocks is None else f"{blocks:,} blocks"
             click.echo(
-                f"tier {spec.name}: {spec.capacity_blocks:,} blocks{' (shared by every replica)' if spec.shared else ''}, "
-                f"{spec.bandwidth_bytes_per_s / 1e9:g} GB/s, {spec.latency_s * 1e6:g} us; loading a block takes "
+                f"tier {target.kind.value} ({write.value}): {size}{' (shared by every replica)' if shared else ''}, "
+                f"{link.bandwidth_bytes_per_s / 1e9:g} GB/s, {link.latency_s * 1e6:g} us; loading a block takes "
                 f"{load * 1e3:.2f} ms, {verdict} than recomputing it ({recompute * 1e3:.2f} ms)"
             )
     return described

@@ -11,11 +11,11 @@ Submodules (imported on demand; this package imports nothing heavy):
   hit rates of a trace. Needs numpy (the ``sim`` extra).
 * :mod:`kvpool.sim.sequential` -- replays a trace one request at a time through
   the real manager with a chosen eviction policy
-  (:func:`~kvpool.sim.sequential.replay_sequential`), with or without offload
-  tiers. Standard library only.
-* :mod:`kvpool.sim.tiers` -- offload tiers below a pool: LRU stores of block
-  hashes with a load bandwidth and latency, and the manager that spills into
-  them and loads from them. Standard library only.
+  (:func:`~kvpool.sim.sequential.replay_sequential`); the GPU pool alone (tiers
+  need the scheduler: use the simulator). Standard library only.
+* :mod:`kvpool.sim.transfers` -- KV tiers in the simulator: the engine's own tier
+  connector with a worker that only accounts load and save time over each tier's
+  link. Standard library only.
 * :mod:`kvpool.sim.simulator` -- replays a trace through the real scheduler and
   manager in simulated time, on one replica or several behind a routing rule
   (:func:`~kvpool.sim.simulator.simulate`). Standard library only.

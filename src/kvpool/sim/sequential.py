@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvpool.checks import check_int
@@ -50,7 +50,6 @@ from kvpool.eviction import FreeQueueFactory, resolve_policy
 from kvpool.hashing import HashAlgo
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
-from kvpool.sim.tiers import TieredManager, TierSpec, chain
 from kvpool.sim.traces import TraceRequest
 
 __all__ = ["SequentialResult", "replay_sequential"]
@@ -131,7 +130,6 @@ def replay_sequential(
     policy: str | FreeQueueFactory = "lru",
     hash_algo: HashAlgo | str = HashAlgo.SHA256,
     lookahead: int = 0,
-    tiers: Sequence[TierSpec] = (),
     progress: Callable[[int], None] | None = None,
 ) -> SequentialResult:
     """Replay ``requests`` in order through a real manager of ``capacity_blocks`` usable blocks.
@@ -147,9 +145,6 @@ def replay_sequential(
             is verified against the block's content, so hit rates are equal).
         lookahead: how many following requests to announce as waiting before
             each request (0: none).
-        tiers: offload tiers below the pool, in lookup order
-            (:mod:`kvpool.sim.tiers`); a hit in a tier counts as a hit, by tier
-            in ``hit_tokens_by_tier``.
         progress: called with the number of requests done, every 1,000.
 
     Returns:
@@ -162,14 +157,7 @@ def replay_sequential(
     check_int("capacity_blocks", capacity_blocks)
     check_int("lookahead", lookahead, minimum=0)
     name, factory = resolve_policy(policy)
-    stores = chain(tiers)
-    tiered = (
-        TieredManager(capacity_blocks + 1, block_size, tiers=stores, hash_algo=hash_algo, eviction_policy=factory)
-        if stores
-        else None
-    )
-    manager = tiered or KVCacheManager(capacity_blocks + 1, block_size, hash_algo=hash_algo, eviction_policy=factory)
-    by_tier = [0] * len(stores)
+    manager = KVCacheManager(capacity_blocks + 1, block_size, hash_algo=hash_algo, eviction_policy=factory)
     algo = manager.hasher.algo.value
     num_requests = prompt_tokens = hit_tokens = cacheable = oversized = 0
     start = time.perf_counter()
@@ -189,9 +177,6 @@ def replay_sequential(
         if new is None:  # pragma: no cover - every block is free between requests
             raise RuntimeError(f"request {request.request_id!r} found no room in an idle pool")
         hit_tokens += num_hit
-        if tiered is not None:
-            for t, tokens in enumerate(tiered.loaded.pop(request.request_id, ())):
-                by_tier[t] += tokens
         request.num_computed_tokens = num_tokens
         manager.free(request)
         if progress is not None and num_requests % 1000 == 0:
@@ -211,5 +196,5 @@ def replay_sequential(
         evictions=manager.pool.num_evictions,
         oversized=oversized,
         elapsed_s=elapsed,
-        hit_tokens_by_tier={"gpu": hit_tokens - sum(by_tier)} | {s.spec.name: n for s, n in zip(stores, by_tier)},
+        hit_tokens_by_tier={"gpu": hit_tokens},
     )

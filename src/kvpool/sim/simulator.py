@@ -9,9 +9,14 @@ Arrival times are honoured on the simulated clock (an idle engine jumps to the
 next arrival), so queueing, time to first token and throughput can be
 estimated along with hit rates, evictions and preemptions.
 
-Offload tiers (``tiers``, :mod:`kvpool.sim.tiers`) sit below each replica's GPU
-pool; a step that loads blocks from a tier takes that load's time on top of its
-compute (loads are not overlapped with compute: a conservative model).
+Offload tiers (``tiers``: the engine's specs, ``cpu:4GiB``...) sit below each
+replica's GPU pool through the engine's own connector
+(:class:`~kvpool.tiers.hierarchy.TierHierarchyConnector`, with the
+``tier_write`` policy) and a worker that only keeps time
+(:mod:`kvpool.sim.transfers`): the tokens each tier serves are the engine's. A
+step that loads blocks from a tier takes that load's time on top of its compute
+(loads are not overlapped with compute: a conservative model); saves are
+accounted apart (``tier_save_seconds``), as they can overlap the next step.
 
 Several replicas (``replicas``): each has its own pool, scheduler and clock
 (private tiers too; a shared tier, Redis, is one store for all). Each arrival is
@@ -32,18 +37,23 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.checks import check_int
+from kvpool.connector import GPU
 from kvpool.errors import CapacityError, ConfigError
 from kvpool.hashing import HashAlgo
+from kvpool.manager import KVCacheManager
 from kvpool.request import Request
 from kvpool.routing import Routing, chooser
-from kvpool.scheduler import ChunkDetail, RequestMetrics, Scheduler, SchedulerConfig, StopConditions
-from kvpool.sim.tiers import TieredManager, TierKind, TierSpec, TierStore, chain
+from kvpool.scheduler import ChunkDetail, RequestMetrics, Scheduler, SchedulerConfig, SchedulerOutput, StopConditions
 from kvpool.sim.traces import TraceRequest
+from kvpool.sim.transfers import DEFAULT_LINKS, KeyStore, TierLink, TimingWorker, build_tiers
+from kvpool.tiers.hierarchy import TierHierarchyConnector
+from kvpool.tiers.spec import TierKind, WritePolicy
+from kvpool.tiers.store import TierTarget
 
 if TYPE_CHECKING:
     from kvpool.eviction import FreeQueueFactory
@@ -104,7 +114,9 @@ class SimulationConfig:
     max_num_seqs: int = 256
     cost: CostModel = field(default_factory=CostModel)
     usage_interval_s: float = 1.0
-    tiers: tuple[TierSpec, ...] = ()
+    tiers: tuple[TierTarget, ...] = ()
+    tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
+    tier_links: Mapping[TierKind, TierLink] = field(default_factory=lambda: dict(DEFAULT_LINKS))
     replicas: int = 1
     routing: Routing = Routing.PREFIX
 
@@ -117,6 +129,11 @@ class SimulationConfig:
         kinds = [t.kind for t in self.tiers]
         if len(set(kinds)) != len(kinds):
             raise ConfigError(f"each tier kind may appear once, got {[k.value for k in kinds]}")
+        if not isinstance(self.tier_write, WritePolicy):
+            raise ConfigError(f"tier_write must be a WritePolicy, got {self.tier_write!r}")
+        missing = [k.value for k in kinds if k not in self.tier_links]
+        if missing:
+            raise ConfigError(f"tier_links has no link for the tiers {missing}")
         if not isinstance(self.routing, Routing):
             raise ConfigError(f"routing must be a Routing, got {self.routing!r}")
 
@@ -140,8 +157,9 @@ class ReplicaFigures:
 class SimulationResult:
     """Figures of one replay. Times are simulated seconds unless named wall_.
 
-    ``hit_tokens_by_tier``: where each request's cached tokens were found at its
-    first admission (``gpu``, then each tier). ``request_imbalance`` and
+    ``hit_tokens_by_tier``: where the cached tokens of every admission were
+    found (``gpu``, then each tier), as the engine's scheduler counts them
+    (``LLMEngine.cached_tokens_by_tier``); they add up to ``prefill_tokens_saved``. ``request_imbalance`` and
     ``work_imbalance``: the busiest replica's requests and prefill tokens computed,
     over the mean (1.0 is perfectly even). ``offered_prefill_tokens_per_s``: the
     prompt tokens not served from cache over the trace's arrival span (None when
@@ -179,6 +197,7 @@ class SimulationResult:
     routing: str = Routing.PREFIX.value
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     tier_load_seconds: float = 0.0
+    tier_save_seconds: float = 0.0
     per_replica: tuple[ReplicaFigures, ...] = ()
     request_imbalance: float = 1.0
     work_imbalance: float = 1.0
@@ -241,15 +260,25 @@ class _Live:
 class _Replica:
     """One simulated engine: a pool (with its tiers), a scheduler, a clock, and its counters."""
 
-    def __init__(self, config: SimulationConfig, tiers: tuple[TierStore, ...], start: float) -> None:
+    def __init__(self, config: SimulationConfig, shared: dict[TierKind, KeyStore], start: float) -> None:
         self.config = config
-        self.manager = TieredManager(
+        self.manager = KVCacheManager(
             config.num_blocks,
             config.block_size,
-            tiers=tiers,
             hash_algo=config.hash_algo,
             eviction_policy=policy_factory(config.policy),
         )
+        self.connector: TierHierarchyConnector | None = None
+        self.worker: TimingWorker | None = None
+        if config.tiers:
+            self.connector, self.worker = build_tiers(
+                config.tiers,
+                self.manager,
+                block_bytes=config.block_bytes,
+                write=config.tier_write,
+                links=config.tier_links,
+                shared=shared,
+            )
         self.clock = start
         self.scheduler = Scheduler(
             self.manager,
@@ -259,14 +288,14 @@ class _Replica:
                 chunk_detail=ChunkDetail.COUNTS,
             ),
             clock=lambda: self.clock,
+            connector=self.connector,
         )
         self.live: dict[str, _Live] = {}
         self.pending_prefill = 0  # prompt tokens still to prefill here, the step in flight excluded
         self.in_flight_prefill = 0  # prefill tokens of the step that ends at `clock`
         self.requests = self.prompt_tokens = self.hit_tokens = self.computed = self.saved = 0
         self.full_blocks = self.hit_blocks = 0
-        self.by_tier = [0] * len(tiers)
-        self.load_seconds = self.busy_seconds = 0.0
+        self.load_seconds = self.save_seconds = self.busy_seconds = 0.0
 
     @property
     def busy(self) -> bool:
@@ -275,6 +304,14 @@ class _Replica:
     def load(self, now: float) -> int:
         """The load a router sees at ``now``: prompt tokens still to prefill, the step still running included."""
         return self.pending_prefill + (self.in_flight_prefill if self.clock > now else 0)
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix held here, in the GPU pool or a tier; changes nothing."""
+        self.manager.hash_request(request)
+        _, num_hit = self.manager.coordinator.find_longest_cache_hit(request, request.num_tokens - 1)
+        if self.connector is None:
+            return num_hit
+        return num_hit + self.connector.get_num_new_matched_tokens(request, num_hit).num_tokens
 
     def add(self, trace_request: TraceRequest, request: Request) -> bool:
         """Queue a request; False when it could never fit in this pool."""
@@ -291,15 +328,30 @@ class _Replica:
         self.pending_prefill += request.num_prompt_tokens
         return True
 
+    def _before_forward(self, output: SchedulerOutput) -> SchedulerOutput:
+        """The engine's order: spills out, then loads in (failed ones computed), before the forward pass."""
+        meta, worker = output.connector_meta, self.worker
+        if meta is None or worker is None or not (meta.loads or meta.spills):
+            return output
+        worker.start_load(meta)
+        return self.scheduler.apply_transfers(output, worker.get_finished())
+
+    def _after_forward(self, output: SchedulerOutput) -> SchedulerOutput:
+        meta, worker = output.connector_meta, self.worker
+        if meta is None or worker is None or not meta.saves:
+            return output
+        worker.save(meta)
+        return self.scheduler.apply_transfers(output, worker.get_finished())
+
     def step(self) -> list[RequestMetrics]:
         """Plan, time and apply one step; the finished requests' figures."""
-        config, manager, scheduler = self.config, self.manager, self.scheduler
+        config, scheduler = self.config, self.scheduler
         output = scheduler.schedule()
-        manager.demote_evicted()  # a shared tier is current before any other replica reads it
         if output.is_empty:
             raise CapacityError(
                 "the simulated engine cannot make progress: the pool is too small for any waiting request"
             )
+        output = self._before_forward(output)
         for rid in output.preempted:  # its prompt will be computed again (less what it then finds cached)
             entry = self.live[rid]
             self.pending_prefill += entry.request.num_prompt_tokens - entry.to_prefill
@@ -312,7 +364,7 @@ class _Replica:
             request = entry.request
             if entry.first_hit is None:
                 entry.first_hit = chunk.num_cached_tokens
-                self._count_first_hit(request, chunk.num_cached_tokens)
+                self.hit_tokens += chunk.num_cached_tokens
                 full = request.num_prompt_tokens // bs
                 self.full_blocks += full
                 self.hit_blocks += min(full, chunk.num_cached_tokens // bs)
@@ -329,33 +381,22 @@ class _Replica:
                 n = request.num_output_tokens
                 outputs = entry.outputs
                 sampled[chunk.request_id] = outputs[n] if n < len(outputs) else 0
+        output = self._after_forward(output)
         self.computed += prefill_tokens
         self.in_flight_prefill = prefill_tokens
         seconds = config.cost.step_seconds(prefill_tokens, decode_seqs)
-        block_bytes = config.block_bytes
-        for t, blocks in manager.take_loads():
-            load = manager.tiers[t].spec.load_seconds(blocks, block_bytes)
+        if self.worker is not None:
+            load = self.worker.take_load_seconds()
             self.load_seconds += load
+            self.save_seconds += self.worker.take_save_seconds()
             seconds += load
         self.clock += seconds
         self.busy_seconds += seconds
         done = scheduler.update(output, sampled)
         for metrics in done:
             del self.live[metrics.request_id]
-            manager.loaded.pop(metrics.request_id, None)
             scheduler.forget(metrics.request_id)
         return done
-
-    def _count_first_hit(self, request: Request, num_cached: int) -> None:
-        self.hit_tokens += num_cached
-        loaded = self.manager.loaded.pop(request.request_id, None)
-        if loaded is None:
-            return
-        left = num_cached  # a load whose blocks were evicted again before admission counts only once
-        for t, tokens in enumerate(loaded):
-            take = min(tokens, left)
-            self.by_tier[t] += take
-            left -= take
 
     def figures(self) -> ReplicaFigures:
         return ReplicaFigures(
@@ -387,8 +428,8 @@ def simulate(
     started = time.perf_counter()
     requests = sorted(trace, key=lambda r: r.arrival_ms)
     first_arrival = requests[0].arrival_ms / 1000 if requests else 0.0
-    shared: dict[TierKind, TierStore] = {}
-    replicas = [_Replica(config, chain(config.tiers, shared), first_arrival) for _ in range(config.replicas)]
+    shared: dict[TierKind, KeyStore] = {}
+    replicas = [_Replica(config, shared, first_arrival) for _ in range(config.replicas)]
     rule = chooser(config.routing, load_cost=1 / config.block_size)
     wants_prefixes = config.routing is Routing.PREFIX and len(replicas) > 1
     no_prefixes = [0] * len(replicas)
@@ -417,7 +458,7 @@ def simulate(
                 target = replicas[0]
             else:
                 cached = (
-                    [r.manager.cached_prefix_tokens(request) // config.block_size for r in replicas]
+                    [r.cached_prefix_tokens(request) // config.block_size for r in replicas]
                     if wants_prefixes
                     else no_prefixes
                 )
@@ -454,9 +495,10 @@ def simulate(
     prompt_tokens = sum(r.prompt_tokens for r in replicas)
     hit_tokens = sum(r.hit_tokens for r in replicas)
     full_blocks = sum(r.full_blocks for r in replicas)
-    by_tier = {"gpu": hit_tokens - sum(sum(r.by_tier) for r in replicas)}
-    for t, spec in enumerate(config.tiers):
-        by_tier[spec.name] = sum(r.by_tier[t] for r in replicas)
+    by_tier = {GPU: 0} | {target.kind.value: 0 for target in config.tiers}
+    for r in replicas:
+        for name, tokens in r.scheduler.cached_tokens_by_tier.items():
+            by_tier[name] += tokens
     arrival_span = (requests[-1].arrival_ms / 1000 - first_arrival) if requests else 0.0
     offered = (prompt_tokens - hit_tokens) / arrival_span if arrival_span > 0 else None
     servable = len(replicas) * config.cost.servable_prefill_tokens_per_s(config.max_num_batched_tokens)
@@ -492,6 +534,7 @@ def simulate(
         routing=config.routing.value,
         hit_tokens_by_tier=by_tier,
         tier_load_seconds=sum(r.load_seconds for r in replicas),
+        tier_save_seconds=sum(r.save_seconds for r in replicas),
         per_replica=tuple(r.figures() for r in replicas),
         request_imbalance=_imbalance([r.requests for r in replicas]),
         work_imbalance=_imbalance([r.computed for r in replicas]),
