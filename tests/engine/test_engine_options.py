@@ -220,3 +220,33 @@ def test_stop_strings_need_a_tokenizer(tmp_path: Any) -> None:
     with pytest.raises(ConfigError, match="'ab'"):
         engine_llm.engine.add_request([5, 6], SamplingParams(stop=("ab",)))
     assert not engine_llm.engine.has_unfinished_requests()
+
+
+def test_the_scheduler_lets_no_end_token_stop_a_request_before_min_tokens() -> None:
+    """Even a model that samples EOS or a stop token anyway (the mask aside) is not stopped early."""
+    from kvpool.manager import KVCacheManager
+    from kvpool.request import Request
+    from kvpool.scheduler import Scheduler, SchedulerConfig, StopConditions, run_to_completion, sample_from
+
+    scheduler = Scheduler(KVCacheManager(64, 4), SchedulerConfig())
+    stop = StopConditions(max_tokens=10, stop_token_ids=frozenset({7}), eos_token_id=2, min_tokens=3)
+    scheduler.add_request(Request("a", [5, 6, 8]), stop)
+    scheduler.add_request(Request("b", [5, 6, 9]), stop)
+    done = {m.request_id: m for m in run_to_completion(scheduler, sample_from({"a": [2, 7, 2, 9], "b": [7, 7, 7, 7]}))}
+    assert list(scheduler.request("a").output_token_ids) == [2, 7, 2, 9, 2]  # the 4th token may end it
+    assert done["a"].finish_reason is FinishReason.EOS
+    assert list(scheduler.request("b").output_token_ids) == [7, 7, 7, 7]
+    assert done["b"].finish_reason is FinishReason.STOP
+
+
+def test_streamed_deltas_carry_each_tokens_logprobs(llm: LLM) -> None:
+    engine = llm.engine
+    rid = engine.add_request(random_prompt(6, seed=4), SamplingParams(max_tokens=4, logprobs=1, ignore_eos=True))
+    streamed, output = [], None
+    while output is None:
+        for delta in engine.step():
+            if delta.request_id == rid:
+                assert delta.logprobs is not None and [e.token_id for e in delta.logprobs] == list(delta.token_ids)
+                streamed.extend(delta.logprobs)
+                output = delta.output
+    assert output.logprobs == tuple(streamed)

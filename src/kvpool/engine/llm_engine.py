@@ -9,11 +9,20 @@ Each :meth:`LLMEngine.step`:
    forward pass, writing K/V into the preallocated cache through their block
    tables;
 3. the last-token logits of chunks that reach the end of their known tokens
-   are sampled, each request with its own :class:`SamplingParams` and its own
-   seeded generator;
+   are sampled, each request with its own :class:`SamplingParams` (its
+   ``min_tokens`` mask and penalties, then temperature, min-p, top-k, top-p),
+   its own seeded generator and, if it asked, its log-probabilities;
 4. ``scheduler.update`` appends the tokens, applies the stop conditions (stop
-   tokens, EOS, ``max_tokens``, ``max_model_len``) and frees finished requests'
-   blocks, which stay in the prefix cache until evicted.
+   tokens and EOS past ``min_tokens``, ``max_tokens``, ``max_model_len``) and
+   frees finished requests' blocks, which stay in the prefix cache until
+   evicted; the engine then ends a request whose text reached one of its stop
+   strings (:class:`~kvpool.engine.live_request.LiveRequest`).
+
+``max_tokens=None`` is resolved when a request is added: the rest of the
+context, ``max_model_len`` minus the prompt. Requests with one prompt added
+together (the ``n`` sequences of one API request) share its blocks through
+the prefix cache: the first computes it, the others hit its full blocks in
+the same step.
 
 A prefix hit is never recomputed: the scheduler starts the request's first
 chunk at the number of cached tokens. Every public method checks all of its
