@@ -8,14 +8,18 @@ which batches are delivered live and which the replay buffer still holds.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
 
 import pytest
 import zmq
+import zmq.auth
 
+from kvpool.errors import ConfigError
 from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvpool.kv_events import END_OF_REPLAY, KVEventPublisher, encode_batch
+from kvpool.hashing import BlockHasher
+from kvpool.kv_events import END_OF_REPLAY, CurveServer, CurveTrust, KVEventPublisher, describe_events, encode_batch
 from kvpool.router.feed import EventFeed
 from kvpool.router.index import MemoryIndex
 from kvpool.router.replicas import EventsInfo
@@ -183,7 +187,7 @@ def test_batches_gone_from_the_buffer_clear_the_replica(publisher: HandPublisher
 def test_a_cache_reset_event_clears_the_replica(loop: Loop) -> None:
     index = MemoryIndex()
     index.store("http://other:2", H[:3])
-    with KVEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}") as pub:
+    with KVEventPublisher("bind:tcp://127.0.0.1:0", replay_endpoint="bind:tcp://127.0.0.1:0") as pub:
         pub.publish([stored(*H[:3])])
         pub.publish([AllBlocksCleared(), stored(H[5])])
         info = EventsInfo(
@@ -201,3 +205,64 @@ def test_a_cache_reset_event_clears_the_replica(loop: Loop) -> None:
             assert index.num_blocks(R) == 1
         finally:
             feed.stop()
+
+
+@pytest.fixture
+def certs(tmp_path) -> dict[str, str]:
+    made = {}
+    for name in ("replica", "router", "stranger"):
+        (tmp_path / name).mkdir()
+        public, secret = zmq.auth.create_certificates(tmp_path / name, name)
+        made[name], made[name + ".key"] = str(secret), str(public)
+    return made
+
+
+def announcement(pub: KVEventPublisher) -> dict[str, object]:
+    return describe_events(
+        BlockHasher(16),
+        endpoint=pub.endpoint,
+        replay_endpoint=pub.replay_endpoint,
+        curve_public_key=pub.curve_public_key,
+    )
+
+
+def test_the_router_follows_a_curve_protected_replica(loop: Loop, certs: dict[str, str]) -> None:
+    server = CurveServer.load(certs["replica"], certs["router.key"])
+    index = MemoryIndex()
+    with KVEventPublisher("bind:tcp://127.0.0.1:0", replay_endpoint="bind:tcp://127.0.0.1:0", curve=server) as pub:
+        pub.publish([stored(*H[:3])])
+        # what the router reads at GET /kv-events, checked against the replica keys it trusts
+        trust = CurveTrust.load(certs["router"], certs["replica.key"])
+        info = EventsInfo.from_json(announcement(pub), "http://127.0.0.1:8001", trust)
+        assert info.curve is not None
+        feed = EventFeed(R, info, index)
+        feed.start(loop.loop)
+        try:
+            wait_for(lambda: feed.batches == 1, "the catch-up over CURVE")
+            for seq in range(1, 200):  # live batches, until the subscription is heard
+                pub.publish([stored(H[seq % 4 + 4])])
+                if feed.batches > 1:
+                    break
+            wait_for(lambda: feed.batches > 1, "a live batch over CURVE")
+            assert index.match(H[:3], [R]) == [3]
+        finally:
+            feed.stop()
+
+
+def test_the_router_refuses_replica_streams_it_cannot_trust(certs: dict[str, str]) -> None:
+    trust = CurveTrust.load(certs["router"], certs["replica.key"])
+    server = CurveServer.load(certs["stranger"], certs["router.key"])
+    with KVEventPublisher("bind:tcp://127.0.0.1:0", curve=server) as stranger:
+        with pytest.raises(ConfigError, match=re.escape(f"{stranger.curve_public_key!r}, which is not trusted")):
+            EventsInfo.from_json(announcement(stranger), "http://127.0.0.1:8001", trust)
+        with pytest.raises(ConfigError, match="--kv-events-server-keys"):
+            EventsInfo.from_json(
+                announcement(stranger), "http://127.0.0.1:8001"
+            )  # a CURVE replica, a router without keys
+    with KVEventPublisher("bind:tcp://127.0.0.1:0") as plain:
+        with pytest.raises(ConfigError, match="without CURVE"):
+            EventsInfo.from_json(announcement(plain), "http://127.0.0.1:8001", trust)
+        assert EventsInfo.from_json(announcement(plain), "http://127.0.0.1:8001").curve is None
+        # a loopback-only stream cannot be followed from another host
+        with pytest.raises(ConfigError, match="loopback interface only"):
+            EventsInfo.from_json(announcement(plain), "http://10.0.0.5:8001")

@@ -75,6 +75,19 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
     "Any key in it also opens the router's own /health?verbose=1 off its loopback interface.",
 )
 @click.option(
+    "--kv-events-secret-key",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The router's CURVE key pair (a ZeroMQ .key_secret certificate), for replicas whose KV events need CURVE.",
+)
+@click.option(
+    "--kv-events-server-keys",
+    type=click.Path(),
+    default=None,
+    help="The replicas' CURVE public keys (a .key certificate, or a directory of them): "
+    "a replica's stream is followed only under one of these.",
+)
+@click.option(
     "--index-redis",
     metavar="URL",
     default=None,
@@ -172,6 +185,8 @@ def route(
     tenant_secret_file: str | None,
     no_tenant_isolation: bool,
     admin_key_file: str | None,
+    kv_events_secret_key: str | None,
+    kv_events_server_keys: str | None,
     index_redis: str | None,
     routing: str,
     approx_max_blocks: int,
@@ -216,6 +231,13 @@ def route(
     keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
     admin_key = None if admin_key_file is None else _first_key(admin_key_file)
     admin_keys = None if admin_key_file is None else KeyRing.load_lines(admin_key_file, "admin")
+    if (kv_events_secret_key is None) != (kv_events_server_keys is None):
+        raise click.UsageError("--kv-events-secret-key and --kv-events-server-keys go together")
+    event_trust = None
+    if kv_events_secret_key is not None and kv_events_server_keys is not None:
+        from kvpool.kv_events import CurveTrust
+
+        event_trust = CurveTrust.load(kv_events_secret_key, kv_events_server_keys)
     limits = ConnectionLimits(
         header_timeout=header_timeout, max_connections=max_connections, shutdown_timeout=shutdown_timeout
     )
@@ -253,6 +275,7 @@ def route(
         load_cost=load_cost,
         health_interval=health_interval,
         upstream_timeout=upstream_timeout,
+        event_trust=event_trust,
     )
     _serve(Router(options, index), host, port, limits)
 

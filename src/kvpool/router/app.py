@@ -68,6 +68,8 @@ if TYPE_CHECKING:
     from starlette.responses import Response
     from starlette.types import Receive, Scope, Send
 
+    from kvpool.kv_events import CurveTrust
+
 __all__ = ["RouteOptions", "Router", "build_app"]
 
 log = logging.getLogger("kvpool.route")
@@ -128,6 +130,7 @@ class RouteOptions:
     prefix_mode: PrefixMode = PrefixMode.AUTO
     approx_block_size: int = 16
     approx_max_blocks: int = 2**18
+    event_trust: CurveTrust | None = None  # CURVE keys for replicas' event streams (None: plain streams only)
 
     def __post_init__(self) -> None:
         for name in ("approx_block_size", "approx_max_blocks"):
@@ -161,6 +164,7 @@ class Router:
             options.health_timeout,
             options.admin_key,
             quarantine=options.quarantine,
+            trust=options.event_trust,
         )
         self.monitor.on_down = self.approx.clear  # a replica that went down lost its cache
         if isinstance(self.index, GuardedIndex):

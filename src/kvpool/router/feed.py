@@ -192,7 +192,7 @@ class EventFeed:
     def _subscribe(self) -> KVEventSubscriber:
         from kvpool.kv_events import KVEventSubscriber
 
-        return KVEventSubscriber(self.info.endpoint, replay_endpoint=self.info.replay_endpoint)
+        return KVEventSubscriber(self.info.endpoint, replay_endpoint=self.info.replay_endpoint, curve=self.info.curve)
 
     def _follow_with(self, subscriber: KVEventSubscriber) -> None:
         """Catch up from the replay buffer, then apply what arrives until stopped; any fault propagates."""

@@ -35,6 +35,8 @@ from kvpool.router.stats import HashVerdict
 if TYPE_CHECKING:
     import httpx
 
+    from kvpool.kv_events import CurveTrust
+
 __all__ = ["ReplicaMonitor"]
 
 log = logging.getLogger("kvpool.route")
@@ -52,8 +54,10 @@ class ReplicaMonitor:
         admin_key: str | None = None,
         *,
         quarantine: float = 30.0,
+        trust: CurveTrust | None = None,
     ) -> None:
         self.replicas = list(replicas)
+        self._trust = trust  # CURVE: the router's keys and the replica keys it follows
         # /kv-events is open on a replica's loopback interface, elsewhere only with an admin key
         self._operator = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.index = index
@@ -134,7 +138,7 @@ class ReplicaMonitor:
                     replica.url + "/kv-events", headers=self._operator, timeout=self.timeout
                 )
                 if response.status_code == 200:
-                    replica.events = EventsInfo.from_json(response.json(), replica.url)
+                    replica.events = EventsInfo.from_json(response.json(), replica.url, self._trust)
                 else:
                     hint = (
                         "give the router the replicas' --admin-key-file"

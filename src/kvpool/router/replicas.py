@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash
+from kvpool.kv_events.transport import CurveClient, CurveTrust
 from kvpool.router.stats import ReplicaStats
 
 __all__ = ["EventsInfo", "HashForm", "Hashing", "Replica", "check_replica_url", "connectable_endpoint"]
@@ -61,7 +62,9 @@ def connectable_endpoint(endpoint: str, replica_url: str) -> str:
     """A ZeroMQ endpoint a replica advertises, as this router can connect to it.
 
     A replica binds ``tcp://*:5557`` (every interface); the router connects to the same
-    port on the host it reaches the replica's HTTP server at.
+    port on the host it reaches the replica's HTTP server at. A replica that binds its
+    loopback alone (``tcp://127.0.0.1:5557``) is followed only by a router that reaches
+    it on the loopback too: elsewhere that address is another machine's.
     """
     scheme, sep, rest = endpoint.partition("://")
     if not sep:
@@ -69,11 +72,34 @@ def connectable_endpoint(endpoint: str, replica_url: str) -> str:
     if scheme != "tcp":
         return endpoint  # ipc:// and inproc:// name the same place from anywhere on the machine
     host, _, port = rest.rpartition(":")
+    replica_host = urlsplit(replica_url).hostname or "127.0.0.1"
     if host in ("*", "0.0.0.0", "[::]", "::", ""):
-        host = urlsplit(replica_url).hostname or "127.0.0.1"
-        if ":" in host:
-            host = f"[{host}]"
+        host = f"[{replica_host}]" if ":" in replica_host else replica_host
+    elif _loopback(host.strip("[]")) and not _loopback(replica_host):
+        raise ConfigError(
+            f"replica {replica_url} publishes its events on its loopback interface only ({endpoint!r}), "
+            "which this router, reaching it from elsewhere, cannot connect to"
+        )
     return f"tcp://{host}:{port}"
+
+
+def _loopback(host: str) -> bool:
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _curve(announced: object, replica_url: str, trust: CurveTrust | None) -> CurveClient | None:
+    """How to subscribe to a replica that announces ``announced`` as its CURVE key (None: no CURVE)."""
+    if announced is None and trust is not None:
+        raise ConfigError(
+            f"replica {replica_url} publishes its KV events without CURVE, and this router follows only "
+            "replicas holding one of its --kv-events-server-keys"
+        )
+    if announced is not None and trust is None:
+        raise ConfigError(
+            f"replica {replica_url} publishes its KV events under CURVE: give this router "
+            "--kv-events-secret-key and --kv-events-server-keys"
+        )
+    return None if trust is None else trust.client_for(announced, f"replica {replica_url}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,10 +114,16 @@ class EventsInfo:
     num_blocks: int | None = None  # the most blocks it can hold, over all its media, when it says
     hash_form: HashForm = HashForm.BYTES
     configured: bool = False  # described on the router's command line, not read from GET /kv-events
+    curve: CurveClient | None = None  # the router's CURVE keys and the replica's public key
 
     @classmethod
-    def from_json(cls, body: object, replica_url: str) -> EventsInfo:
-        """Read a ``GET /kv-events`` body; raises :class:`ConfigError` naming what is missing."""
+    def from_json(cls, body: object, replica_url: str, trust: CurveTrust | None = None) -> EventsInfo:
+        """Read a ``GET /kv-events`` body; raises :class:`ConfigError` naming what is missing.
+
+        A replica that announces a CURVE public key (``curve_public_key``) is followed
+        only with ``trust``, and only when ``trust`` holds that key; with ``trust``, a
+        replica announcing none is not followed either (its stream would be plain text).
+        """
         if not isinstance(body, Mapping):
             raise ConfigError(f"replica {replica_url}: GET /kv-events is not a JSON object: {body!r}")
         endpoint = body.get("endpoint")
@@ -110,6 +142,7 @@ class EventsInfo:
             hash_seed=seed if isinstance(seed, str) else None,
             block_size=block_size,
             num_blocks=capacity if type(capacity := body.get("num_blocks")) is int and capacity > 0 else None,
+            curve=_curve(body.get("curve_public_key"), replica_url, trust),
         )
 
     @property
