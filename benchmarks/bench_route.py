@@ -269,6 +269,8 @@ def run_vllm(args: argparse.Namespace) -> None:
             ("sglang-router cache_aware", [args.sglang_router, "launch", "--policy", "cache_aware", "--worker-urls", *urls]),
         ):  # fmt: skip
             port = _free_port()
+            # both default their Prometheus exporter to port 29000: each gets its own
+            cmd += ["--prometheus-port", str(_free_port())]
             proc, why = _external([*cmd, "--host", "127.0.0.1", "--port", str(port)], tmp / f"{name.split()[0]}.log")
             if proc is None:
                 failed[name] = why
