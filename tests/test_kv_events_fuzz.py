@@ -128,3 +128,21 @@ def test_a_live_bad_message_is_raised_after_the_batches_before_it():
                 "LostBatches",
                 "SequencedBatch",
             ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("token_ids", ["x"], "token_ids must be a list of integers"),
+        ("token_ids", None, "token_ids must be a list of integers"),
+        ("block_size", True, "'block_size' has the wrong type"),
+        ("block_size", None, "block_size must be an integer"),
+        ("block_hashes", [-1], "64-bit integer"),
+        ("extra_keys", [[{"k": 1}]], "unknown extra key a dict of 1"),
+    ],
+)
+def test_fields_of_the_wrong_type_are_refused(field, value, words):
+    event = {"type": "BlockStored", "block_hashes": [b"a"], "parent_block_hash": None, "token_ids": [1]}
+    event |= {"block_size": 1, "medium": None, "lora_name": None, field: value}
+    with pytest.raises(EventStreamError, match=words):
+        decode_batch(msgspec.msgpack.encode([0.0, [event], 0]))
