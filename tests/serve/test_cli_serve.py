@@ -63,12 +63,39 @@ def test_serve_process_single_tenant_unisolated_with_kv_events() -> None:
         (["--tenant-secret-file", "{short}"], "at least 16"),
         (["--metrics-prefix", "9bad"], "metrics prefix"),
         (["--kv-events-replay-endpoint", "tcp://*:0"], "needs --kv-events-endpoint"),
+        (["--kv-events-config", "{nope"], "--kv-events-config is not JSON"),
+        (
+            ["--kv-events-config", '{"enable_kv_cache_events": true, "endpoit": "tcp://*:5557"}'],
+            "unknown keys ['endpoit']",
+        ),
+        (["--kv-events-config", '{"enable_kv_cache_events": 1}'], "must be true or false"),
+        (
+            [
+                "--kv-events-config",
+                '{"enable_kv_cache_events": true, "endpoint": "tcp://*:1"}',
+                "--kv-events-endpoint",
+                "tcp://*:2",
+            ],
+            "disagree",
+        ),
+        (["other-model", "--model", "smollm2-360m"], "the model is given twice"),
+        (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB"], "leave out --kv-cache-memory"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--header-timeout", "0"], "--header-timeout"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--api-key", "k1", "--api-key-file", "{alice}"], "also a key of tenant 'alice'"),
     ],
 )
 def test_bad_flags_are_refused_before_the_engine_starts(tmp_path: Path, flags: list[str], words: str) -> None:
     (tmp_path / "keys.json").write_text(json.dumps({}))
     (tmp_path / "short").write_text("tiny")
-    paths = {"missing": tmp_path / "nope.json", "keys": tmp_path / "keys.json", "short": tmp_path / "short"}
-    result = CliRunner().invoke(cli, ["serve", *(f.format(**paths) for f in flags)])
+    (tmp_path / "alice.json").write_text(json.dumps({"k1": "alice"}))
+    paths = {
+        "missing": tmp_path / "nope.json",
+        "keys": tmp_path / "keys.json",
+        "short": tmp_path / "short",
+        "alice": tmp_path / "alice.json",
+    }
+    result = CliRunner().invoke(cli, ["serve", *(str(paths[f[1:-1]]) if f[1:-1] in paths else f for f in flags)])
     assert result.exit_code == 2, result.output
     assert words in result.output

@@ -206,8 +206,8 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "body", "param", "words"),
     [
-        ("/completions", b"{not json", None, "not valid JSON"),
-        ("/completions", b"[1, 2]", None, "JSON object"),
+        ("/completions", b"{not json", "body", "not valid JSON"),
+        ("/completions", b"[1, 2]", "body", "JSON object"),
         ("/completions", {"model": MODEL}, "prompt", "required"),
         ("/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "number"),
         ("/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),

@@ -100,6 +100,41 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     help="Put token IDs, LoRA names and extra keys (tenant cache salts among them) in BlockStored events "
     "although tenants are isolated: for a trusted consumer only.",
 )
+@click.argument("model_arg", metavar="[MODEL]", required=False, default=None)
+@click.option(
+    "--api-key",
+    "api_key",
+    multiple=True,
+    help="An API key clients must send (repeatable; vLLM's flag): one tenant. Beside --api-key-file's tenants.",
+)
+@click.option("--max-num-seqs", type=POSITIVE_INT, default=None, help="Requests running at once at most.")
+@click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=None, help="Tokens one step computes at most.")
+@click.option(
+    "--gpu-memory-utilization",
+    type=click.FloatRange(0, 1, min_open=True),
+    default=None,
+    help="Size the KV cache from this fraction of the device's memory (measured, as vLLM does). On the CPU "
+    "the same formula runs over the host memory, capped; --kv-cache-memory SIZE sets the budget directly.",
+)
+@click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Share cached prompt blocks between requests.",
+)
+@click.option(
+    "--kv-events-config",
+    metavar="JSON",
+    default=None,
+    help="vLLM's KV events config: enable_kv_cache_events, publisher (zmq|null), endpoint, replay_endpoint, "
+    "topic, buffer_steps, hwm, max_queue_size (--kv-events-* flags are kvpool's names for the same).",
+)
+@click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a connection may take to send complete request headers.")  # fmt: skip
+@click.option("--max-connections", type=POSITIVE_INT, default=1024, show_default=True,
+              help="Client connections open at once; one more is answered 503 and closed.")  # fmt: skip
+@click.option("--enable-log-requests", is_flag=True, help="Log a line per request when admitted and when finished.")
+@click.option("--disable-log-stats", is_flag=True, help="No periodic stats line (throughput, queue, KV usage, hits).")
 @_engine_flags
 @reports_errors("serve")
 def serve(
@@ -118,6 +153,17 @@ def serve(
     kv_events_secret_key: str | None,
     kv_events_client_keys: str | None,
     kv_events_include_token_ids: bool,
+    model_arg: str | None,
+    api_key: tuple[str, ...],
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    gpu_memory_utilization: float | None,
+    enable_prefix_caching: bool,
+    kv_events_config: str | None,
+    header_timeout: float,
+    max_connections: int,
+    enable_log_requests: bool,
+    disable_log_stats: bool,
     **kw: Any,
 ) -> None:
     """Serve the model over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models).
@@ -131,7 +177,20 @@ def serve(
     from kvpool.tenancy import KeyRing, SaltPolicy, load_secret
 
     check_prefix(metrics_prefix)
-    api_keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
+    if model_arg is not None:
+        if kw["model"] not in (model_arg, generate_command._DEFAULT_MODEL):
+            raise click.UsageError(f"the model is given twice: {model_arg!r} and --model {kw['model']!r}")
+        kw["model"] = model_arg
+    api_keys = _key_ring(api_key_file, api_key)
+    from kvpool.serve.connections import ConnectionLimits
+
+    limits = ConnectionLimits(header_timeout=header_timeout, max_connections=max_connections)
+    if kv_events_config is not None:
+        kv_events_endpoint, kv_events_replay_endpoint, event_extras = _vllm_events_config(
+            kv_events_config, kv_events_endpoint, kv_events_replay_endpoint
+        )
+    else:
+        event_extras = {}
     admin_keys = None if admin_key_file is None else KeyRing.load_lines(admin_key_file, "admin")
     generated = False
     if no_tenant_isolation:
@@ -147,15 +206,27 @@ def serve(
         include_token_ids=kv_events_include_token_ids,
         isolated=salts.isolates_tenants,
     )
+    if events is not None:
+        events.update(event_extras)
 
     options = generate_command.engine_options(kw)  # generate's mapping of its engine flags
     options["enable_kv_events"] = kv_events_endpoint is not None
+    options["enable_prefix_caching"] = enable_prefix_caching
+    if max_num_seqs is not None:
+        options["max_num_seqs"] = max_num_seqs
+    if max_num_batched_tokens is not None:
+        options["max_num_batched_tokens"] = max_num_batched_tokens
+    if gpu_memory_utilization is not None:
+        if kw["kv_cache_memory"] != _DEFAULT_KV_CACHE_MEMORY:
+            raise click.UsageError("--gpu-memory-utilization sizes the KV cache: leave out --kv-cache-memory")
+        options["gpu_memory_utilization"] = gpu_memory_utilization
+        options["kv_cache_memory"] = None  # measured, as vLLM does
     engine = _start_engine(options)
     try:
         if api_keys is None:
             _log("single-tenant: no --api-key-file, so every request is one tenant's and needs no API key")
         else:
-            _log(f"{len(api_keys.names)} tenants, {len(api_keys)} API keys from {api_key_file}")
+            _log(f"{len(api_keys.names)} tenants, {len(api_keys)} API keys")
         if no_tenant_isolation:
             _log(
                 "WARNING: --no-tenant-isolation: all tenants share one prefix cache; a tenant can tell from "
@@ -175,11 +246,83 @@ def serve(
             max_body_bytes=max_body_bytes,
             max_waiting=max_waiting,
             metrics_prefix=metrics_prefix,
+            log_requests=enable_log_requests,
+            stats_interval=None if disable_log_stats else 10.0,
         )
-        _serve(engine, config, host, port, events)
+        _serve(engine, config, host, port, events, limits)
     finally:
         if engine.kv_tiers is not None:
             engine.kv_tiers.close()
+
+
+_DEFAULT_KV_CACHE_MEMORY = "512MiB"  # generate's --kv-cache-memory default
+_VLLM_EVENT_KEYS = frozenset(
+    {
+        "enable_kv_cache_events",
+        "publisher",
+        "endpoint",
+        "replay_endpoint",
+        "topic",
+        "buffer_steps",
+        "hwm",
+        "max_queue_size",
+    }
+)
+
+
+def _key_ring(api_key_file: str | None, api_keys: tuple[str, ...]) -> Any:
+    """The tenants' keys: ``--api-key-file``'s, and each ``--api-key`` for the default tenant (vLLM's single key)."""
+    from kvpool.tenancy import DEFAULT_TENANT, KeyRing
+
+    if api_key_file is None and not api_keys:
+        return None
+    given = KeyRing.from_mapping(dict.fromkeys(api_keys, DEFAULT_TENANT), source="--api-key") if api_keys else None
+    if api_key_file is None:
+        return given
+    ring = KeyRing.load_json(api_key_file)
+    if given is None:
+        return ring
+    for key in api_keys:
+        if ring.name_for(key) not in (None, DEFAULT_TENANT):
+            raise click.UsageError(f"an --api-key is also a key of tenant {ring.name_for(key)!r} in --api-key-file")
+    return KeyRing({**ring._names, **given._names})  # the key digests of both
+
+
+def _vllm_events_config(
+    text: str, endpoint: str | None, replay: str | None
+) -> tuple[str | None, str | None, dict[str, Any]]:
+    """vLLM's ``--kv-events-config`` JSON as kvpool's endpoint, replay endpoint and publisher options."""
+    import json
+
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise click.UsageError(f"--kv-events-config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise click.UsageError(f"--kv-events-config must be a JSON object, got {text!r}")
+    unknown = sorted(set(config) - _VLLM_EVENT_KEYS)
+    if unknown:
+        raise click.UsageError(f"--kv-events-config: unknown keys {unknown} (vLLM's are {sorted(_VLLM_EVENT_KEYS)})")
+    enabled = config.get("enable_kv_cache_events", False)
+    publisher = config.get("publisher", "zmq" if enabled else "null")
+    if not isinstance(enabled, bool) or publisher not in ("zmq", "null"):
+        raise click.UsageError(
+            f"--kv-events-config: enable_kv_cache_events must be true or false and publisher zmq or null, got {config!r}"
+        )
+    if not enabled or publisher == "null":
+        return endpoint, replay, {}
+    for flag, given, key in (
+        ("--kv-events-endpoint", endpoint, "endpoint"),
+        ("--kv-events-replay-endpoint", replay, "replay_endpoint"),
+    ):
+        if given is not None and key in config and config[key] != given:
+            raise click.UsageError(f"{flag} {given!r} and --kv-events-config's {key} {config[key]!r} disagree")
+    endpoint = endpoint or config.get("endpoint", "tcp://*:5557")  # vLLM's default: bound on every interface
+    replay = replay or config.get("replay_endpoint")
+    extras = {key: config[key] for key in ("topic", "buffer_steps", "hwm") if key in config}
+    if "max_queue_size" in config:
+        _log("--kv-events-config: max_queue_size has no counterpart (events are published after each step)")
+    return endpoint, replay, extras
 
 
 def _events_setup(
@@ -220,10 +363,10 @@ def _events_setup(
     return {"endpoint": endpoint, "replay_endpoint": replay, "curve": curve, "content": content}
 
 
-def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any] | None) -> None:
+def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any] | None, limits: Any) -> None:
     """Serve until interrupted; with an events endpoint, publish the pool's events after every step."""
     if events is None:
-        _run(engine, config, host, port)
+        _run(engine, config, host, port, limits)
         return
     from kvpool.kv_events import EventContent, KVEventPublisher, describe_events
 
@@ -255,7 +398,7 @@ def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any
             if taken:
                 publisher.publish(taken)
 
-        _run(engine, dataclasses.replace(config, kv_events=lambda: where), host, port, hooks=(publish,))
+        _run(engine, dataclasses.replace(config, kv_events=lambda: where), host, port, limits, hooks=(publish,))
     finally:
         publisher.close()
 
@@ -273,15 +416,22 @@ def _start_engine(options: dict[str, Any]) -> Any:
     return engine
 
 
-def _run(engine: Any, config: Any, host: str, port: int, hooks: tuple[Any, ...] = ()) -> None:
+def _run(engine: Any, config: Any, host: str, port: int, limits: Any, hooks: tuple[Any, ...] = ()) -> None:
+    import logging
+
     import uvicorn
 
     from kvpool.serve import build_app
-    from kvpool.serve.connections import ConnectionLimits, uvicorn_config
+    from kvpool.serve.connections import uvicorn_config
+
+    if config.log_requests or config.stats_interval is not None:  # the server's own lines, on stderr
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("INFO %(asctime)s %(message)s", "%H:%M:%S"))
+        logger = logging.getLogger("kvpool.serve")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
     app = build_app(engine, config, hooks=hooks)
     _log(f"serving {config.model_name!r} on http://{host}:{port}/v1")
-    settings = uvicorn_config(
-        app, host=host, port=port, limits=ConnectionLimits(), log_level="warning", access_log=False
-    )
+    settings = uvicorn_config(app, host=host, port=port, limits=limits, log_level="warning", access_log=False)
     uvicorn.Server(settings).run()

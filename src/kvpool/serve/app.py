@@ -214,9 +214,13 @@ class _Server:
         try:
             return json.loads(body)
         except RecursionError:
-            raise APIError(400, "the request body's JSON is nested too deeply", code="invalid_json") from None
+            raise APIError(
+                400, "the request body's JSON is nested too deeply", param="body", code="invalid_json"
+            ) from None
         except ValueError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+            raise APIError(
+                400, f"the request body is not valid JSON: {exc}", param="body", code="invalid_json"
+            ) from None
 
     def check_model(self, gen: GenerationRequest) -> None:
         """The request's ``model`` must be the served one (vLLM's rule: leaving it out means that one)."""

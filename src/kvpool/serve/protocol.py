@@ -108,7 +108,7 @@ def parse_generation(endpoint: Endpoint, body: object) -> GenerationRequest:
     from kvpool.serve.schema import ChatBody, CompletionBody
 
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", "body")
     try:
         if endpoint is Endpoint.CHAT:
             chat = ChatBody.model_validate(body)

@@ -126,7 +126,7 @@ class _Body(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if not isinstance(data, dict):
-            raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+            raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", "body")
         for name, harmless in UNSUPPORTED.items():
             if name in data and not harmless(data[name]):
                 raise bad_request(

@@ -45,7 +45,7 @@ class _Detokenize(BaseModel):
 
 def _validate(model: type[BaseModel], body: object) -> Any:
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", "body")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
