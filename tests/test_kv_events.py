@@ -238,7 +238,12 @@ def test_vllms_own_decoder_reads_kvpools_stream_with_the_same_fields():
 def endpoints() -> tuple[str, str, str, str]:
     """Bind endpoints for a publisher and the addresses its subscribers connect to."""
     pub, replay = free_port(), free_port()
-    return f"bind:tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    return (
+        f"bind:tcp://127.0.0.1:{pub}",
+        f"tcp://127.0.0.1:{replay}",
+        f"tcp://127.0.0.1:{pub}",
+        f"tcp://127.0.0.1:{replay}",
+    )
 
 
 def batch_of(i: int) -> list:
