@@ -9,7 +9,7 @@ usage. The run alternates two kinds of phase on one server:
   key of its own, keeps sending what has hurt servers before: extreme sampling
   values (``temperature`` 1e-300 and the smallest subnormal, tiny ``top_p``,
   huge ``top_k`` and ``seed``), prompts far over the context (1 MiB of text,
-  100,000 token IDs), connections that send half their headers and wait,
+  400,000 characters, 100,000 token IDs), connections that send half their headers and wait,
   streams dropped after the first token, and malformed bodies (JSON nested
   100,000 deep, invalid UTF-8, a truncated body, a prompt that is a mapping,
   ``"n": true``).
@@ -174,6 +174,7 @@ def _bodies() -> list[tuple[str, bytes]]:
     out = [(label, dumps({"model": MODEL, "messages": chat, "max_tokens": 16, **fields})) for label, fields in extreme]
     out += [
         ("1 MiB prompt", dumps({"model": MODEL, "prompt": "lighthouse " * (2**20 // 11), "max_tokens": 4})),
+        ("400k-character prompt", dumps({"model": MODEL, "prompt": "lighthouse " * 40_000, "max_tokens": 4})),
         ("100k token IDs", dumps({"model": MODEL, "prompt": [1000] * 100_000, "max_tokens": 4})),
         ("nested 100k", b'{"model": "x", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
         ("invalid UTF-8", b'{"model": "x", "prompt": "\xff\xfe"}'),

@@ -62,6 +62,8 @@ class FakeReplica:
         self.cached: set[bytes] = set()
         self.served = 0
         self.chunk_delay = 0.0  # seconds between streamed chunks
+        # When set, a stream stops after its first chunk until the event is set (or its client leaves).
+        self.hold_stream: threading.Event | None = None
         self.streams_cut = 0  # streams its client closed before the end
         self.healthy = True  # False: /health answers 503, as a replica that stopped answering in time
         # When set, each generation request is held (after its prompt is counted in ``served``) until the
@@ -148,6 +150,8 @@ class FakeReplica:
                 for part in (self.name, " says", " hi"):
                     yield f"data: {json.dumps({'choices': [{'delta': {'content': part}}]})}\n\n".encode()
                     await asyncio.sleep(self.chunk_delay)
+                    while self.hold_stream is not None and not self.hold_stream.is_set():
+                        await asyncio.sleep(0.01)
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
 

@@ -310,8 +310,9 @@ def test_a_client_gone_mid_stream_closes_the_replica_stream_and_frees_its_slot(r
     router = route(replicas)
     try:
         wait_for(lambda: up(router), "both replicas up")
+        hold = threading.Event()
         for r in replicas:
-            r.chunk_delay = 5.0  # the stream outlasts a starved test thread on a loaded machine
+            r.hold_stream = hold  # the stream stays open after its first chunk, however slow the test thread
         body = {"model": "fake", "messages": [system(3), ask("long answer")], "stream": True}
         with router.client.stream("POST", "/v1/chat/completions", json=body) as response:
             first = next(response.iter_lines())
@@ -319,6 +320,7 @@ def test_a_client_gone_mid_stream_closes_the_replica_stream_and_frees_its_slot(r
             assert sum(r.in_flight for r in router.router.replicas) == 1
         # the client closed its connection after one chunk: the router closes its own to the replica
         wait_for(lambda: sum(r.in_flight for r in router.router.replicas) == 0, "the slot freed")
-        wait_for(lambda: sum(r.streams_cut for r in replicas) == 1, "the replica's stream cut short", timeout=10)
+        wait_for(lambda: sum(r.streams_cut for r in replicas) == 1, "the replica's stream cut short", timeout=30)
+        hold.set()
     finally:
         router.stop()

@@ -214,6 +214,9 @@ def test_verbose_health_is_for_the_loopback_or_an_admin_key(
         assert "index_blocks" in verbose.json() and "events" in verbose.json()
     plain = asyncio.run(get("/health"))
     assert plain.status_code == 200 and "index_blocks" not in plain.json()
+    assert plain.json()["replicas_up"] == 1
+    # the replicas' addresses and last errors are for operators only
+    assert ("replicas" in plain.json()) == (status == 200), plain.json()
 
 
 def test_a_stuck_replica_times_out_and_leaves_rotation(stuck: StuckReplica) -> None:

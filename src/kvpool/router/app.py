@@ -588,19 +588,25 @@ def build_app(router: Router) -> Starlette:
         return await router.forward_get("/v1/models", request.headers.get("authorization"))
 
     async def health(request: Request) -> Response:
+        """Whether a replica is up, for anyone; which replicas, their errors and the figures, for operators."""
         verbose = request.query_params.get("verbose", "0") not in ("", "0", "false")
-        if verbose:
-            try:
-                router.require_operator(request)
-            except APIError as error:
+        try:
+            router.require_operator(request)
+            operator = True
+        except APIError as error:
+            if verbose:
                 return refuse(error)
+            operator = False
         up = sum(r.up for r in router.replicas)
         body: dict[str, Any] = {
             "status": "ok" if up else "no replica up",
             "prefix_routing": router.prefix_routing,
             "prefix_mode": router.prefix_mode_now,
+            "replicas_up": up,
+            "replicas_total": len(router.replicas),
         }
-        body["replicas"] = [r.describe() for r in router.replicas]
+        if operator:  # replica addresses and their last errors say more than a client needs
+            body["replicas"] = [r.describe() for r in router.replicas]
         if verbose:
             body.update(router.figures())
         return JSONResponse(body, status_code=200 if up else 503)
