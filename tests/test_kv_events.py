@@ -420,6 +420,7 @@ def test_describe_events_tells_a_router_everything_it_needs(monkeypatch):
         "data_parallel_rank": 0,
         "content": "full",
         "curve_public_key": None,
+        "num_blocks": None,
         "hash_algorithm": "sha256_cbor",
         "hash_seed": "vllm-default",
         "block_size": 16,

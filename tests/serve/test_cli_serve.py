@@ -38,19 +38,24 @@ def test_serve_process_single_tenant_unisolated_with_kv_events() -> None:
         assert "WARNING: --no-tenant-isolation" in log
         where = httpx.get(f"{server.url}/kv-events", timeout=30).json()
         assert where["enabled"] is True and where["block_size"] == 16
+        assert isinstance(where["num_blocks"], int) and where["num_blocks"] > 0  # no tiers: the pool is all it holds
         port = where["endpoint"].rsplit(":", 1)[1]
-        with KVEventSubscriber(f"tcp://127.0.0.1:{port}") as subscriber:
-            time.sleep(0.5)  # PUB/SUB: a subscription needs a moment before messages reach it
+        replay_port = where["replay_endpoint"].rsplit(":", 1)[1]
+        local, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
+        with KVEventSubscriber(local, replay_endpoint=replay) as subscriber:
             body = {"model": MODEL, "prompt": list(range(1000, 1040)), "max_tokens": 2}
             response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)  # no key: single tenant
             assert response.status_code == 200, response.text
-            stored = []
-            deadline = time.monotonic() + 20
-            while not stored and time.monotonic() < deadline:
-                for item in subscriber.receive(timeout=1.0):
+            # The replay socket holds every batch published, whenever the live subscription started to receive.
+            stored: list[BlockStored] = []
+            deadline = time.monotonic() + 60
+            while not stored:
+                assert time.monotonic() < deadline, "no BlockStored event was published"
+                for item in subscriber.replay(0):
                     if isinstance(item, SequencedBatch):
                         stored += [e for e in item.batch.events if isinstance(e, BlockStored)]
-            assert stored, "no BlockStored event reached the subscriber"
+                if not stored:
+                    time.sleep(0.1)
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
         assert 'vllm:prompt_tokens_total{model_name="smollm2-135m"} 40.0' in metrics
 

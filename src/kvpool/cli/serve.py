@@ -379,6 +379,8 @@ def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any
             topic=publisher.topic,
             content=publisher.content,
             curve_public_key=publisher.curve_public_key,
+            # With KV tiers the replica holds more than its pool, in stores without a block count: say nothing then.
+            num_blocks=engine.num_blocks if engine.kv_tiers is None else None,
         )
         replaying = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
         _log(f"KV events: {publisher.attach.value} {publisher.endpoint}{replaying}")

@@ -495,6 +495,7 @@ def describe_events(
     data_parallel_rank: int = 0,
     content: EventContent = EventContent.FULL,
     curve_public_key: str | None = None,
+    num_blocks: int | None = None,
 ) -> dict[str, object]:
     """What ``GET /kv-events`` answers: where this replica's events are and how its blocks are hashed.
 
@@ -504,7 +505,9 @@ def describe_events(
     ``BlockStored`` carries token IDs and extra keys (``"full"``) or hashes
     only (``"hashes"``); ``curve_public_key`` (Z85), when set, is the key a
     subscriber must name, and a subscriber checks it against keys it trusts
-    rather than believing it.
+    rather than believing it. ``num_blocks``, when given, is the most blocks
+    the replica can hold over all its media: a router keeps no more of its
+    claims than that.
     """
     return {
         "enabled": endpoint is not None,
@@ -515,6 +518,7 @@ def describe_events(
         "data_parallel_rank": data_parallel_rank,
         "content": content.value,
         "curve_public_key": curve_public_key,
+        "num_blocks": num_blocks,
         "hash_algorithm": hasher.algo.value,
         "hash_seed": hasher.seed_name,
         "block_size": hasher.block_size,
