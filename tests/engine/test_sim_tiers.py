@@ -1,9 +1,16 @@
 """The simulator predicts the engine's tier hits: same requests, same pool, same tiers, same tokens per tier.
 
 The engine runs a tiny model with a CPU tier (and a disk tier); the simulator
-replays the same prompts, with the same output lengths, through the same
+replays the same prompts with the engine's output tokens, through the same
 scheduler and the same tier connector with a worker that only keeps time. The
 tokens each tier served must be equal, for both write policies.
+
+The outputs matter: the engine decodes greedily, so a repeated prompt gets the
+same output tokens and the blocks holding them the same hashes, which the CPU
+tier already holds; outputs derived from the request ID would be new keys that
+take host blocks and push another prefix down to disk (under write-back, where
+every evicted block goes down, that moves one 16-token prefix of this sequence
+from the CPU tier to disk).
 """
 
 from __future__ import annotations
@@ -37,15 +44,16 @@ def test_the_simulator_serves_from_each_tier_what_the_engine_does(folder, tmp_pa
     specs = [f"cpu:{24 * BLOCK_BYTES}", f"disk:{tmp_path}:1MiB"]  # 24 host blocks: the CPU tier evicts too
     engine = LLMEngine(folder, **TINY_POOL, kv_tiers=specs, kv_tier_write=write, log=None)
     prompts = request_sequence()
+    outputs = []
     for prompt in prompts:  # one after another, as the trace's arrivals far apart replay them
         rid = engine.add_request(prompt, PARAMS)
-        engine.run_until_done([rid])
+        outputs.append(engine.run_until_done([rid])[rid].output_token_ids)
     engine.kv_tiers.close()
     by_engine = engine.cached_tokens_by_tier
 
     trace = [
-        TraceRequest.create(f"r{i}", 1e6 * i, (TokenSegment.of(prompt),), PARAMS.max_tokens)
-        for i, prompt in enumerate(prompts)
+        TraceRequest.create(f"r{i}", 1e6 * i, (TokenSegment.of(prompt),), len(output), outputs=TokenSegment.of(output))
+        for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True))
     ]
     config = SimulationConfig(
         num_blocks=engine.manager.pool.num_blocks,
@@ -57,15 +65,7 @@ def test_the_simulator_serves_from_each_tier_what_the_engine_does(folder, tmp_pa
         tier_write=write,
     )
     predicted = simulate(trace, config).hit_tokens_by_tier
-    actual = {"gpu": 0, "cpu": 0, "disk": 0} | by_engine
-    if write is WritePolicy.WRITE_THROUGH:
-        assert predicted == actual
-    else:
-        # Write-back: the pool and the tiers together serve the same tokens, but on this sequence one
-        # 16-token prefix is found on disk by the simulator and in the CPU tier by the engine (an open
-        # difference in the CPU tier's LRU order after spills; see docs/tiers.md).
-        assert predicted["gpu"] == actual["gpu"]
-        assert predicted["cpu"] + predicted["disk"] == actual["cpu"] + actual["disk"]
+    assert predicted == {"gpu": 0, "cpu": 0, "disk": 0} | by_engine
     assert by_engine.get("cpu", 0) > 0 and by_engine.get("disk", 0) > 0 and by_engine.get("gpu", 0) > 0
     figures = engine.kv_tier_figures()
     assert sum(f["saved_blocks"] for f in figures.values()) > 0

@@ -287,8 +287,11 @@ class TraceRequest:
     ``output_length`` is how many tokens the simulated model generates;
     ``cache_salt`` / ``lora_name`` are optional extra cache keys; ``follows``
     records the ID of the previous turn this prompt extends (informational; the
-    inherited tokens are already in ``segments``). Invalid values raise
-    :class:`TraceError`.
+    inherited tokens are already in ``segments``); ``outputs``, when given, are
+    the output tokens themselves (``output_length`` of them), for instance what a
+    real engine generated, so that blocks holding output tokens get the same
+    hashes as there (a greedy engine answers a repeated prompt with the same
+    tokens). Invalid values raise :class:`TraceError`.
 
     Memory is O(number of segments); tokens exist only while a caller holds the
     arrays returned by :meth:`prompt_token_ids` / :meth:`output_token_ids`.
@@ -301,6 +304,7 @@ class TraceRequest:
     cache_salt: str | None = None
     lora_name: str | None = None
     follows: str | None = None
+    outputs: TokenSegment | None = None
     prompt_length: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -310,6 +314,13 @@ class TraceRequest:
             raise TraceError(problem, field="arrival_ms")
         object.__setattr__(self, "arrival_ms", float(self.arrival_ms))
         _require_count(self.output_length, "output_length")
+        if self.outputs is not None and (
+            not isinstance(self.outputs, TokenSegment) or self.outputs.length != self.output_length
+        ):
+            raise TraceError(
+                f"must be a TokenSegment of output_length={self.output_length} tokens, got {self.outputs!r}",
+                field="output_token_ids",
+            )
         for name in ("cache_salt", "lora_name", "follows"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -340,13 +351,14 @@ class TraceRequest:
         follows: TraceRequest | None = None,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        outputs: TokenSegment | None = None,
     ) -> TraceRequest:
         """Build a request from its own new segments, optionally extending a turn.
 
         Each ``UniqueSegment(length)`` placeholder becomes owned by this request
         with ``index`` = its position in ``segments``. With ``follows=prev`` the
         prompt is ``prev``'s prompt + ``prev``'s output + ``segments``.
-        O(len(prev.segments) + len(segments)).
+        ``outputs`` are explicit output tokens (see the class). O(len(prev.segments) + len(segments)).
         """
         own: list[Segment] = []
         for i, seg in enumerate(segments):
@@ -355,9 +367,13 @@ class TraceRequest:
             own.append(seg)
         prefix: tuple[Segment, ...] = ()
         if follows is not None:
-            prefix = (*follows.segments, OutputSegment(follows.request_id, follows.output_length))
+            prefix = (*follows.segments, follows.output_segment())
         previous = None if follows is None else follows.request_id
-        return cls(request_id, arrival_ms, (*prefix, *own), output_length, cache_salt, lora_name, previous)
+        return cls(request_id, arrival_ms, (*prefix, *own), output_length, cache_salt, lora_name, previous, outputs)
+
+    def output_segment(self) -> TokenSegment | OutputSegment:
+        """The output as a segment of a later turn's prompt: the explicit tokens, or the derived ones."""
+        return self.outputs if self.outputs is not None else OutputSegment(self.request_id, self.output_length)
 
     @property
     def hash_ids(self) -> tuple[int, ...] | None:
@@ -377,9 +393,9 @@ class TraceRequest:
         """The ``output_length`` tokens the simulated model generates; O(output_length).
 
         Deterministic and derived from ``request_id``, so two requests' outputs
-        never share tokens by accident.
+        never share tokens by accident; or ``outputs`` when given.
         """
-        return OutputSegment(self.request_id, self.output_length).token_ids()
+        return self.output_segment().token_ids()
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,7 +462,7 @@ class _MooncakeParser:
 
 
 _TOKEN_FIELDS = frozenset(
-    {"id", "arrival_ms", "output_length", "prompt_length", "token_ids", "segments"}
+    {"id", "arrival_ms", "output_length", "output_token_ids", "prompt_length", "token_ids", "segments"}
     | {"cache_salt", "lora_name", "follows"}
 )
 
@@ -486,7 +502,12 @@ class _TokenParser:
             segments.extend(self._segment(where, s, i) for i, s in enumerate(obj["segments"]))
         elif prev is None:
             raise where.fail("segments", "is missing (give 'segments' or 'token_ids')")
-        req = TraceRequest.create(rid, arrival, segments, output, follows=prev, cache_salt=salt, lora_name=lora)
+        outputs = (
+            self._tokens(where, obj["output_token_ids"], "output_token_ids") if "output_token_ids" in obj else None
+        )
+        req = TraceRequest.create(
+            rid, arrival, segments, output, follows=prev, cache_salt=salt, lora_name=lora, outputs=outputs
+        )
         if "prompt_length" in obj:
             claimed = where.count(obj, "prompt_length")
             if claimed != req.prompt_length:
@@ -628,9 +649,7 @@ def _request_record(req: TraceRequest, written: dict[str, TraceRequest]) -> dict
     prev = written.get(req.follows) if req.follows is not None else None
     if prev is not None:
         k = len(prev.segments)
-        if req.segments[:k] == prev.segments and req.segments[k : k + 1] == (
-            OutputSegment(prev.request_id, prev.output_length),
-        ):
+        if req.segments[:k] == prev.segments and req.segments[k : k + 1] == (prev.output_segment(),):
             own, follows = req.segments[k + 1 :], prev.request_id
     record: dict[str, Any] = {"id": req.request_id, "arrival_ms": req.arrival_ms}
     for key, value in (("cache_salt", req.cache_salt), ("lora_name", req.lora_name), ("follows", follows)):
@@ -638,6 +657,8 @@ def _request_record(req: TraceRequest, written: dict[str, TraceRequest]) -> dict
             record[key] = value
     record["prompt_length"] = req.prompt_length
     record["output_length"] = req.output_length
+    if req.outputs is not None:
+        record["output_token_ids"] = req.outputs.token_ids().tolist()
     record["segments"] = [_segment_record(s, i, req.request_id) for i, s in enumerate(own)]
     return record
 
