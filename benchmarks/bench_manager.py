@@ -47,8 +47,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -56,7 +59,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+REPO = Path(__file__).resolve().parents[1]
+# A worker process of ``--builds`` imports the build it is given (see ``run_builds``).
+sys.path.insert(0, os.environ.get("KVPOOL_BENCH_PATH") or str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvpool import CapacityError, KVCacheManager, Request  # noqa: E402
@@ -395,13 +400,21 @@ def run_production(args) -> None:
     )
     # Each system once per round, rounds repeated, so load that comes and goes
     # on a shared machine hits both alike.
-    runs: dict[str, list[dict]] = {a.name: [] for a in adapters}
-    for _ in range(args.repeats):
+
+    def one_round(first_build: bool) -> dict[str, dict]:
+        out = {}
         for adapter_type in adapters:
+            if adapter_type is VLLMAdapter and not first_build:
+                continue  # vLLM does not depend on kvpool's build: once per round
             adapter = adapter_type(PRODUCTION_BLOCKS)
             gc.collect()
             t = replay(adapter, conversations, max_running=PRODUCTION_RUNNING)
-            runs[adapter_type.name].append({**phase_totals(t), **summarize(t)})
+            out[adapter_type.name] = {**phase_totals(t), **summarize(t)}
+        return out
+
+    runs = run_builds(args, one_round)
+    if args.worker:
+        return
     rows = []
     for name, results in runs.items():
         result = {k: statistics.median(r[k] for r in results) for k in results[0]}
@@ -426,9 +439,10 @@ def run_production(args) -> None:
     ]
     # The ratio column: the last system's time over kvpool's (SHA-256), as "x times faster".
     names = [n for n, _ in rows]
-    print(f"{'':32}" + "".join(f"{n:>14}" for n in names) + ("       ratio" if len(rows) >= 2 else ""))
+    width = max(14, *(len(n) + 2 for n in names))
+    print(f"{'':32}" + "".join(f"{n:>{width}}" for n in names) + ("       ratio" if len(rows) >= 2 else ""))
     for label, key, fmt in fields:
-        line = f"{label:32}" + "".join(f"{fmt.format(r[key]):>14}" for _, r in rows)
+        line = f"{label:32}" + "".join(f"{fmt.format(r[key]):>{width}}" for _, r in rows)
         if len(rows) >= 2 and key in (
             "hashing",
             "prompt hashing",
@@ -445,14 +459,29 @@ def run_production(args) -> None:
     for name, r in rows:
         lo, hi = r["spread"]
         print(f"{name}: manager + hashing over the {args.repeats} runs: {lo:.3f} .. {hi:.3f} s")
-    if args.fast_hash:
+    by_name = dict(rows)
+    builds = args.builds.split(",")
+    if len(builds) > 1:
+        pure, compiled = by_name[f"kvpool [{builds[0]}]"], by_name[f"kvpool [{builds[1]}]"]
+        print(
+            f"kvpool {builds[1]} / {builds[0]}, manager + hashing: {pure['total'] / compiled['total']:.2f}x as fast "
+            f"(manager {pure['manager'] / compiled['manager']:.2f}x, hashing {pure['hashing'] / compiled['hashing']:.2f}x)"
+        )
+        if args.vs_vllm:
+            vl = by_name["vllm"]
+            for build in builds:
+                kv = by_name[f"kvpool [{build}]"]
+                print(f"kvpool [{build}] / vLLM, manager + hashing: x{vl['total'] / kv['total']:.2f}")
+        for build in builds[1:]:
+            print(f"decisions of kvpool [{build}] identical to those of kvpool [pure]: {same_decisions(args, build)}")
+    elif args.fast_hash:
         sha, fast = rows[0][1], rows[1][1]
         print(
             f"kvpool xxh3_128 / kvpool SHA-256, manager + hashing: {fast['total'] / sha['total']:.2f} of the time "
             f"(hashing {fast['hashing'] / sha['hashing']:.2f}, manager {fast['manager'] / sha['manager']:.2f}); "
             f"token hit rate {fast['hit_rate']:.4f} and {sha['hit_rate']:.4f}"
         )
-    if args.vs_vllm:
+    if args.vs_vllm and len(builds) == 1:
         kv, vl = rows[0][1], rows[-1][1]
         print(
             f"kvpool / vLLM, manager + hashing: x{vl['total'] / kv['total']:.2f} (manager alone x{vl['manager'] / kv['manager']:.2f}, hashing x{vl['hashing'] / kv['hashing']:.2f})"
@@ -557,6 +586,181 @@ def replay_long_prompts(
     return {"ns": ns, "hits": hits, "tokens": tokens, "requests": len(prompts)}
 
 
+def hash_floor(prompts, hash_algo: str = "kvpool_sha256") -> dict:
+    """The hash floor: each prompt's chain of block hashes (kvpool's inputs, the same
+    number of digests), with nothing else: no request, no manager, no index.
+
+    Timed per request as ``replay_long_prompts`` times its phases; the shape of its result.
+    """
+    import hashlib
+
+    from kvpool.hashing import BlockHasher, token_bytes
+
+    hasher = BlockHasher(BLOCK_SIZE, hash_algo)
+    if hash_algo == "xxh3_128":
+        import xxhash
+
+        digest = xxhash.xxh3_128_digest
+    else:
+        sha = hashlib.sha256
+
+        def digest(data: bytes) -> bytes:
+            return sha(data).digest()
+
+    width = 4 * BLOCK_SIZE
+    clock = time.perf_counter_ns
+    total = 0
+    for prompt in prompts:
+        t0 = clock()
+        data = token_bytes(prompt)
+        chained: bytes = hasher.root
+        for off in range(0, len(data) - width + 1, width):
+            chained = digest(chained + data[off : off + width])
+        total += clock() - t0
+    ns = dict.fromkeys(LONG_PROMPT_PHASES, 0)
+    ns["hash"] = total
+    return {"ns": ns, "hits": 0, "tokens": sum(len(p) for p in prompts), "requests": len(prompts)}
+
+
+def long_prompt_round(prompts, floor: bool = True) -> dict[str, dict]:
+    """One run of each kvpool hash on the replay, then (``floor``) the hash floor of each."""
+    out = {}
+    for algo in ("kvpool_sha256", "xxh3_128"):
+        gc.collect()
+        out[f"kvpool {algo}"] = replay_long_prompts(prompts, algo)
+    if floor:  # the floor is the same code in either build: measured in the first
+        for algo in ("kvpool_sha256", "xxh3_128"):
+            gc.collect()
+            out[f"hash floor {algo}"] = hash_floor(prompts, algo)
+    return out
+
+
+def print_floor_ratios(rows: list[tuple[str, dict]]) -> None:
+    """Each kvpool row's total against the hash floor of its algorithm."""
+    floors = {name.removeprefix("hash floor ").split(" ")[0]: r for name, r in rows if name.startswith("hash floor")}
+    for name, r in rows:
+        if name.startswith("hash floor"):
+            continue
+        for algo, f in floors.items():
+            if f" {algo}" in name:
+                print(f"{name}: {r['total_ns'] / f['total_ns']:.2f}x its hash floor")
+
+
+# -- builds: the same benchmark against the pure-Python and the compiled core ----------
+
+#: Where ``--builds compiled`` looks for the compiled core by default, and how to put it there.
+COMPILED_PATH = REPO / ".kvpool-compiled"
+COMPILE_COMMAND = "KVPOOL_COMPILE=1 pip install --no-deps --no-build-isolation --target .kvpool-compiled ."
+
+
+def add_build_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--builds",
+        default="pure",
+        help="kvpool builds to run side by side, comma-separated: pure (src/), compiled (--compiled-path)",
+    )
+    parser.add_argument(
+        "--compiled-path",
+        default=str(COMPILED_PATH),
+        help=f"a directory holding the compiled kvpool package (made by: {COMPILE_COMMAND})",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--first-build", action="store_true", help=argparse.SUPPRESS)
+
+
+def build_paths(args) -> dict[str, str]:
+    """``{build: directory that holds its kvpool package}``, checked."""
+    paths = {}
+    for build in args.builds.split(","):
+        if build == "pure":
+            paths[build] = str(REPO / "src")
+        elif build == "compiled":
+            path = Path(args.compiled_path)
+            if not any(path.glob("kvpool/*.so")):
+                raise SystemExit(f"no compiled kvpool under {path}; from the repository root: {COMPILE_COMMAND}")
+            paths[build] = str(path)
+        else:
+            raise SystemExit(f"--builds takes pure and compiled, got {build!r}")
+    return paths
+
+
+def run_builds(args, one_round) -> dict[str, list[dict]]:
+    """``args.repeats`` rounds of ``one_round(first_build)``, each build once per round.
+
+    One build (not a worker's): rounds run in this process. Several: each
+    round of each build runs in a worker process that imports that build
+    (``KVPOOL_BENCH_PATH``) and prints its results as JSON; names get the
+    build in brackets. A worker checks that it imported the build it was
+    asked for. Alternating builds within a round spreads a shared machine's
+    changing load over both.
+    """
+    import kvpool
+
+    if args.worker:
+        expected = os.environ.get("KVPOOL_BENCH_BUILD", kvpool.BUILD)
+        if kvpool.BUILD != expected:
+            raise SystemExit(f"worker imported the {kvpool.BUILD} build from {kvpool.__file__}, not {expected}")
+        print(json.dumps(one_round(args.first_build)))
+        return {}
+    paths = build_paths(args)
+    runs: dict[str, list[dict]] = {}
+    if len(paths) == 1 and next(iter(paths)) == kvpool.BUILD:
+        for _ in range(args.repeats):
+            for name, result in one_round(True).items():
+                runs.setdefault(name, []).append(result)
+        return runs
+    for _ in range(args.repeats):
+        for i, (build, path) in enumerate(paths.items()):
+            for label, result in run_worker(sys.argv[1:], build, path, first_build=i == 0).items():
+                runs.setdefault(label, []).append(result)
+    return runs
+
+
+def run_worker(argv: list[str], build: str, path: str, first_build: bool) -> dict[str, dict]:
+    """One round of this benchmark (``argv``: its arguments) in a process that imports ``build`` from ``path``.
+
+    Results are named as the round names them, kvpool's with ``[build]`` added.
+    """
+    argv = [a for a in argv if a != "--first-build"]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--repeats", "1", "--worker"]
+    if first_build:
+        cmd.append("--first-build")
+    env = {**os.environ, "KVPOOL_BENCH_PATH": path, "KVPOOL_BENCH_BUILD": build}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the {build} worker failed:\n{done.stderr[-3000:]}")
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        (name if name.startswith(("hash floor", "vllm")) else f"{name} [{build}]"): result
+        for name, result in results.items()
+    }
+
+
+def same_decisions(args, build: str) -> bool:
+    """Whether kvpool's ``build`` makes, on the production mix, the decisions the pure build makes (in a worker)."""
+    path = build_paths(args)[build]
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); sys.path.insert(1, sys.argv[2]);"
+        "import bench_manager as b;"
+        "t = b.replay(b.KVPoolAdapter(b.PRODUCTION_BLOCKS), b.make_workload(int(sys.argv[3]), int(sys.argv[4]),"
+        " salted_fraction=b.PRODUCTION_SALTED), record=True, max_running=b.PRODUCTION_RUNNING);"
+        "print(json.dumps(t.decisions))"
+    )
+    here = str(Path(__file__).resolve().parent)
+    decisions = []
+    for p in (str(REPO / "src"), path):
+        env = {**os.environ, "KVPOOL_BENCH_PATH": p}
+        done = subprocess.run(
+            [sys.executable, "-c", code, p, here, str(args.requests), str(args.seed)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        decisions.append(done.stdout.strip().splitlines()[-1])
+    return decisions[0] == decisions[1]
+
+
 def median_runs(runs: list[dict]) -> dict:
     """Per-phase medians over runs of ``replay_long_prompts``-shaped results."""
     out = dict(runs[0])
@@ -589,13 +793,17 @@ def run_long_prompts(args) -> None:
         f"{LONG_PROMPT_CACHE_TOKENS:,} tokens ({LONG_PROMPT_CACHE_TOKENS // BLOCK_SIZE:,} blocks of {BLOCK_SIZE}); "
         f"medians of {args.repeats} runs"
     )
-    runs: dict[str, list[dict]] = {"kvpool_sha256": [], "xxh3_128": []}
-    for _ in range(args.repeats):
-        for algo, results in runs.items():
-            gc.collect()
-            results.append(replay_long_prompts(prompts, algo))
-    rows = [(f"kvpool {algo}", median_runs(results)) for algo, results in runs.items()]
+
+    def one_round(first_build: bool) -> dict[str, dict]:
+        return long_prompt_round(prompts, floor=first_build)
+
+    runs = run_builds(args, one_round)
+    if args.worker:
+        return
+    rows = [(name, median_runs(results)) for name, results in runs.items()]
+    rows.sort(key=lambda row: row[0].startswith("hash floor"))  # the floors last
     print_phase_table(rows)
+    print_floor_ratios(rows)
     if args.profile:
         profile(lambda: replay_long_prompts(prompts, "kvpool_sha256"), args.profile)
 
@@ -614,7 +822,10 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="also profile one kvpool run; print the top N functions"
     )
+    add_build_arguments(parser)
     args = parser.parse_args()
+    if args.builds != "pure" and args.workload == "default":
+        parser.error("--builds applies to the production and long-prompts workloads")
     if args.workload == "production":
         return run_production(args)
     if args.workload == "long-prompts":

@@ -97,10 +97,14 @@ from bench_manager import (  # noqa: E402
     BLOCK_SIZE,
     DEFAULT_TRACE,
     LONG_PROMPT_CACHE_TOKENS,
+    add_build_arguments,
+    build_paths,
     load_long_prompts,
     median_runs,
+    print_floor_ratios,
     print_phase_table,
     replay_long_prompts,
+    run_worker,
 )
 
 # -- stand-ins for SGLang's GPU-only imports ------------------------------------------
@@ -312,7 +316,9 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="1,16", help="SGLang page sizes, comma-separated")
     parser.add_argument("--no-sglang", action="store_true", help="kvpool only")
     parser.add_argument("--no-xxh3", action="store_true", help="skip kvpool with xxh3_128")
+    add_build_arguments(parser)
     args = parser.parse_args()
+    paths = build_paths(args)
 
     prompts = load_long_prompts(Path(args.trace), args.requests)
     num_tokens = sum(len(p) for p in prompts)
@@ -327,6 +333,12 @@ def main() -> None:
         (f"kvpool {algo} (block {BLOCK_SIZE})", lambda algo=algo: replay_long_prompts(prompts, algo))
         for algo in ("kvpool_sha256",) + (() if args.no_xxh3 else ("xxh3_128",))
     ]
+    # With --builds, kvpool runs in worker processes of bench_manager.py (one per build
+    # per round; each also measures the hash floor once), SGLang in this one.
+    by_builds = args.builds != "pure"
+    worker_argv = ["--workload", "long-prompts", "--requests", str(args.requests), "--trace", args.trace]
+    if by_builds:
+        systems = []
     if not args.no_sglang:
         sgl = import_sglang()
         import sglang
@@ -338,13 +350,18 @@ def main() -> None:
                 systems.append(
                     (label, lambda ps=page_size, pa=page_alloc: replay_sglang(sgl, q_prompts, ps, page_alloc=pa))
                 )
-    runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
+    runs: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
+        if by_builds:
+            for i, (build, path) in enumerate(paths.items()):
+                for name, result in run_worker(worker_argv, build, path, first_build=i == 0).items():
+                    runs.setdefault(name, []).append(result)
         for name, run in systems:
             gc.collect()
-            runs[name].append(run())
-    rows = [(name, median_runs(runs[name])) for name, _ in systems]
+            runs.setdefault(name, []).append(run())
+    rows = [(name, median_runs(results)) for name, results in runs.items()]
     print_phase_table(rows)
+    print_floor_ratios(rows)
     base = rows[0][1]["total_ns"]
     for name, r in rows[1:]:
         print(f"{name}: {r['total_ns'] / base:.2f}x the time of {rows[0][0]}")

@@ -12,6 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvpool"
 # First path component under kvpool/ (module or package) -> layer.
 LAYERS = {
     "errors": 0,
+    "build_info": 0,  # which build of the core runs (pure Python or compiled)
     "checks": 1,
     "secret_files": 1,  # the one reader and rule of secret files (tenancy and tier signatures ask it)
     "hashing": 2,
@@ -45,6 +46,7 @@ LAYERS = {
     "serve": 12.5,  # the OpenAI-compatible HTTP server over the engine
     "router": 12.7,  # kvpool route: the prefix-aware front door over serve replicas (torch-free)
     "cli": 13,
+    "integrations": 13,  # kvpool inside other servers (vLLM's KV connector); each imports its server only itself
     "__init__": 14,  # the package facade re-exports the core
 }
 TORCH_FREE_BELOW = 12

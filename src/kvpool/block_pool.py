@@ -87,7 +87,7 @@ class BlockPool:
         self.blocks: list[KVBlock] = [self.null_block]
         self.free_queue = free_queue_factory(self.blocks, num_blocks)
         index_type = VerifiedPrefixIndex if verify_content else PrefixIndex
-        self.indexes: tuple[PrefixIndex | VerifiedPrefixIndex, ...] = tuple(index_type() for _ in range(num_groups))
+        self.indexes: tuple[PrefixIndex, ...] = tuple(index_type() for _ in range(num_groups))
         self.enable_caching = enable_caching
         self.events: list[KVCacheEvent] | None = [] if enable_events else None
         #: Per group, its layer kind and sliding window, for stored-block events (set by the manager).

@@ -26,6 +26,8 @@ blocks it has not handed out yet.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from kvpool.block import KVBlock
 from kvpool.linked_blocks import FreeList
 
@@ -51,11 +53,15 @@ class FreeBlockQueue(FreeList):
 
     __slots__ = ()
 
-    take = FreeList.popleft_n
+    def take(self, n: int) -> list[KVBlock]:
+        """Alias of :meth:`popleft_n`."""
+        return self.popleft_n(n)
 
     def release(self, reuse_first: list[KVBlock], reuse_last: list[KVBlock]) -> None:
         """Return freed blocks: ``reuse_first`` (uncached) to the front, ``reuse_last`` (cached) to the back."""
         self.prepend_n(reuse_first)
         self.append_n(reuse_last)
 
-    materialised_free_blocks = FreeList.__iter__
+    def materialised_free_blocks(self) -> Iterator[KVBlock]:
+        """The blocks that have records, front to back (the never-used range is skipped)."""
+        return iter(self)

@@ -534,7 +534,8 @@ def to_token_array(token_ids: Iterable[int], what: str) -> array[int]:
     return tokens
 
 
-def _describe_bad_token(token_ids: Iterable[int], what: str) -> str:
+def _describe_bad_token(token_ids: Iterable[object], what: str) -> str:
+    # Items are objects, not ints: a compiled build would otherwise turn True into 1 as it reads them.
     try:
         items = list(token_ids)
     except TypeError:
@@ -542,8 +543,7 @@ def _describe_bad_token(token_ids: Iterable[int], what: str) -> str:
     for i, t in enumerate(items):
         if not hasattr(t, "__index__") or isinstance(t, bool):
             return f"{what}[{i}] = {t!r} is not an integer token ID"
-        if not isinstance(t, int):
-            t = t.__index__()
-        if not 0 <= int(t) < TOKEN_LIMIT:
-            return f"{what}[{i}] = {int(t)} is out of range: token IDs must be in [0, 2**32)"
+        value = t if isinstance(t, int) else t.__index__()
+        if not 0 <= int(value) < TOKEN_LIMIT:
+            return f"{what}[{i}] = {int(value)} is out of range: token IDs must be in [0, 2**32)"
     return f"{what} holds an invalid token ID"

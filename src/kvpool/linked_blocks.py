@@ -40,20 +40,6 @@ _SENTINEL_ID = -1
 _NEVER_USED_ID = -2
 
 
-class _Head(KVBlock):
-    """The front sentinel: something always follows it (a block or the tail)."""
-
-    __slots__ = ()
-    next_free: KVBlock
-
-
-class _Tail(KVBlock):
-    """The back sentinel: something always precedes it (a block or the head)."""
-
-    __slots__ = ()
-    prev_free: KVBlock
-
-
 class FreeList:
     """A doubly linked list of free blocks between two sentinels.
 
@@ -84,8 +70,10 @@ class FreeList:
         self._blocks = blocks
         self._next_fresh = len(blocks)
         self._end = num_blocks
-        head = self.head = _Head(_SENTINEL_ID)
-        tail = self.tail = _Tail(_SENTINEL_ID)
+        # Sentinels are plain records: something always follows the head and precedes the tail,
+        # so their links are never None once set (the reads below say so to the type checker).
+        head = self.head = KVBlock(_SENTINEL_ID)
+        tail = self.tail = KVBlock(_SENTINEL_ID)
         self._fresh = KVBlock(_NEVER_USED_ID)
         self.num_free_blocks = num_blocks - self._next_fresh
         if self.num_free_blocks > 0:
@@ -103,7 +91,7 @@ class FreeList:
     def append(self, block: KVBlock) -> None:
         """Put one block at the back. O(1)."""
         tail = self.tail
-        prev = tail.prev_free
+        prev: KVBlock = tail.prev_free  # type: ignore[assignment]  # a sentinel always has a neighbour
         prev.next_free = block
         block.prev_free = prev
         block.next_free = tail
@@ -115,7 +103,7 @@ class FreeList:
         if not blocks:
             return
         tail = self.tail
-        prev = tail.prev_free
+        prev: KVBlock = tail.prev_free  # type: ignore[assignment]  # a sentinel always has a neighbour
         for block in blocks:
             prev.next_free = block
             block.prev_free = prev
@@ -129,7 +117,7 @@ class FreeList:
         if not blocks:
             return
         head = self.head
-        first = head.next_free
+        first: KVBlock = head.next_free  # type: ignore[assignment]  # a sentinel always has a neighbour
         prev: KVBlock = head
         for block in blocks:
             prev.next_free = block
@@ -168,7 +156,7 @@ class FreeList:
         out: list[KVBlock] = []
         append = out.append
         head, fresh = self.head, self._fresh
-        node = head.next_free
+        node: KVBlock = head.next_free  # type: ignore[assignment]  # a sentinel always has a neighbour
         while len(out) < n:
             # A run of linked blocks, up to the never-used marker...
             for _ in repeat(None, n - len(out)):
@@ -204,7 +192,7 @@ class FreeList:
         range must use :meth:`popleft_n`: the marker has no key.
         """
         head, tail = self.head, self.tail
-        node = head.next_free
+        node: KVBlock = head.next_free  # type: ignore[assignment]  # a sentinel always has a neighbour
         taken = 0
         while taken < n and node is not tail and keys[node.block_id] <= last_key:
             nxt = node.next_free
@@ -222,7 +210,7 @@ class FreeList:
     def __iter__(self) -> Iterator[KVBlock]:
         """The blocks that have records, front to back (skips the never-used range)."""
         tail, fresh = self.tail, self._fresh
-        node = self.head.next_free
+        node: KVBlock = self.head.next_free  # type: ignore[assignment]  # a sentinel always has a neighbour
         while node is not tail:
             if node is not fresh:
                 yield node
@@ -234,7 +222,7 @@ class FreeList:
     def block_ids(self) -> Iterator[int]:
         """Every block ID in the list, front to back, never-used ones included. O(n)."""
         tail, fresh = self.tail, self._fresh
-        node = self.head.next_free
+        node: KVBlock = self.head.next_free  # type: ignore[assignment]  # a sentinel always has a neighbour
         while node is not tail:
             if node is fresh:
                 yield from range(self._next_fresh, self._end)

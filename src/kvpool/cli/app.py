@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from kvpool.build_info import build
 from kvpool.cli.params import BAD_INPUT, ENVIRONMENT
 
 
@@ -32,7 +33,7 @@ class _Commands(click.Group):
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="kvpool")
+@click.version_option(package_name="kvpool", message=f"%(prog)s, version %(version)s ({build()} build)")
 def cli() -> None:
     """kvpool: a paged KV cache manager for LLM inference."""
 

@@ -295,7 +295,7 @@ class FrequencyAgedQueue:
         best_v = second_v = -1
         for c in range(self._k):
             lst = lists[c]
-            head = lst.head.next_free
+            head: KVBlock = lst.head.next_free  # type: ignore[assignment]  # a sentinel always has a neighbour
             if head is lst.tail:
                 continue
             v = (clock - stamp[head.block_id]) * mult[c]
