@@ -22,9 +22,22 @@ def _extra() -> list[str]:
     return [MYPYC_REQUIREMENT] if os.environ.get("KVPOOL_COMPILE", "").strip() == "1" else []
 
 
+def _without_extensions(hook: Any, config_settings: dict[str, Any] | None) -> list[str]:
+    """Run setuptools' hook, which runs setup.py, with setup.py told not to reach for mypyc (not installed yet)."""
+    os.environ[LISTING_REQUIREMENTS] = "1"
+    try:
+        return list(hook(config_settings))
+    finally:
+        del os.environ[LISTING_REQUIREMENTS]
+
+
+#: Set while setuptools runs setup.py only to list build requirements.
+LISTING_REQUIREMENTS = "KVPOOL_LISTING_BUILD_REQUIREMENTS"
+
+
 def get_requires_for_build_wheel(config_settings: dict[str, Any] | None = None) -> list[str]:
-    return _setuptools.get_requires_for_build_wheel(config_settings) + _extra()
+    return _without_extensions(_setuptools.get_requires_for_build_wheel, config_settings) + _extra()
 
 
 def get_requires_for_build_editable(config_settings: dict[str, Any] | None = None) -> list[str]:
-    return _setuptools.get_requires_for_build_editable(config_settings) + _extra()
+    return _without_extensions(_setuptools.get_requires_for_build_editable, config_settings) + _extra()
