@@ -1,35 +1,56 @@
-"""Exceptions raised by kvpool.
+"""Exceptions raised by kvpool, rooted by who is at fault.
 
-kvpool reports trouble in three tiers:
+An expected shortage is not an exception: ``allocate_slots`` returns ``None``
+when the free blocks cannot cover a step, and the caller preempts or waits.
+Every exception kvpool defines sits under one of five roots, each naming who
+is at fault:
 
-1. An expected shortage is not an exception. ``allocate_slots`` returns
-   ``None`` when the free blocks cannot cover a step; the caller preempts or
-   waits.
-2. Caller misuse raises a :class:`KVPoolError`, a ``ValueError`` subclass whose
-   message names the offending value. Nothing has changed when it is raised:
-   the pool's invariants hold afterwards.
-3. Internal corruption raises :class:`InvariantViolation`. Its message says it
-   is a bug in kvpool; the pool should not be used any further.
+1. **The caller** (:class:`KVPoolError`, a ``ValueError``): a Python caller
+   passed a wrong value or made a call the state forbids. The message names
+   the value; nothing has changed when it is raised, and the pool's
+   invariants hold afterwards.
+2. **Data from outside** (:class:`ExternalDataError`, a ``ValueError`` too,
+   but not a ``KVPoolError``): bytes that came from another process or a file
+   are malformed or must not be trusted (a tier entry, a KV event message, a
+   trace). The caller did nothing wrong: a tier turns a bad entry into a miss,
+   an event subscriber skips the message, a command reports the file and line.
+   It stays a ``ValueError`` as Python's own decoders' errors do
+   (``json.JSONDecodeError``, ``UnicodeDecodeError``), so ``except ValueError``
+   still catches every bad input, and ``except KVPoolError`` only misuse.
+3. **The service** (:class:`ServiceError`, a ``RuntimeError``): the server is
+   overloaded or stopped, or refuses a remote client's request with an HTTP
+   error (``APIError``, whose status says whose fault it is: 4xx the client's,
+   429 and 5xx the server's). Retrying later may succeed.
+4. **One request in the engine** (:class:`RequestFailed`, a ``RuntimeError``):
+   its logits could not be sampled, or the forward pass raised on its chunk
+   alone. It is not raised: the engine hands the request back finished,
+   carrying it, and every other request goes on.
+5. **kvpool itself** (:class:`InvariantViolation`, an ``AssertionError``):
+   internal bookkeeping is inconsistent. Its message says it is a bug; the
+   pool should not be used any further.
 
-Besides these, one request can fail while it is being served (its logits
-cannot be sampled, or the forward pass raises on its chunk alone). That is
-not raised: the engine hands the request back finished, carrying a
-:class:`RequestFailed` that names it and the cause, and every other request
-goes on.
-
-::
+The tree (``tests/test_errors_tree.py`` checks that it lists every exception
+class of the package, under its real base)::
 
     ValueError
-     └── KVPoolError
-          ├── ConfigError            bad construction argument (block_size, algo, ...)
-          ├── InvalidTokenError      a token ID that is not an integer in [0, 2**32)
-          ├── RequestStateError      a call that contradicts the request's state
-          │    └── ReadOnlyFieldError   assigning a field fixed at construction (also an AttributeError)
-          └── CapacityError          a request that can never fit: pool or max_model_len
-    AssertionError
-     └── InvariantViolation          kvpool's own bookkeeping is inconsistent (a bug)
+     ├── KVPoolError                  the caller: a wrong value or call
+     │    ├── ConfigError             bad construction argument (block_size, algo, ...)
+     │    ├── InvalidTokenError       a token ID that is not an integer in [0, 2**32)
+     │    ├── RequestStateError       a call that contradicts the request's state
+     │    │    └── ReadOnlyFieldError    assigning a field fixed at construction (also an AttributeError)
+     │    └── CapacityError           a request that can never fit: pool or max_model_len
+     └── ExternalDataError            data from outside: malformed or untrusted
+          ├── CorruptEntry            a KV tier entry (kvpool.tiers.entry); its kind says why
+          ├── EventStreamError        a KV event message (kvpool.kv_events.wire)
+          └── TraceError              a trace file or record (kvpool.sim.traces)
     RuntimeError
-     └── RequestFailed               one request could not be served (carried by its output, not raised)
+     ├── ServiceError                 the service: overloaded, stopped, or refusing
+     │    ├── QueueFull               the waiting queue is full (kvpool.serve.engine_loop)
+     │    ├── EngineStopped           the engine thread has stopped (kvpool.serve.engine_loop)
+     │    └── APIError                an HTTP refusal with its status (kvpool.serve.errors)
+     └── RequestFailed                one request failed in the engine (carried by its output, not raised)
+    AssertionError
+     └── InvariantViolation           kvpool's own bookkeeping is inconsistent (a bug)
 """
 
 from __future__ import annotations
@@ -38,11 +59,13 @@ __all__ = [
     "CapacityError",
     "ReadOnlyFieldError",
     "ConfigError",
+    "ExternalDataError",
     "InvalidTokenError",
     "InvariantViolation",
     "KVPoolError",
     "RequestFailed",
     "RequestStateError",
+    "ServiceError",
 ]
 
 
@@ -71,6 +94,14 @@ class ReadOnlyFieldError(RequestStateError, AttributeError):
 
 class CapacityError(KVPoolError):
     """A request can never fit: more blocks than the whole pool holds, or more tokens than ``max_model_len``."""
+
+
+class ExternalDataError(ValueError):
+    """Data from outside the process (a tier entry, an event message, a trace) is malformed or untrusted."""
+
+
+class ServiceError(RuntimeError):
+    """The service cannot serve now: it is overloaded, stopped, or refuses the request (retry may succeed)."""
 
 
 class InvariantViolation(AssertionError):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import ExternalDataError, KVPoolError
 from kvpool.sim.traces import (
     MAX_HASH_ID,
     HashBlockSegment,
@@ -157,7 +157,7 @@ def test_bad_mooncake_lines_name_file_line_and_field(
     with pytest.raises(TraceError) as info:
         load_trace(path, "mooncake")
     err = info.value
-    assert isinstance(err, KVPoolError) and isinstance(err, ValueError)
+    assert isinstance(err, ExternalDataError) and isinstance(err, ValueError) and not isinstance(err, KVPoolError)
     assert (err.file, err.line, err.field) == ("conversation.jsonl", lineno, field)
     assert str(err).startswith(f"conversation.jsonl line {lineno}: ")
     if field is not None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import ConfigError, KVPoolError
+from kvpool.errors import ConfigError, ExternalDataError, KVPoolError
 from kvpool.secret_files import MIN_SECRET_BYTES
 from kvpool.tiers import CorruptEntry, CorruptKind, EntryCodec
 from tests.tiers.conftest import LAYOUT, block_key
@@ -110,8 +110,8 @@ def test_unsigned_and_wrongly_signed(codec, signed_codec):
     assert codec.decode(KEY, signed_codec.encode(KEY, b"p")) == b"p"
 
 
-def test_corrupt_entry_is_a_kvpool_error():
-    assert issubclass(CorruptEntry, KVPoolError)
+def test_corrupt_entry_is_bad_data_from_outside_not_caller_misuse():
+    assert issubclass(CorruptEntry, ExternalDataError) and not issubclass(CorruptEntry, KVPoolError)
 
 
 def test_fingerprint_digest_is_stable_and_distinct():

@@ -21,7 +21,7 @@ from typing import Any, NoReturn, ParamSpec
 
 import click
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import ExternalDataError, KVPoolError
 
 P = ParamSpec("P")
 
@@ -66,14 +66,14 @@ def fail(command: str, message: str, status: int = BAD_INPUT) -> NoReturn:
 
 
 def reports_errors(command: str) -> Callable[[Callable[P, None]], Callable[P, None]]:
-    """Wrap a command's body so that a ``KVPoolError`` it raises is one line naming the command (exit status 2)."""
+    """Wrap a command's body: a ``KVPoolError`` or ``ExternalDataError`` it raises is one line naming it (status 2)."""
 
     def wrap(body: Callable[P, None]) -> Callable[P, None]:
         @functools.wraps(body)
         def run(*args: P.args, **kwargs: P.kwargs) -> None:
             try:
                 body(*args, **kwargs)
-            except KVPoolError as exc:
+            except (KVPoolError, ExternalDataError) as exc:  # bad input, from the flags or from a file
                 fail(command, str(exc))
 
         return run

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from kvpool.errors import ConfigError, KVPoolError
+from kvpool.errors import ConfigError, ExternalDataError
 from kvpool.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.hashing import BlockHash, ExtraKey
 
@@ -38,7 +38,7 @@ _WIRE_KIND = {"chunked_local": "chunked_local_attention", "mla": "mla_attention"
 _KIND_FROM_WIRE = {wire: kind for kind, wire in _WIRE_KIND.items()}
 
 
-class EventStreamError(KVPoolError):
+class EventStreamError(ExternalDataError):
     """A message on the event stream is not a vLLM-format KV event batch (bad data from the publisher)."""
 
 

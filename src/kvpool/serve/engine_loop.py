@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvpool.errors import RequestStateError
+from kvpool.errors import RequestStateError, ServiceError
 
 if TYPE_CHECKING:
     from kvpool.engine.llm_engine import LLMEngine
@@ -56,7 +56,7 @@ StepHook = Callable[["LLMEngine", "Sequence[RequestDelta]"], None]
 StreamItem = "RequestDelta | BaseException"
 
 
-class QueueFull(Exception):
+class QueueFull(ServiceError):
     """The waiting queue holds ``max_waiting`` requests: come back later."""
 
     def __init__(self, max_waiting: int) -> None:
@@ -64,7 +64,7 @@ class QueueFull(Exception):
         self.max_waiting = max_waiting
 
 
-class EngineStopped(Exception):
+class EngineStopped(ServiceError):
     """The engine thread has stopped; no request is served any more."""
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvpool.errors import ServiceError
+
 __all__ = ["APIError", "bad_request", "error_body", "error_type"]
 
 _TYPES = {
@@ -32,7 +34,7 @@ def error_type(status: int) -> str:
     return _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
 
 
-class APIError(Exception):
+class APIError(ServiceError):
     """A refused request: its HTTP status and the OpenAI-style error it is answered with."""
 
     def __init__(

@@ -32,7 +32,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any, TypeAlias, cast
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import ExternalDataError
 from kvpool.hashing import TOKEN_LIMIT, TOKEN_TYPECODE
 from kvpool.specs import cdiv
 
@@ -63,7 +63,7 @@ MAX_REQUEST_TOKENS = 2**24
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-class TraceError(KVPoolError):
+class TraceError(ExternalDataError):
     """A trace file or a trace request is malformed.
 
     ``file``, ``line`` and ``field`` (each may be ``None``) locate the problem;

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 from kvpool.checks import check_int
-from kvpool.errors import ConfigError, KVPoolError
+from kvpool.errors import ConfigError, ExternalDataError
 from kvpool.hashing import HashAlgo
 from kvpool.secret_files import check_secret
 from kvpool.specs import KVDtype
@@ -75,7 +75,7 @@ class CorruptKind(Enum):
     BAD_SIGNATURE = "bad signature"  # an HMAC made with another secret, or a changed header
 
 
-class CorruptEntry(KVPoolError):
+class CorruptEntry(ExternalDataError):
     """An entry that must not be used; ``kind`` says why. Stores turn it into a counted miss."""
 
     def __init__(self, kind: CorruptKind, detail: str) -> None:
