@@ -1,13 +1,18 @@
-"""``kvpool simulate``: replay a trace through the real manager and scheduler."""
+"""``kvpool simulate``: replay a trace through the real manager and scheduler.
+
+The command maps its flags onto :class:`kvpool.sim.options.SimulateOptions`
+(which checks them), reads the trace once (:func:`kvpool.sim.study.load_requests`),
+runs the study (:func:`kvpool.sim.study.run_study`) and prints, plots or
+writes as JSON the report it gets back.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import sys
-from collections.abc import Callable
-from dataclasses import replace
-from itertools import islice
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,30 +27,12 @@ from kvpool.cli.params import (
     reports_errors,
     require_extra,
 )
-from kvpool.errors import KVPoolError
 from kvpool.hashing import HashAlgo
 from kvpool.routing import Routing
 
 if TYPE_CHECKING:
-    from kvpool.sim.simulator import SimulationConfig, SimulationResult
-    from kvpool.sim.sizing import SizingResult
-    from kvpool.sim.traces import TraceRequest
-    from kvpool.sim.transfers import TierLink
-    from kvpool.tiers.store import TierTarget
-
-SYNTHETIC_PREFIX = "synthetic:"
-SYNTHETIC_REQUESTS = 500
-
-
-def _load(trace: str, requests: int | None, seed: int) -> list[TraceRequest]:
-    if trace.startswith(SYNTHETIC_PREFIX):
-        from kvpool.sim.workloads import generate_workload
-
-        count = SYNTHETIC_REQUESTS if requests is None else requests
-        return generate_workload(trace[len(SYNTHETIC_PREFIX) :], num_requests=count, seed=seed)
-    from kvpool.sim.traces import iter_trace
-
-    return list(islice(iter_trace(trace), requests))  # reads no further than the requests replayed
+    from kvpool.sim.simulator import SimulationResult
+    from kvpool.sim.study import CurveResult, StudyReport
 
 
 def _plot_folder(plot_dir: Path, flag: str) -> None:
@@ -55,21 +42,6 @@ def _plot_folder(plot_dir: Path, flag: str) -> None:
         plot_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         fail("simulate", f"{flag} {str(plot_dir)!r} cannot be created: {exc.strerror or exc}")
-
-
-def _num_blocks(kv_blocks: int | None, kv_memory: str | None, model: str | None, block_size: int) -> int:
-    if kv_blocks is not None:
-        return kv_blocks + 1  # plus the null block
-    if kv_memory is None or model is None:
-        raise KVPoolError("give --kv-blocks N, or --kv-memory SIZE with --model CONFIG")
-    from kvpool.planner import parse_size
-
-    budget = parse_size(kv_memory, field="--kv-memory")
-    block_bytes = _block_bytes(model, block_size)
-    blocks = budget // block_bytes
-    if blocks < 2:
-        raise KVPoolError(f"--kv-memory {kv_memory} holds {blocks} blocks of {block_bytes:,} B for {model}")
-    return blocks
 
 
 class Duration(FiniteFloatRange):
@@ -97,73 +69,6 @@ class Duration(FiniteFloatRange):
 
 
 PERCENTILE = FiniteFloatRange(min=0, max=100, min_open=True, max_open=True)
-
-
-def _kind_values(flag: str, items: tuple[str, ...], kinds: set[str]) -> dict[str, float]:
-    """``("cpu=25", ...)`` as ``{"cpu": 25.0}``: a configured tier kind, a finite number > 0 (latency: >= 0)."""
-    values: dict[str, float] = {}
-    for item in items:
-        kind, sep, number = item.partition("=")
-        kind = kind.strip()
-        try:
-            value = float(number) if sep else math.nan
-        except ValueError:
-            value = math.nan
-        floor_ok = value >= 0 if flag == "--tier-latency" else value > 0
-        if not (math.isfinite(value) and floor_ok):
-            bound = ">= 0" if flag == "--tier-latency" else "> 0"
-            raise KVPoolError(f"{flag} {item!r}: give KIND=NUMBER with a finite number {bound}, e.g. cpu=25")
-        if kind not in kinds:
-            raise KVPoolError(f"{flag} {item!r}: no --tier of kind {kind!r} is given")
-        values[kind] = value
-    return values
-
-
-def _tiers(
-    tier: tuple[str, ...], bandwidths: tuple[str, ...], latencies: tuple[str, ...]
-) -> tuple[tuple[TierTarget, ...], dict[Any, TierLink]]:
-    """The tier specs (the engine's grammar, parsed once) and each kind's link, defaults overridden by the flags."""
-    from kvpool.sim.transfers import DEFAULT_LINKS, TierLink
-    from kvpool.tiers.store import parse_specs
-
-    targets = parse_specs(tier)
-    kinds = {t.kind.value for t in targets}
-    bandwidth = _kind_values("--tier-bandwidth", bandwidths, kinds)
-    latency = _kind_values("--tier-latency", latencies, kinds)
-    links = {}
-    for target in targets:
-        default = DEFAULT_LINKS[target.kind]
-        name = target.kind.value
-        links[target.kind] = TierLink(
-            bandwidth_bytes_per_s=bandwidth[name] * 1e9 if name in bandwidth else default.bandwidth_bytes_per_s,
-            latency_s=latency[name] / 1e6 if name in latency else default.latency_s,
-        )
-    return targets, links
-
-
-def _block_bytes(model: str, block_size: int) -> int:
-    """Bytes of one pool block of ``model`` (every layer group) at ``block_size``."""
-    from kvpool.model_config import load_model_config
-    from kvpool.model_layers import layer_specs_from_config
-    from kvpool.specs import group_layers, pool_block_bytes
-
-    return pool_block_bytes(group_layers(layer_specs_from_config(load_model_config(model), block_size=block_size)))
-
-
-def _kv_bytes_per_token(model: str | None, block_size: int) -> int | None:
-    """KV bytes per token of ``model`` (all layers), or None without a model."""
-    return None if model is None else max(1, _block_bytes(model, block_size) // block_size)
-
-
-def _deltas(update: Callable[[int], object]) -> Callable[[int], None]:
-    """Turn a running count into the increments a progress bar wants."""
-    done = [0]
-
-    def report(total: int) -> None:
-        update(total - done[0])
-        done[0] = total
-
-    return report
 
 
 def _percent(x: float) -> str:
@@ -237,6 +142,22 @@ def _print_table(result: SimulationResult, label: str) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"  {key:<{width}}  {value}")
+
+
+def _progress(show: bool) -> Any:
+    """The study's progress as click bars on stderr (hidden with --json) and sizing lines on stderr."""
+    from kvpool.sim.study import Progress
+
+    class Bars(Progress):
+        @contextlib.contextmanager
+        def bar(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
+            with click.progressbar(length=total, label=label, file=sys.stderr, hidden=not show) as bar:
+                yield bar.update
+
+        def note(self, text: str) -> None:
+            click.echo(text, err=True)
+
+    return Bars()
 
 
 @click.command()
@@ -401,7 +322,8 @@ def simulate(
     searches for the fewest replicas that meet it. --curve needs numpy, and
     --plot-dir and --plot matplotlib (the sim extra).
     """
-    from kvpool.sim.simulator import CostModel, SimulationConfig, policy_factory
+    from kvpool.sim.options import SimulateOptions
+    from kvpool.sim.study import load_requests, run_study
 
     if curve is not None:
         require_extra("simulate", "sim", "numpy")
@@ -409,147 +331,105 @@ def simulate(
         _plot_folder(plot_dir, "--plot-dir")
     if plot_path is not None:
         _plot_folder(plot_path.parent, "--plot")
-    from kvpool.tiers.spec import WritePolicy
-
-    tiers, links = _tiers(tier_flags, tier_bandwidth, tier_latency)
-    write = WritePolicy.parse(tier_write)
-    rules = [Routing(r) for r in dict.fromkeys(routing_rules)] or (
-        list(Routing) if replicas > 1 or ttft_slo is not None else [Routing.PREFIX]
+    options = SimulateOptions(
+        trace=trace,
+        kv_blocks=kv_blocks,
+        kv_memory=kv_memory,
+        model=model,
+        block_size=block_size,
+        policy=policy,
+        sequential=sequential,
+        requests=max_requests,
+        seed=seed,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        step_overhead_ms=step_overhead_ms,
+        prefill_us_per_token=prefill_us_per_token,
+        decode_us_per_seq=decode_us_per_seq,
+        tier=tier_flags,
+        kv_tier_write=tier_write,  # type: ignore[arg-type]  # a name: SimulateOptions parses it
+        tier_bandwidth=tier_bandwidth,
+        tier_latency=tier_latency,
+        kv_bytes_per_token=kv_bytes_per_token,
+        replicas=replicas,
+        routing=tuple(Routing(r) for r in routing_rules),
+        ttft_slo=ttft_slo,
+        ttft_slo_percentile=ttft_slo_percentile,
+        max_replicas=max_replicas,
+        hash_algo=hash_algo,
+        curve=curve or (),  # type: ignore[arg-type]  # "100,200": SimulateOptions parses it
+        curve_policies=tuple(p.strip() for p in curve_policies.split(",") if p.strip()),
+        lookahead=lookahead,
     )
-    if ttft_slo is not None and replicas > 1:
-        raise KVPoolError(f"--ttft-slo searches for the number of replicas; drop --replicas {replicas}")
-    if sequential and (replicas > 1 or routing_rules or ttft_slo is not None or tiers):
-        raise KVPoolError(
-            "--sequential replays one pool alone; drop it to use --tier, --replicas, --routing or --ttft-slo"
-        )
-    requests = _load(trace, max_requests, seed)
-    if not requests:
-        raise KVPoolError(f"trace {trace} holds no requests")
-    curve_only = curve is not None and kv_blocks is None and kv_memory is None
-    num_blocks = 0 if curve_only else _num_blocks(kv_blocks, kv_memory, model, block_size)
-    policy_factory(policy)  # an unknown name fails before any work
-    label = f"{trace}: {len(requests):,} requests"
     show = not as_json
-    output: dict[str, Any] = {"trace": trace, "requests": len(requests)}
-    if kv_bytes_per_token is None:
-        kv_bytes_per_token = _kv_bytes_per_token(model, block_size)
-    cost = CostModel(
-        step_overhead_s=step_overhead_ms / 1e3,
-        prefill_s_per_token=prefill_us_per_token / 1e6,
-        decode_s_per_seq=decode_us_per_seq / 1e6,
-        **({} if kv_bytes_per_token is None else {"kv_bytes_per_token": kv_bytes_per_token}),
-    )
-    if tiers:
-        output["tiers"] = _describe_tiers(tiers, links, write, cost, block_size, show)
+    requests = load_requests(options)
+    report = run_study(options, requests, _progress(show))
+    label = f"{trace}: {len(requests):,} requests"
+    output = _render(report, label, show)
+    if report.results:
+        _plots(report.results[options.rules[0]], plot_dir, plot_path, label, output, show)
+    if report.curve is not None:
+        output["curve"] = _render_curve(report.curve, plot_dir, label, show)
+    if as_json:
+        click.echo(json.dumps({"trace": trace, **output}, indent=2))
 
-    if curve_only:
-        pass
-    elif sequential:
-        from kvpool.sim.sequential import replay_sequential
 
-        with click.progressbar(length=len(requests), label="replaying", file=sys.stderr, hidden=not show) as bar:
-            seq_result = replay_sequential(
-                requests,
-                num_blocks - 1,
-                block_size=block_size,
-                policy=policy,
-                hash_algo=hash_algo,
-                lookahead=lookahead,
-                progress=_deltas(bar.update),
-            )
-        from dataclasses import asdict
-
+def _render(report: StudyReport, label: str, show: bool) -> dict[str, Any]:
+    """The report as the JSON object's figures; printed as tables unless ``show`` is off."""
+    output: dict[str, Any] = {"requests": report.requests}
+    if report.tiers:
+        output["tiers"] = report.tiers
+        if show:
+            _print_tiers(report.tiers)
+    if report.sequential is not None:
+        seq = report.sequential
         output["sequential"] = {
-            **asdict(seq_result),
-            "token_hit_rate": seq_result.token_hit_rate,
-            "block_hit_rate": seq_result.block_hit_rate,
+            **asdict(seq),
+            "token_hit_rate": seq.token_hit_rate,
+            "block_hit_rate": seq.block_hit_rate,
         }
         if show:
             click.echo(f"{label} (sequential)")
             for key, value in output["sequential"].items():
                 click.echo(f"  {key:<22} {value}")
-    else:
-        config = SimulationConfig(
-            num_blocks=num_blocks,
-            block_size=block_size,
-            policy=policy,
-            hash_algo=hash_algo,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            cost=cost,
-            tiers=tiers,
-            tier_write=write,
-            tier_links=links,
-            replicas=replicas,
-            routing=rules[0],
-        )
-        if ttft_slo is not None:
-            output["sizing"] = _size(requests, config, rules, ttft_slo, ttft_slo_percentile, max_replicas, show)
-        else:
-            results = {rule: _replay(requests, replace(config, routing=rule), show) for rule in rules}
-            first = results[rules[0]]
-            output["simulation"] = first.to_dict()
-            if len(results) > 1:
-                output["routing"] = {rule.value: r.to_dict() for rule, r in results.items()}
-            if show:
-                for result in results.values():
-                    _print_table(result, label)
-                if len(results) > 1:
-                    _print_routing(results)
-            _plots(first, plot_dir, plot_path, label, output, show)
-
-    if curve:
-        output["curve"] = _curve(
-            requests, curve, curve_policies, block_size, hash_algo, lookahead, plot_dir, label, show
-        )
-
-    if as_json:
-        click.echo(json.dumps(output, indent=2))
-
-
-def _replay(requests: list[TraceRequest], config: SimulationConfig, show: bool) -> SimulationResult:
-    from kvpool.sim.simulator import simulate as run_simulation
-
-    label = "replaying" if config.replicas == 1 else f"replaying ({config.routing.value}, {config.replicas} replicas)"
-    with click.progressbar(length=len(requests), label=label, file=sys.stderr, hidden=not show) as bar:
-        return run_simulation(requests, config, progress=bar.update)
-
-
-def _describe_tiers(
-    tiers: tuple[TierTarget, ...], links: dict[Any, TierLink], write: Any, cost: Any, block_size: int, show: bool
-) -> list[dict[str, Any]]:
-    from kvpool.sim.transfers import capacity_blocks
-    from kvpool.tiers.spec import TierKind
-
-    block_bytes = block_size * cost.kv_bytes_per_token
-    recompute = block_size * cost.prefill_s_per_token
-    described = []
-    for target in tiers:
-        link = links[target.kind]
-        blocks = capacity_blocks(target, block_bytes)
-        shared = target.kind is TierKind.REDIS
-        load = link.seconds(1, block_bytes)
-        described.append(
-            {
-                "kind": target.kind.value,
-                "capacity_blocks": blocks,
-                "write": write.value,
-                "bandwidth_gb_per_s": link.bandwidth_bytes_per_s / 1e9,
-                "latency_us": link.latency_s * 1e6,
-                "shared": shared,
-                "load_ms_per_block": load * 1e3,
-                "recompute_ms_per_block": recompute * 1e3,
-            }
-        )
+    if report.sizing is not None:
+        output["sizing"] = {name: asdict(answer) for name, answer in report.sizing.items()}
         if show:
-            verdict = "faster" if load < recompute else "SLOWER"
-            size = "unbounded" if blocks is None else f"{blocks:,} blocks"
-            click.echo(
-                f"tier {target.kind.value} ({write.value}): {size}{' (shared by every replica)' if shared else ''}, "
-                f"{link.bandwidth_bytes_per_s / 1e9:g} GB/s, {link.latency_s * 1e6:g} us; loading a block takes "
-                f"{load * 1e3:.2f} ms, {verdict} than recomputing it ({recompute * 1e3:.2f} ms)"
-            )
-    return described
+            _print_sizing(report)
+    if report.results:
+        results = report.results
+        output["simulation"] = next(iter(results.values())).to_dict()
+        if len(results) > 1:
+            output["routing"] = {rule.value: r.to_dict() for rule, r in results.items()}
+        if show:
+            for result in results.values():
+                _print_table(result, label)
+            if len(results) > 1:
+                _print_routing(results)
+    return output
+
+
+def _print_tiers(tiers: list[dict[str, Any]]) -> None:
+    for tier in tiers:
+        load, recompute = tier["load_ms_per_block"], tier["recompute_ms_per_block"]
+        blocks = tier["capacity_blocks"]
+        verdict = "faster" if load < recompute else "SLOWER"
+        size = "unbounded" if blocks is None else f"{blocks:,} blocks"
+        click.echo(
+            f"tier {tier['kind']} ({tier['write']}): {size}{' (shared by every replica)' if tier['shared'] else ''}, "
+            f"{tier['bandwidth_gb_per_s']:g} GB/s, {tier['latency_us']:g} us; loading a block takes "
+            f"{load:.2f} ms, {verdict} than recomputing it ({recompute:.2f} ms)"
+        )
+
+
+def _print_sizing(report: StudyReport) -> None:
+    assert report.sizing is not None
+    first = next(iter(report.sizing.values()))  # every rule is sized against the same objective
+    click.echo(f"fewest replicas with p{first.percentile:g} time to first token <= {first.slo_s:g} s")
+    for name, answer in report.sizing.items():
+        found = f"{answer.replicas}" if answer.replicas is not None else f"none up to {answer.max_replicas}"
+        tried = ", ".join(f"{n}: {t:.2f} s" for n, t in answer.ttft_by_replicas.items())
+        click.echo(f"  {name:<14}{found:>8}   (tried {tried})")
 
 
 def _print_routing(results: dict[Routing, SimulationResult]) -> None:
@@ -568,49 +448,6 @@ def _print_routing(results: dict[Routing, SimulationResult]) -> None:
             f"prefill tokens computed x{prefix.prefill_tokens_computed / max(rr.prefill_tokens_computed, 1):.3f}, "
             f"TTFT p50 x{prefix.ttft_p50_s / rr.ttft_p50_s if rr.ttft_p50_s else float('nan'):.3f}"
         )
-
-
-def _size(
-    requests: list[TraceRequest],
-    config: SimulationConfig,
-    rules: list[Routing],
-    slo: float,
-    percentile: float,
-    max_replicas: int,
-    show: bool,
-) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    from kvpool.sim.simulator import ttft_quantile
-    from kvpool.sim.sizing import fewest_replicas
-
-    answers: dict[str, SizingResult] = {}
-    for rule in rules:
-
-        def run(c: SimulationConfig) -> SimulationResult:
-            result = _replay(requests, c, show)
-            click.echo(
-                f"sizing {c.routing.value}: {c.replicas} replicas -> p{percentile:g} TTFT "
-                f"{ttft_quantile(result, percentile):.3f} s{' (overloaded)' if result.overloaded else ''}",
-                err=True,
-            )
-            return result
-
-        answers[rule.value] = fewest_replicas(
-            requests,
-            replace(config, routing=rule),
-            slo_s=slo,
-            percentile=percentile,
-            max_replicas=max_replicas,
-            run=run,
-        )
-    if show:
-        click.echo(f"fewest replicas with p{percentile:g} time to first token <= {slo:g} s")
-        for name, answer in answers.items():
-            found = f"{answer.replicas}" if answer.replicas is not None else f"none up to {max_replicas}"
-            tried = ", ".join(f"{n}: {t:.2f} s" for n, t in answer.ttft_by_replicas.items())
-            click.echo(f"  {name:<14}{found:>8}   (tried {tried})")
-    return {name: asdict(answer) for name, answer in answers.items()}
 
 
 def _plots(
@@ -633,52 +470,19 @@ def _plots(
             click.echo(f"  timeline plot          {', '.join(str(p) for p in targets)}")
 
 
-def _curve(
-    requests: list[TraceRequest],
-    curve: str,
-    curve_policies: str,
-    block_size: int,
-    hash_algo: str,
-    lookahead: int,
-    plot_dir: Path | None,
-    label: str,
-    show: bool,
-) -> dict[str, Any]:
-    from kvpool.sim.optimum import optimal_hit_rate
-    from kvpool.sim.sequential import replay_sequential
-
-    try:
-        sizes = [int(x) for x in curve.split(",") if x.strip()]
-    except ValueError:
-        raise KVPoolError(f"--curve must be comma-separated integers, got {curve!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise KVPoolError(f"--curve sizes must be positive, got {curve!r}")
-    policies = [p.strip() for p in curve_policies.split(",") if p.strip()]
-    rates: dict[str, list[float]] = {p: [] for p in policies}
-    rates["optimum"] = []
-    total = len(sizes) * (len(policies) + 1)
-    with click.progressbar(length=total, label="hit-rate curve", file=sys.stderr, hidden=not show) as bar:
-        for size in sizes:
-            for p in policies:
-                rates[p].append(
-                    replay_sequential(
-                        requests, size, block_size=block_size, policy=p, hash_algo=hash_algo, lookahead=lookahead
-                    ).token_hit_rate
-                )
-                bar.update(1)
-            rates["optimum"].append(optimal_hit_rate(requests, size, block_size).token_hit_rate)
-            bar.update(1)
+def _render_curve(curve: CurveResult, plot_dir: Path | None, label: str, show: bool) -> dict[str, Any]:
+    rates = curve.token_hit_rate
     if show:
         click.echo("hit-rate curve (sequential model, token hit rate)")
         click.echo("  " + f"{'blocks':>10}" + "".join(f"{name:>12}" for name in rates))
-        for i, size in enumerate(sizes):
+        for i, size in enumerate(curve.sizes):
             click.echo("  " + f"{size:>10,}" + "".join(f"{_percent(r[i]):>12}" for r in rates.values()))
-    result: dict[str, Any] = {"sizes": sizes, "lookahead": lookahead, "token_hit_rate": rates}
+    result = curve.to_dict()
     if plot_dir is not None:
         from kvpool.sim.plots import plot_hit_rate_curve
 
         path = plot_hit_rate_curve(
-            sizes, rates, plot_dir / "hit_rate_curve.png", title=f"Hit rate vs cache size, {label}"
+            list(curve.sizes), rates, plot_dir / "hit_rate_curve.png", title=f"Hit rate vs cache size, {label}"
         )
         result["plot"] = str(path)
         if show:
