@@ -78,6 +78,10 @@ log = logging.getLogger("kvpool.route")
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"})
 # Request headers passed on to the replica.
 _FORWARDED = ("authorization", "content-type", "accept")
+# A request body past this many bytes is tokenized and hashed on a worker thread (the tokenizer
+# lets go of the GIL), so a long prompt does not hold up the streams the event loop is relaying;
+# below it the thread hop would cost more than the work (a few microseconds per hundred bytes).
+OFF_LOOP_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -565,7 +569,10 @@ def build_app(router: Router) -> Starlette:
                 raise APIError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
             parsed = parse_generation(endpoint, payload)
             try:
-                keys = router.prompt_keys(parsed, tenant)
+                if len(body) > OFF_LOOP_BYTES:
+                    keys = await asyncio.to_thread(router.prompt_keys, parsed, tenant)
+                else:
+                    keys = router.prompt_keys(parsed, tenant)
             except Exception as exc:  # noqa: BLE001 - the hashes are a hint: without them, route by load
                 # (the replica that takes the request reports what is wrong with it, if anything is)
                 log.warning("routing by load: the prompt could not be hashed: %r", exc)

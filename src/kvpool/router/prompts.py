@@ -12,6 +12,15 @@ light ``route`` extra only (``tokenizers`` and ``jinja2``; never torch nor trans
 * a chat's rendered text is encoded without adding special tokens (the template wrote
   them); a text completion is encoded with them, as vLLM and ``kvpool serve`` do.
 
+A conversation comes back with every turn, so most of a chat's text was encoded before.
+The tokenizer cuts a text at its added tokens (``<|im_start|>``...) before anything
+else and encodes the pieces between them one by one, so a piece's tokens do not depend
+on its neighbours; the router keeps the tokens of recent pieces (:class:`PieceCache`,
+bounded in characters) and encodes only the new ones. It does so only where that cut is
+exact: no added token strips the whitespace beside it or must stand as a whole word,
+and none is matched after a normalizer. The first chats are also encoded whole and
+compared; a difference turns the piece cache off for good, with a warning.
+
 Asking a replica to tokenize would cost a round trip on every request and load the
 replicas the router is trying to spare; the tokenizer loads once, in the background,
 and until it has, requests are routed by load alone.
@@ -23,7 +32,11 @@ router's hashes for a tenant are the replica's hashes for that tenant.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -32,7 +45,12 @@ from typing import Any, Protocol
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash, BlockHasher
 
-__all__ = ["PromptTokenizer", "Tokenizer", "block_hashes", "missing_packages"]
+__all__ = ["PieceCache", "PromptTokenizer", "Tokenizer", "block_hashes", "missing_packages"]
+
+log = logging.getLogger("kvpool.route")
+
+#: Chats encoded both ways (by pieces and whole) and compared before the pieces are trusted alone.
+CHECKED_CHATS = 16
 
 #: What prefix routing imports to tokenize prompts (the ``route`` extra brings both).
 PACKAGES = ("tokenizers", "jinja2")
@@ -66,23 +84,73 @@ def _special(config: dict[str, Any], name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class PieceCache:
+    """Token IDs of text pieces, the least recently used dropped first once ``max_chars`` characters are kept.
+
+    ``get`` and ``put`` are O(1) (plus hashing the piece) and safe from several threads (a
+    long prompt is tokenized off the event loop); a piece longer than ``max_chars`` is never kept.
+    """
+
+    __slots__ = ("max_chars", "chars", "_entries", "_lock")
+
+    def __init__(self, max_chars: int) -> None:
+        if type(max_chars) is not int or max_chars < 1:
+            raise ConfigError(f"max_chars must be an integer >= 1, got {max_chars!r}")
+        self.max_chars = max_chars
+        self.chars = 0
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, piece: str) -> list[int] | None:
+        with self._lock:
+            ids = self._entries.get(piece)
+            if ids is not None:
+                self._entries.move_to_end(piece)
+            return ids
+
+    def put(self, piece: str, ids: list[int]) -> None:
+        with self._lock:
+            if len(piece) > self.max_chars or piece in self._entries:
+                return
+            self._entries[piece] = ids
+            self.chars += len(piece)
+            while self.chars > self.max_chars:
+                old, _ = self._entries.popitem(last=False)
+                self.chars -= len(old)
+
+
 class PromptTokenizer:
     """The model's tokenizer and chat template, read from a model folder on first use.
 
     Construction checks only that the folder holds ``tokenizer.json``; :meth:`load`
     reads it and finds the chat template, raising :class:`ConfigError` naming the file
-    that is missing or unreadable.
+    that is missing or unreadable. ``piece_chars``: the characters of chat text whose
+    tokens are kept for the next turns (0: every chat is encoded whole).
     """
 
-    __slots__ = ("folder", "_tokenizer", "_template", "_specials")
+    __slots__ = ("folder", "_tokenizer", "_template", "_specials", "_cut", "_added", "_pieces", "_checks_left")
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], *, piece_chars: int = 8 * 2**20) -> None:
         self.folder = Path(folder)
         if not (self.folder / "tokenizer.json").is_file():
             raise ConfigError(f"{os.fspath(folder)!r} holds no tokenizer (tokenizer.json is missing)")
+        if type(piece_chars) is not int or piece_chars < 0:
+            raise ConfigError(f"piece_chars must be an integer >= 0, got {piece_chars!r}")
         self._tokenizer: Any = None
         self._template: Any = None
         self._specials: dict[str, str] = {}
+        self._cut: re.Pattern[str] | None = None  # splits a text at its added tokens (None: encode it whole)
+        self._added: dict[str, int] = {}
+        self._pieces = PieceCache(piece_chars) if piece_chars else None
+        self._checks_left = CHECKED_CHATS
+
+    @property
+    def by_pieces(self) -> bool:
+        """Whether chats are encoded piece by piece, with the pieces' tokens kept."""
+        return self._cut is not None and self._pieces is not None
 
     @property
     def loaded(self) -> bool:
@@ -127,6 +195,7 @@ class PromptTokenizer:
         except Exception as exc:  # noqa: BLE001 - tokenizers raises its own Exception type
             raise ConfigError(f"cannot read {os.fspath(self.folder / 'tokenizer.json')!r}: {exc}") from None
         self._template = template
+        self._cut, self._added = _added_token_cut(tokenizer)
         self._tokenizer = tokenizer
 
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -135,12 +204,57 @@ class PromptTokenizer:
         if self._template is None:
             raise ConfigError(f"the model folder {os.fspath(self.folder)!r} has no chat template")
         text = self._template.render(messages=list(messages), add_generation_prompt=True, **self._specials)
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        if not self.by_pieces:
+            return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        tokens = self._encode_pieces(text)
+        if self._checks_left > 0:
+            self._checks_left -= 1
+            whole = list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+            if whole != tokens:
+                log.warning("this tokenizer's pieces do not add up to its whole encoding: chats are encoded whole")
+                self._cut = None
+                return whole
+        return tokens
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        """``text``'s tokens: each added token's ID, each piece between them from the cache or encoded now."""
+        assert self._cut is not None and self._pieces is not None
+        tokens: list[int] = []
+        cache = self._pieces
+        for i, piece in enumerate(self._cut.split(text)):
+            if i % 2:  # the split keeps its separators at odd places: an added token
+                tokens.append(self._added[piece])
+            elif piece:
+                ids = cache.get(piece)
+                if ids is None:
+                    ids = list(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+                    cache.put(piece, ids)
+                tokens += ids
+        return tokens
 
     def text_tokens(self, prompt: str) -> list[int]:
         """A text completion's prompt, with the tokenizer's own special tokens as the engine adds them."""
         self.load()
         return list(self._tokenizer.encode(prompt, add_special_tokens=True).ids)
+
+
+def _added_token_cut(tokenizer: Any) -> tuple[re.Pattern[str] | None, dict[str, int]]:
+    """A pattern that cuts a text where ``tokenizer`` cuts it before encoding, and the added tokens' IDs.
+
+    (None, {}) where the cut would not be exact: an added token that takes the whitespace
+    beside it, or must stand as a word, or is matched on normalized text behind a normalizer.
+    """
+    added = tokenizer.get_added_tokens_decoder()
+    has_normalizer = tokenizer.normalizer is not None
+    for token in added.values():
+        if token.lstrip or token.rstrip or token.single_word or (token.normalized and has_normalizer):
+            return None, {}
+    ids = {token.content: token_id for token_id, token in added.items() if token.content}
+    if not ids:
+        return None, {}
+    # the longest first: at one place, the tokenizer takes the longest added token that matches
+    pattern = "|".join(re.escape(content) for content in sorted(ids, key=len, reverse=True))
+    return re.compile(f"({pattern})"), ids
 
 
 def _raise_exception(message: str) -> None:

@@ -56,6 +56,9 @@ class HashCheck:
 
     def verify(self, held: Callable[[BlockHash], bool], stored: int) -> HashVerdict:
         """Look the pending first blocks up (``held``: in the replica's entries); ``stored``: blocks its events stored."""
+        if self.matched:  # settled: nothing left to look up
+            self.pending.clear()
+            return HashVerdict.MATCHING
         if self.pending and any(held(h) for h in self.pending):
             self.matched += 1
             self.pending.clear()
