@@ -31,6 +31,16 @@ wall time).
     python benchmarks/bench_route.py --index --redis redis://127.0.0.1:6379/0
     python benchmarks/bench_route.py --fleet
     python benchmarks/bench_route.py --vllm
+
+``--overhead``: the router's own cost per request. A trivial upstream (``--upstream``: a
+process that answers every chat request at once, streamed as vLLM streams it, usage last)
+is asked directly and through ``kvpool route --routing precise`` (the real model's
+tokenizer and chat template, sha256 blocks of 128 tokens) and ``--routing round-robin``
+(no tokenizing), ``--requests`` times each, the three interleaved; a ~720-token chat.
+Reported: median and p90 time to first byte and to the stream's end, and the router's
+median overhead over the direct path.
+
+    python benchmarks/bench_route.py --overhead --requests 400
 """
 
 from __future__ import annotations
@@ -395,6 +405,143 @@ class _VLLMRun:
         )
 
 
+# -- the router's own cost -------------------------------------------------------------------
+
+
+def serve_upstream(port: int, events_port: int) -> None:
+    """A replica that costs nothing: every chat request answered at once, streamed as vLLM streams it."""
+    import json
+
+    import uvicorn
+    import zmq
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    publisher = zmq.Context().socket(zmq.PUB)  # described with events, so the router runs in precise mode
+    publisher.bind(f"tcp://127.0.0.1:{events_port}")
+    pieces = [f"word{i} " for i in range(8)]
+    usage = {"prompt_tokens": 700, "completion_tokens": 8, "total_tokens": 708,
+             "prompt_tokens_details": {"cached_tokens": 640}}  # fmt: skip
+
+    def sse(payload: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    async def chat(request: Request) -> Response:
+        body = json.loads(await request.body())
+        base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
+        if not body.get("stream"):
+            answer = {**base, "object": "chat.completion", "usage": usage,
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(pieces)}}]}  # fmt: skip
+            return JSONResponse(answer)
+
+        async def chunks() -> Any:
+            yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            for piece in pieces:
+                yield sse({**base, "choices": [{"index": 0, "delta": {"content": piece}}]})
+            yield sse({**base, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def health(request: Request) -> Response:
+        return Response(b"")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/health", health)])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def _overhead_chat() -> list[dict[str, str]]:
+    messages = [_vllm_system(9, 0), {"role": "user", "content": "Hello."}]
+    for turn in range(6):
+        answer = "Sure, here is a short answer about the point you raised. " * 3
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And point {turn}?"}]
+    return messages
+
+
+def _timed_stream(client: Any, url: str, body: dict[str, Any]) -> tuple[float, float]:
+    """(seconds to the first content byte, seconds to the stream's end) of one streamed request."""
+    t0 = time.perf_counter()
+    first = None
+    with client.stream("POST", url, json=body) as reply:
+        reply.raise_for_status()
+        for chunk in reply.iter_raw():
+            if first is None and b'"content": "word' in chunk:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - t0, end - t0
+
+
+def run_overhead(args: argparse.Namespace) -> None:
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vllm_fleet
+
+    model = vllm_fleet.model_folder()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-route-overhead-"))
+    port, events_port = _free_port(), _free_port()
+    processes = []
+    with open(tmp / "upstream.log", "wb") as out:
+        upstream = [sys.executable, __file__, "--upstream", str(port), str(events_port)]
+        processes.append(subprocess.Popen(upstream, stdout=out, stderr=subprocess.STDOUT))
+    spec = f"http://127.0.0.1:{port},events=tcp://127.0.0.1:{events_port},block-size=128,hash=sha256"
+    targets = {"direct": f"http://127.0.0.1:{port}"}
+    try:
+        for routing in ("precise", "round-robin"):
+            router_port = _free_port()
+            cmd = ["route", "--port", str(router_port), "--routing", routing, "--model", str(model), "--replica", spec]
+            if args.profile and routing == "precise":
+                (tmp / "route.py").write_text("from kvpool.cli import main\n\nmain()\n")
+                cmd = ["-m", "cProfile", "-o", str(args.profile), str(tmp / "route.py"), *cmd]
+                with open(tmp / "router-precise.log", "wb") as out:
+                    processes.append(subprocess.Popen([sys.executable, *cmd], stdout=out, stderr=subprocess.STDOUT))
+            else:
+                processes.append(_kvpool(cmd, tmp / f"router-{routing}.log"))
+            targets[f"kvpool route {routing}"] = f"http://127.0.0.1:{router_port}"
+        _wait(targets["direct"] + "/health", lambda r: r.status_code == 200, "the upstream", 60)
+        for name, base in targets.items():
+            if name != "direct":
+                ready = "precise" if "precise" in name else "load only"
+                _wait(base + "/health", lambda r, m=ready: r.json().get("prefix_mode") == m, name, 120)
+        body = {"model": str(model), "messages": _overhead_chat(), "max_tokens": 8, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
+        with httpx.Client(timeout=30) as client:
+            for base in targets.values():  # warm: connections opened, the tokenizer's first calls made
+                for _ in range(20):
+                    _timed_stream(client, base + "/v1/chat/completions", body)
+            for _ in range(args.requests):
+                for name, base in targets.items():
+                    times[name].append(_timed_stream(client, base + "/v1/chat/completions", body))
+        load = os.getloadavg()[0]
+        print(f"{args.requests} streamed chat requests per path, interleaved; load average {load:.1f}")
+        print("| path | first byte p50 | p90 | stream end p50 | p90 | overhead (end, p50) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        direct_end = statistics.median(t[1] for t in times["direct"])
+        for name, pairs in times.items():
+            first = sorted(t[0] for t in pairs)
+            end = sorted(t[1] for t in pairs)
+            p90 = int(0.9 * (len(end) - 1))
+            extra = statistics.median(end) - direct_end
+            print(
+                f"| {name} | {statistics.median(first) * 1e3:.2f} ms | {first[p90] * 1e3:.2f} ms | "
+                f"{statistics.median(end) * 1e3:.2f} ms | {end[p90] * 1e3:.2f} ms | "
+                f"{'' if name == 'direct' else f'{extra * 1e3:+.2f} ms'} |"
+            )
+    finally:
+        for p in processes:
+            # SIGINT: uvicorn passes it on as KeyboardInterrupt once it has shut down, and cProfile
+            # writes its file on the way out (SIGTERM, passed on, would end the process first)
+            p.send_signal(signal.SIGINT)
+        for p in processes:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--index", action="store_true", help="time the block index")
@@ -408,11 +555,20 @@ def main() -> None:
     parser.add_argument("--vllm-router", default="/root/.venvs/vllm-router/bin/vllm-router")
     parser.add_argument("--sglang-router", default="/root/.venvs/sglang-router/bin/sglang-router")
     parser.add_argument("--rules", nargs="+", default=["prefix", "round-robin"])
+    parser.add_argument("--overhead", action="store_true", help="the router's own cost per request")
+    parser.add_argument("--requests", type=int, default=300, help="--overhead: requests per path")
+    parser.add_argument("--profile", default=None, help="--overhead: write the precise router's cProfile here")
+    parser.add_argument("--upstream", nargs=2, type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--conversations", type=int, default=5)
     parser.add_argument("--turns", type=int, default=3)
     args = parser.parse_args()
-    if not (args.index or args.fleet or args.vllm):
-        parser.error("say --index, --fleet, --vllm or several")
+    if args.upstream is not None:
+        serve_upstream(*args.upstream)
+        return
+    if not (args.index or args.fleet or args.vllm or args.overhead):
+        parser.error("say --index, --fleet, --vllm, --overhead or several")
+    if args.overhead:
+        run_overhead(args)
     if args.index:
         run_index(args)
     if args.fleet:
