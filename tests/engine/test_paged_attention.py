@@ -380,3 +380,56 @@ def test_spec_from_model_config_and_validation():
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.int8)
     with pytest.raises(ConfigError, match="num_blocks"):
         allocate_kv_caches(spec, 1)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_decodes_sharing_a_prompt_read_it_once_and_match_dense_reference(softcap):
+    from kvpool.engine.paged_attention import SHARED_PREFIX_MIN_KEYS
+
+    shared_blocks = -(-SHARED_PREFIX_MIN_KEYS // BLOCK_SIZE) + 1
+    prompt = shared_blocks * BLOCK_SIZE + 2  # the shared blocks, then a partial block of each member's own
+    starts = [prompt + 3, prompt, prompt + 9, prompt + 1]
+    num_heads, num_kv_heads = 6, 2
+    gen = torch.Generator().manual_seed(3)
+    shared_k = torch.randn(shared_blocks * BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    shared_v = torch.randn(shared_blocks * BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    next_block = shared_blocks + 1
+    key_cache, value_cache = _cache(64, num_kv_heads)
+    tables, full_k, full_v = [], [], []
+    for start in starts:
+        end = start + 1
+        own = list(range(next_block, next_block + -(-end // BLOCK_SIZE) - shared_blocks))
+        next_block += len(own)
+        table = list(range(1, shared_blocks + 1)) + own
+        k = torch.cat([shared_k, torch.randn(end - len(shared_k), num_kv_heads, HEAD_DIM, generator=gen)])
+        v = torch.cat([shared_v, torch.randn(end - len(shared_v), num_kv_heads, HEAD_DIM, generator=gen)])
+        for pos in range(end):
+            key_cache.view(-1, num_kv_heads, HEAD_DIM)[_slot(table, pos)] = k[pos]
+            value_cache.view(-1, num_kv_heads, HEAD_DIM)[_slot(table, pos)] = v[pos]
+        tables.append(table)
+        full_k.append(k)
+        full_v.append(v)
+    meta = build_attention_metadata(starts, [1] * len(starts), tables, block_size=BLOCK_SIZE, num_blocks=64)
+    [group] = meta.groups
+    assert group.shared_blocks is not None and group.shared_blocks.tolist() == list(range(1, shared_blocks + 1))
+    # Each member gathers only what follows the shared blocks.
+    assert group.num_keys == (max(starts) // BLOCK_SIZE - shared_blocks + 1) * BLOCK_SIZE
+    q = torch.randn(len(starts), num_heads, HEAD_DIM, generator=gen)
+    out = paged_attention(q, key_cache, value_cache, meta, scale=0.3, logit_softcap=softcap)
+    for row, (start, k, v) in enumerate(zip(starts, full_k, full_v)):
+        expected = _dense_attention(q[row : row + 1], k, v, start, 0.3, None, softcap)
+        torch.testing.assert_close(out[row : row + 1].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_split_is_not_used_under_a_sliding_window():
+    from kvpool.engine.paged_attention import SHARED_PREFIX_MIN_KEYS
+
+    start = 2 * SHARED_PREFIX_MIN_KEYS
+    shared = list(range(1, start // BLOCK_SIZE + 1))
+    tables = [shared + [100], shared + [101]]
+    full = build_attention_metadata([start, start], [1, 1], tables, block_size=BLOCK_SIZE, num_blocks=102)
+    windowed = build_attention_metadata(
+        [start, start], [1, 1], tables, block_size=BLOCK_SIZE, num_blocks=102, sliding_window=start
+    )
+    assert full.groups[0].shared_blocks is not None
+    assert all(g.shared_blocks is None for g in windowed.groups)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
@@ -34,6 +35,7 @@ from kvpool.engine.paged_attention import (
     AttentionMetadata,
     select_attention_backend,
 )
+from kvpool.engine.threads import ThreadGovernor
 from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
 from kvpool.model_layers import layer_sliding_windows
 from kvpool.scheduler import ScheduledChunk
@@ -83,6 +85,72 @@ class LayerInfo:
     sliding_window: int | None
     scale: float
     logit_softcap: float | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _FusedProjections:
+    """One layer's q/k/v (and, where the MLP allows, gate/up) weights as single matrices.
+
+    A decode step is a chain of small matrix products; one product over the
+    concatenated rows reads the same weights in one pass and costs one dispatch
+    (and one parallel region) instead of three or two. The model's own modules
+    keep working: their weights become views of these matrices.
+    """
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv_sizes: tuple[int, int, int]
+    gate_up_weight: torch.Tensor | None
+    intermediate: int
+
+
+def _fuse_rows(linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Concatenate the weight rows (and biases) of ``linears``; re-point each module at its rows.
+
+    None (nothing changed) when the modules are not plain linears with biases alike.
+    """
+    if not all(isinstance(linear, nn.Linear) for linear in linears):
+        return None
+    has_bias = [linear.bias is not None for linear in linears]
+    if any(has_bias) and not all(has_bias):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([cast(torch.Tensor, linear.weight).detach() for linear in linears])
+        bias = torch.cat([cast(torch.Tensor, linear.bias).detach() for linear in linears]) if all(has_bias) else None
+        sizes = [int(cast(torch.Tensor, linear.weight).shape[0]) for linear in linears]
+        for linear, rows in zip(linears, torch.split_with_sizes(weight, sizes)):
+            linear.weight = nn.Parameter(rows, requires_grad=False)
+        if bias is not None:
+            for linear, part in zip(linears, torch.split_with_sizes(bias, sizes)):
+                linear.bias = nn.Parameter(part, requires_grad=False)
+    return weight, bias
+
+
+def _fuse_layer(layer: nn.Module) -> _FusedProjections | None:
+    attn = layer.self_attn
+    projections = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if any(module is None for module in projections):
+        return None
+    fused = _fuse_rows(cast(list[nn.Module], projections))
+    if fused is None:
+        return None
+    qkv_weight, qkv_bias = fused
+    q, k, v = (int(cast(nn.Linear, module).weight.shape[0]) for module in projections)
+    mlp = layer.mlp
+    gate_up = None
+    intermediate = 0
+    parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
+    if hasattr(mlp, "down_proj") and hasattr(mlp, "act_fn") and all(isinstance(m, nn.Linear) for m in parts):
+        same = cast(nn.Linear, parts[0]).weight.shape == cast(nn.Linear, parts[1]).weight.shape
+        if same and all(cast(nn.Linear, m).bias is None for m in parts):
+            gate_up_fused = _fuse_rows(cast(list[nn.Module], parts))
+            if gate_up_fused is not None:
+                gate_up = gate_up_fused[0]
+                intermediate = int(cast(nn.Linear, parts[0]).weight.shape[0])
+    return _FusedProjections(
+        qkv_weight=qkv_weight, qkv_bias=qkv_bias, qkv_sizes=(q, k, v), gate_up_weight=gate_up,
+        intermediate=intermediate,
+    )  # fmt: skip
 
 
 def _supported_model_type(config: Any) -> str:
@@ -198,6 +266,8 @@ class ModelRunner:
         self.num_steps = 0
         #: Called with a layer's index just before it runs, to wait for KV loaded into it (a KV connector's worker).
         self.kv_load_wait: Callable[[int], None] | None = None
+        #: Sets the CPU thread count before each step (see :mod:`kvpool.engine.threads`); None leaves it.
+        self.thread_governor: ThreadGovernor | None = None
         self._decoder = decoder
         self._modules = layers
         self._device = param.device
@@ -208,6 +278,7 @@ class ModelRunner:
         # Gemma 3 keeps one rotary table per layer type (local layers use another base).
         self._rotary_per_type = model_type == "gemma3_text"
         self._final_softcap = getattr(config, "final_logit_softcapping", None)
+        self._fused = [_fuse_layer(layer) for layer in layers]
 
     @classmethod
     def create(
@@ -327,9 +398,16 @@ class ModelRunner:
         """``[T, hidden]`` -> ``[T, hidden]``: projections, rotary, paged attention, output."""
         attn = self._modules[info.index].self_attn
         num_tokens = hidden.shape[0]
-        query = attn.q_proj(hidden).view(num_tokens, -1, self._head_dim)  # [T, H, D]
-        key = attn.k_proj(hidden).view(num_tokens, -1, self._head_dim)  # [T, Hkv, D]
-        value = attn.v_proj(hidden).view(num_tokens, -1, self._head_dim)
+        fused = self._fused[info.index]
+        if fused is not None:
+            q, k, v = torch.split_with_sizes(
+                F.linear(hidden, fused.qkv_weight, fused.qkv_bias), list(fused.qkv_sizes), dim=-1
+            )
+        else:
+            q, k, v = attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)
+        query = q.view(num_tokens, -1, self._head_dim)  # [T, H, D]
+        key = k.view(num_tokens, -1, self._head_dim)  # [T, Hkv, D]
+        value = v.view(num_tokens, -1, self._head_dim)
         if hasattr(attn, "q_norm"):
             query = attn.q_norm(query)
             key = attn.k_norm(key)
@@ -341,6 +419,15 @@ class ModelRunner:
             query, key_cache, value_cache, metadata, scale=info.scale, logit_softcap=info.logit_softcap
         )
         return cast(torch.Tensor, attn.o_proj(out.reshape(num_tokens, -1)))
+
+    def _mlp(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP, ``down(act(gate(x)) * up(x))``, with gate and up as one product where fused."""
+        mlp = self._modules[index].mlp
+        fused = self._fused[index]
+        if fused is None or fused.gate_up_weight is None:
+            return cast(torch.Tensor, mlp(hidden))
+        gate, up = torch.chunk(F.linear(hidden, fused.gate_up_weight), 2, dim=-1)  # equal halves
+        return cast(torch.Tensor, mlp.down_proj(mlp.act_fn(gate) * up))
 
     def _rotary_tables(
         self, hidden: torch.Tensor, positions: torch.Tensor
@@ -378,6 +465,8 @@ class ModelRunner:
         """
         chunks = tuple(chunks)
         self._validate(chunks)
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
         metadata = self._build_metadata(chunks)
 
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self._device)
@@ -404,11 +493,11 @@ class ModelRunner:
             attn_out = self._attention(info, layer.input_layernorm(hidden), cos, sin, meta)
             if self.family is ModelFamily.GEMMA:
                 hidden = residual + layer.post_attention_layernorm(attn_out)
-                mlp_out = layer.mlp(layer.pre_feedforward_layernorm(hidden))
+                mlp_out = self._mlp(info.index, layer.pre_feedforward_layernorm(hidden))
                 hidden = hidden + layer.post_feedforward_layernorm(mlp_out)
             else:
                 hidden = residual + attn_out
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                hidden = hidden + self._mlp(info.index, layer.post_attention_layernorm(hidden))
         hidden = self._decoder.norm(hidden)
 
         self.num_computed_tokens += num_tokens

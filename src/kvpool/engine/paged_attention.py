@@ -78,6 +78,7 @@ __all__ = [
     "AttentionMetadata",
     "GROUP_KEY_LIMIT",
     "GROUP_PADDING_KEYS",
+    "SHARED_PREFIX_MIN_KEYS",
     "TorchAttentionBackend",
     "attention_workspace_bytes",
     "build_attention_metadata",
@@ -94,6 +95,11 @@ GROUP_PADDING_KEYS = 256
 #: Most keys (sequences x padded keys) one group gathers, unless a single sequence
 #: reads more: it bounds the transient copy of a step of many long decodes.
 GROUP_KEY_LIMIT = 16384
+
+#: Fewest keys a decode group's members must share (the same leading blocks, a common
+#: prompt) before they are attended to once for the whole group rather than once per
+#: member: below it the split's extra merge costs more than the copies it saves.
+SHARED_PREFIX_MIN_KEYS = 32
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -115,6 +121,10 @@ class AttentionGroup:
             rows that are not visible positions of their member (zeroed), or None.
         mask: Additive ``[B, 1, Q, K]`` mask (0 visible, -inf hidden), or None.
         is_causal: The keys are exactly the query positions: a square causal mask.
+        shared_blocks: ``[S]`` int64 for a decode group whose members all begin
+            with these same blocks (a shared prompt): every member's first
+            ``S * block_size`` positions, read once for the whole group; then
+            ``key_blocks`` hold only what follows them. None otherwise.
     """
 
     token_rows: torch.Tensor | None
@@ -126,6 +136,7 @@ class AttentionGroup:
     invalid_keys: torch.Tensor | None
     mask: torch.Tensor | None
     is_causal: bool
+    shared_blocks: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -215,6 +226,23 @@ def _decode_groups(decodes: list[int], num_keys: Sequence[int]) -> list[list[int
     return groups
 
 
+def _shared_blocks(
+    members: Sequence[int], block_tables: Sequence[Sequence[int]], ends: Sequence[int], block_size: int
+) -> int:
+    """How many leading blocks every member's table has in common, each member keeping its newest block apart.
+
+    Shared blocks are whole and wholly visible to every member (full attention);
+    each member's own part keeps at least its newest position, so neither part
+    of the split is ever empty.
+    """
+    limit = min((ends[s] - 1) // block_size for s in members)
+    first = block_tables[members[0]]
+    count = 0
+    while count < limit and all(block_tables[s][count] == first[count] for s in members):
+        count += 1
+    return count
+
+
 def build_attention_metadata(
     start_positions: Sequence[int],
     query_lens: Sequence[int],
@@ -278,6 +306,11 @@ def build_attention_metadata(
         table = block_tables[seq]
         return [table[min(first + i, last)] for i in range(count)]
 
+    def blocks_from(seq: int, first: int, count: int) -> list[int]:
+        last = (ends[seq] - 1) // block_size
+        table = block_tables[seq]
+        return [table[min(first + i, last)] for i in range(count)]
+
     groups: list[AttentionGroup] = []
     chunks = [i for i in range(num_seqs) if query_lens[i] > 1]
     for seq in chunks:
@@ -329,11 +362,16 @@ def build_attention_metadata(
             )
             continue
         # Padded: every member gathers the same number of blocks, from its first
-        # visible one; columns outside [key_start, end) are masked and zeroed.
-        count = max((ends[s] - 1) // block_size - key_starts[s] // block_size + 1 for s in members)
+        # visible one (or the first after the blocks all members share); columns
+        # outside [key_start, end) are masked and zeroed.
+        shared = _shared_blocks(members, block_tables, ends, block_size) if sliding_window is None else 0
+        if shared * block_size < SHARED_PREFIX_MIN_KEYS:
+            shared = 0
+        firsts = [shared if shared else key_starts[s] // block_size for s in members]
+        count = max((ends[s] - 1) // block_size - first + 1 for s, first in zip(members, firsts))
         width = count * block_size
         cols = torch.arange(width, dtype=torch.int64)[None, :]
-        base = torch.tensor([key_starts[s] // block_size * block_size for s in members], dtype=torch.int64)[:, None]
+        base = torch.tensor([first * block_size for first in firsts], dtype=torch.int64)[:, None]
         lo = torch.tensor([key_starts[s] for s in members], dtype=torch.int64)[:, None]
         hi = torch.tensor([ends[s] for s in members], dtype=torch.int64)[:, None]
         valid = (base + cols >= lo) & (base + cols < hi)  # [B, width]
@@ -345,13 +383,20 @@ def build_attention_metadata(
                 first_row=0,
                 query_len=1,
                 key_blocks=torch.tensor(
-                    [b for s in members for b in blocks_of(s, count)], dtype=torch.int64, device=device
+                    [b for s, first in zip(members, firsts) for b in blocks_from(s, first, count)],
+                    dtype=torch.int64,
+                    device=device,
                 ),
                 key_offset=0,
                 num_keys=width,
                 invalid_keys=torch.nonzero(~valid.reshape(-1)).reshape(-1).to(device),
                 mask=mask.to(device),
                 is_causal=False,
+                shared_blocks=(
+                    torch.tensor(block_tables[members[0]][:shared], dtype=torch.int64, device=device)
+                    if shared
+                    else None
+                ),
             )
         )
     return AttentionMetadata(
@@ -423,6 +468,65 @@ def _attend(
     return torch.matmul(probs, v)
 
 
+def _attend_shared(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """``[B, H, D]``: a decode group's attention split at the blocks its members share.
+
+    The shared keys are read once and every member's queries attend to them in
+    one matrix product (the members stand in for a query sequence); each member's
+    own keys are attended as in a padded group. The two halves are joined by
+    their softmax statistics (running max and sum), which gives exactly the
+    softmax over all keys up to float rounding. Computed in float32.
+    """
+    assert group.token_rows is not None and group.shared_blocks is not None
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    num_seqs, num_heads = group.num_seqs, query.shape[1]
+    per_kv = num_heads // num_kv_heads
+    q = query.index_select(0, group.token_rows).float().view(num_seqs, num_kv_heads, per_kv, head_dim)
+
+    def softmax_parts(
+        scores: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unnormalized weights, their row max and row sum."""
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        if mask is not None:
+            scores = scores + mask
+        peak = scores.amax(dim=-1, keepdim=True)
+        weights = torch.exp(scores - peak)
+        return weights, peak, weights.sum(dim=-1, keepdim=True)
+
+    # Shared part: [Hkv, B * G, D] queries over [Hkv, S, D] keys.
+    shared_k = key_cache.index_select(0, group.shared_blocks).view(-1, num_kv_heads, head_dim).float()
+    shared_v = value_cache.index_select(0, group.shared_blocks).view(-1, num_kv_heads, head_dim).float()
+    q_rows = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_seqs * per_kv, head_dim)
+    scores = torch.matmul(q_rows, shared_k.permute(1, 2, 0)).mul_(scale)
+    weights, peak_1, sum_1 = softmax_parts(scores, None)
+    out_1 = torch.matmul(weights, shared_v.transpose(0, 1))  # [Hkv, B * G, D]
+    to_members = (num_kv_heads, num_seqs, per_kv)
+    out_1 = out_1.view(*to_members, head_dim).permute(1, 0, 2, 3)
+    peak_1 = peak_1.view(*to_members, 1).permute(1, 0, 2, 3)
+    sum_1 = sum_1.view(*to_members, 1).permute(1, 0, 2, 3)
+
+    # Own part: [B, Hkv, G, D] queries over [B, Hkv, K, D] keys, padding masked.
+    own_k = _gather(key_cache, group, torch.float32)
+    own_v = _gather(value_cache, group, torch.float32)
+    scores = torch.matmul(q, own_k.transpose(-1, -2)).mul_(scale)
+    weights, peak_2, sum_2 = softmax_parts(scores, None if group.mask is None else group.mask.float())
+    out_2 = torch.matmul(weights, own_v)
+
+    peak = torch.maximum(peak_1, peak_2)
+    scale_1, scale_2 = torch.exp(peak_1 - peak), torch.exp(peak_2 - peak)
+    out = (out_1 * scale_1 + out_2 * scale_2) / (sum_1 * scale_1 + sum_2 * scale_2)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -452,6 +556,12 @@ def paged_attention(
     """
     out = torch.empty_like(query)
     for group in metadata.groups:
+        if group.shared_blocks is not None:
+            assert group.token_rows is not None
+            out.index_copy_(
+                0, group.token_rows, _attend_shared(query, key_cache, value_cache, group, scale, logit_softcap)
+            )
+            continue
         k = _gather(key_cache, group, query.dtype)
         v = _gather(value_cache, group, query.dtype)
         if group.token_rows is None:

@@ -59,6 +59,7 @@ from kvpool.engine.memory import (
 )
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.model_store import load_model, pending_conversion, resolve_model
+from kvpool.engine.threads import ThreadGovernor, parse_threads
 from kvpool.errors import ConfigError
 from kvpool.hashing import HashAlgo
 from kvpool.model_config import max_position_embeddings, serving_dtype
@@ -114,6 +115,9 @@ class EngineOptions:
         kv_tier_write: when blocks go down to the tiers, a
             :class:`kvpool.tiers.WritePolicy` or its name: ``write-through``
             (when a block fills) or ``write-back`` (when the pool evicts it).
+        threads: CPU threads of a step: a count, ``"auto"`` (follow the cores
+            other processes leave free, re-measured between steps; see
+            :mod:`kvpool.engine.threads`), or None to leave torch's setting.
     """
 
     model: str | os.PathLike[str]
@@ -132,6 +136,7 @@ class EngineOptions:
     kv_tier_secret_file: str | os.PathLike[str] | None = None
     kv_tier_namespace: str | None = None
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
+    threads: int | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -160,6 +165,7 @@ class EngineOptions:
             raise ConfigError(f"enable_kv_events must be a bool, got {self.enable_kv_events!r}")
         object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
         object.__setattr__(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
+        parse_threads(self.threads)
         secret = self.kv_tier_secret_file
         if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
             raise ConfigError(f"kv_tier_secret_file must be a file path, given with kv_tiers; got {secret!r}")
@@ -378,6 +384,7 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
     """
     started = time.perf_counter()
     device = _resolve_device(options.device)
+    governor = None if options.threads is None else ThreadGovernor(options.threads, torch.set_num_threads)
     baseline = MemoryBaseline.capture(device)
     name = os.fspath(options.model)
     loading = time.perf_counter()
@@ -388,7 +395,9 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
     weights = weights_bytes(model, baseline)
     arch = (getattr(hf_config, "architectures", None) or [type(model).__name__])[0]
     num_threads = torch.get_num_threads()
-    threads = f" ({num_threads} thread{'s' if num_threads > 1 else ''})" if device.type == "cpu" else ""
+    threads = f" ({num_threads} thread{'s' if num_threads > 1 else ''}" if device.type == "cpu" else ""
+    if threads:
+        threads += ", following the free cores)" if options.threads == "auto" else ")"
     log(f"model {name} ({arch}, {hf_config.num_hidden_layers} layers) from {path}")
     log(
         f"dtype {str(dtype).removeprefix('torch.')}, device {device}{threads}; "
@@ -454,6 +463,7 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
             f"allocated {kv_caches.nbytes} B of KV cache but planned {plan.num_blocks * plan.pool_block_bytes} B"
         )
     runner = ModelRunner(model, kv_caches, layer_to_group=to_group, sliding_windows=windows)
+    runner.thread_governor = governor
     log(plan.capacity_line)
     return EngineSetup(
         options=options,
