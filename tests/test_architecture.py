@@ -47,6 +47,7 @@ LAYERS = {
     "router": 12.7,  # kvpool route: the prefix-aware front door over serve replicas (torch-free)
     "cli": 13,
     "integrations": 13,  # kvpool inside other servers (vLLM's KV connector); each imports its server only itself
+    "integrations": 13,  # kvpool inside other servers (vLLM's KV connector); each imports its server only itself
     "__init__": 14,  # the package facade re-exports the core
 }
 TORCH_FREE_BELOW = 12

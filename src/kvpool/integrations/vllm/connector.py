@@ -1,0 +1,283 @@
+# mypy: disable-error-code="import-not-found", allow-subclassing-any
+"""``KVPoolConnector``: the class vLLM drives, over the planner and the worker of this package.
+
+vLLM builds one instance in its scheduler (``KVConnectorRole.SCHEDULER``) and one in each worker
+(``KVConnectorRole.WORKER``), usually in different processes. Both compute the same entry
+fingerprint from vLLM's configuration and open the same stores: the scheduler asks them what
+they hold, the worker reads and writes them. Everything that decides lives in
+:mod:`~kvpool.integrations.vllm.plan` (the scheduler side) and :mod:`~kvpool.integrations.vllm.blocks`
+(the worker side); this module only translates vLLM's objects. This is the one module of kvpool
+that imports vLLM.
+
+Transfers are synchronous: loads complete in ``start_load_kv``, before the forward pass;
+saves in ``wait_for_save``, after it. A block that cannot be loaded is reported through
+``get_block_ids_with_load_errors``; with ``"kv_load_failure_policy": "recompute"`` vLLM then
+computes it, and no request fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.platforms import current_platform
+from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.errors import ConfigError
+from kvpool.integrations.vllm.blocks import KVBlockLayout, TierWorker
+from kvpool.integrations.vllm.plan import ConnectorOptions, ScheduledChunk, StepPlan, TierPlanner
+from kvpool.secret_files import read_secret_file
+from kvpool.tiers import ByteTier, CpuTarget, EntryCodec, HostTier, LayoutFingerprint, TierKind, open_store
+from kvpool.tiers.spec import BlockStore
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVPoolConnector", "KVPoolConnectorMetadata", "vllm_fingerprint"]
+
+_log = logging.getLogger("kvpool.integrations.vllm")
+
+
+def _log_where_vllm_logs() -> None:
+    """Send kvpool's records (the connector's, the stores' warnings) to vLLM's handlers, once."""
+    ours, theirs = logging.getLogger("kvpool"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+# Where vLLM's metrics file each tier's hits.
+_HIT_SOURCES = {
+    TierKind.CPU.value: CacheHitSource.HOST,
+    TierKind.DISK.value: CacheHitSource.DISK,
+    TierKind.REDIS.value: CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
+
+
+class KVPoolConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler's connector to the workers' (picklable)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def vllm_fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, options: ConnectorOptions
+) -> LayoutFingerprint:
+    """What identifies this deployment's entries: the model, its weights, the KV layout and vLLM's block hash.
+
+    ConfigError naming the value if vLLM runs what the connector cannot store: more than one KV
+    cache group (hybrid models), a non-cryptographic block hash, an fp8 KV cache, or a model given
+    by hub name while disk or Redis tiers need its folder (or a ``namespace``).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"KVPoolConnector stores one KV cache group; this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    num_kv_heads = getattr(spec, "num_kv_heads", None)
+    head_size = getattr(spec, "head_size", None)
+    if not isinstance(num_kv_heads, int) or not isinstance(head_size, int):
+        raise ConfigError(f"KVPoolConnector stores attention KV; the cache spec is {type(spec).__name__}")
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if algo not in ("sha256", "sha256_cbor"):
+        raise ConfigError(
+            f"KVPoolConnector keys entries by vLLM's block hashes, which must be cryptographic: "
+            f"--prefix-caching-hash-algo sha256 or sha256_cbor, got {algo!r}"
+        )
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    model_config = vllm_config.model_config
+    architectures = getattr(model_config.hf_config, "architectures", None) or [model_config.architecture]
+    if options.namespace is not None or not options.needs_weights:
+        weights = f"namespace:{options.namespace or 'host-memory-only'}"
+    else:
+        from kvpool.engine.kv_transfer import tier_weights
+
+        weights = tier_weights(model_config.model, None, _log.info)
+    return LayoutFingerprint(
+        architecture=f"{architectures[0]}@vllm/{current_platform.device_type}",
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        block_size=spec.block_size,
+        hash_algo=algo,
+        hash_seed=resolve_none_hash_seed(get_hash_fn_by_name(algo)),
+        weights=weights,
+    )
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """vLLM's blocks in kvpool's CPU, disk and Redis tiers, as signed entries keyed by vLLM's block hashes."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_where_vllm_logs()
+        if kv_cache_config is None:
+            raise ConfigError("KVPoolConnector needs vLLM's KV cache config (vLLM 0.11 or later)")
+        transfer = self._kv_transfer_config
+        options = ConnectorOptions.from_extra_config(transfer.kv_connector_extra_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            _log.warning(
+                "kvpool connector: kv_load_failure_policy is %r, so a block a tier cannot return (evicted, "
+                'corrupt, Redis down) fails its request; set "kv_load_failure_policy": "recompute"',
+                transfer.kv_load_failure_policy,
+            )
+        fingerprint = vllm_fingerprint(vllm_config, kv_cache_config, options)
+        secret = (
+            None if options.secret_file is None else read_secret_file(options.secret_file, purpose="KV tier secret")
+        )
+        codec = EntryCodec(fingerprint, secret)
+        self._block_size = fingerprint.block_size
+        self._num_blocks = kv_cache_config.num_blocks
+        self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self._host_slots = options.host_slots(fingerprint.block_bytes)
+        self._stores: dict[str, BlockStore] = {
+            t.kind.value: open_store(t, codec) for t in options.tiers if not isinstance(t, CpuTarget)
+        }
+        self._block_bytes = fingerprint.block_bytes
+        self._planner: TierPlanner | None = None
+        self._worker: TierWorker | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            tiers: list[HostTier | ByteTier] = []
+            for target in options.tiers:
+                if isinstance(target, CpuTarget) and self._host_slots is not None:
+                    tiers.append(HostTier(self._host_slots))
+                else:
+                    tiers.append(ByteTier(self._stores[target.kind.value]))
+            self._planner = TierPlanner(tiers, self._block_size)
+        _log.info(
+            "kvpool connector (%s): tiers %s, entries %s (namespace %s), %d bytes per block",
+            role.name.lower(),
+            [t.kind.value for t in options.tiers],
+            "signed" if codec.signed else "unsigned",
+            codec.namespace,
+            fingerprint.block_bytes,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [name for name in self._layer_names if name not in kv_caches]
+        if missing:
+            raise ConfigError(f"vLLM registered no KV cache for layers {missing[:4]}")
+        layout = KVBlockLayout([kv_caches[name] for name in self._layer_names], self._num_blocks, self._block_bytes)
+        self._worker = TierWorker(layout, self._stores, self._host_slots)
+
+    def _plan(self) -> StepPlan | None:
+        if self._worker is None or not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVPoolConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is not None and plan.loads and self._worker is not None:
+            self._load_errors |= self._worker.load(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every load is in place before the forward pass starts
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # blocks are saved whole, all layers at once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is not None and plan.saves and self._worker is not None:
+            self._worker.save(plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            _log.info("kvpool connector: %s", self._worker.describe())
+        for store in self._stores.values():
+            store.close()
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def _scheduler(self) -> TierPlanner:
+        if self._planner is None:
+            raise ConfigError("a scheduler method was called on the worker's KVPoolConnector")
+        return self._planner
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler().add(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().match(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens:
+            self._scheduler().allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        sources: dict[CacheHitSource, int] = {}
+        left = num_external_tokens
+        for tier, tokens in self._scheduler().hit_tokens_by_tier(request.request_id).items():
+            take = min(tokens, left)
+            if take:
+                source = _HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+                sources[source] = sources.get(source, 0) + take
+                left -= take
+        if left:
+            sources[CacheHitSource.EXTERNAL_UNSPECIFIED] = sources.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + left
+        return sources
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        chunks = [
+            ScheduledChunk(
+                request_id=new.req_id,
+                block_ids=tuple(new.block_ids[0]),
+                replace=True,
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=scheduled.get(new.req_id, 0),
+            )
+            for new in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            chunks.append(
+                ScheduledChunk(
+                    request_id=req_id,
+                    block_ids=tuple(new_ids[0]) if new_ids is not None else (),
+                    replace=req_id in cached.resumed_req_ids,
+                    num_computed_tokens=cached.num_computed_tokens[i],
+                    num_scheduled_tokens=scheduled.get(req_id, 0),
+                )
+            )
+        return KVPoolConnectorMetadata(self._scheduler().build(chunks))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler().finished(request.request_id)
+        return False, None  # saves are done within the step that fills a block
+
+    def reset_cache(self) -> bool | None:
+        self._scheduler().reset()
+        return True

@@ -1,0 +1,357 @@
+"""The scheduler side of the vLLM connector: which blocks load from which tier, which go down, and where.
+
+Torch-free and vLLM-free: it sees a request only as ``request_id``, ``num_tokens`` and
+``block_hashes`` (vLLM's chained block hashes, bytes), so tests drive it with plain objects.
+
+Keys are vLLM's own block hashes. vLLM chains them from the request's tokens, its cache salt
+and LoRA name (its ``sha256`` or ``sha256_cbor``, seeded by ``PYTHONHASHSEED`` or its fixed
+default), so two vLLM processes with the same settings compute the same key for the same
+prefix, and tenants with different salts never share a block. The entry around each block
+(:class:`~kvpool.tiers.entry.EntryCodec`) names the model, its weights and the KV layout, and
+with a secret is signed.
+
+What one step does, as :meth:`TierPlanner.build` plans it::
+
+    admission      match(): after vLLM's local hit, each next block from the first tier holding it
+                   (the host tier first, then the stores in the order given), never the last token
+    allocation     allocated(): the matched blocks' vLLM block IDs become loads
+    end of step    build(): loads (host slots pinned first), then saves: every block that becomes
+                   full in this step and was neither a local hit nor loaded goes to every tier; a
+                   loaded block goes to the tiers above the one it came from
+
+The host tier's bookkeeping is kvpool's :class:`~kvpool.tiers.hierarchy.HostTier` (an LRU of host
+slots); the worker holds the memory and copies at the slots named here. Slots are pinned only
+while a plan is built: the worker carries out plans in the order they were built, so a slot
+reassigned by a later plan is read or written by this plan's copies first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvpool.errors import ConfigError
+from kvpool.tiers import ByteTier, CpuTarget, DiskTarget, HostTier, RedisTarget, parse_specs
+from kvpool.tiers.store import TierTarget
+
+__all__ = [
+    "BlockLoad",
+    "BlockSave",
+    "ConnectorOptions",
+    "PlannedRequest",
+    "ScheduledChunk",
+    "StepPlan",
+    "TierPlanner",
+]
+
+_OPTION_KEYS = frozenset({"tiers", "secret_file", "namespace"})
+_MAX_NAMESPACE = 128
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectorOptions:
+    """What ``kv_connector_extra_config`` says, checked.
+
+    ``tiers``: tier specs in lookup order (``cpu:SIZE``, ``disk:PATH:SIZE``, ``redis://...``);
+    ``secret_file``: signs and checks every disk and Redis entry (at least 16 bytes);
+    ``namespace``: names the weights instead of hashing the model folder's files.
+    """
+
+    tiers: tuple[TierTarget, ...]
+    secret_file: str | None = None
+    namespace: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object]) -> ConnectorOptions:
+        """The options in vLLM's ``kv_connector_extra_config``; ConfigError naming the key or value at fault."""
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {extra!r}")
+        unknown = sorted(set(extra) - _OPTION_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config has unknown keys {unknown} for KVPoolConnector; it takes {sorted(_OPTION_KEYS)}"
+            )
+        specs = extra.get("tiers")
+        if not isinstance(specs, list | tuple) or not specs:
+            raise ConfigError(
+                f"kv_connector_extra_config 'tiers' must be a non-empty list of tier specs such as "
+                f"['cpu:2GiB', 'redis://127.0.0.1:6379/0'], got {specs!r}"
+            )
+        secret_file = extra.get("secret_file")
+        if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+            raise ConfigError(f"kv_connector_extra_config 'secret_file' must be a file path, got {secret_file!r}")
+        namespace = extra.get("namespace")
+        if namespace is not None and (
+            not isinstance(namespace, str)
+            or not 0 < len(namespace) <= _MAX_NAMESPACE
+            or not (namespace.isascii() and namespace.isprintable())
+            or any(c.isspace() for c in namespace)
+        ):
+            raise ConfigError(
+                f"kv_connector_extra_config 'namespace' must be 1 to {_MAX_NAMESPACE} printable ASCII characters "
+                f"without spaces, got {namespace!r}"
+            )
+        return cls(tiers=parse_specs(list(specs)), secret_file=secret_file, namespace=namespace)
+
+    @property
+    def needs_weights(self) -> bool:
+        """Whether any tier keeps entries that outlive this process (disk, Redis), so entries must name the weights."""
+        return any(isinstance(t, DiskTarget | RedisTarget) for t in self.tiers)
+
+    def host_slots(self, block_bytes: int) -> int | None:
+        """Host blocks the ``cpu:SIZE`` tier holds for blocks of ``block_bytes``; None without one.
+
+        ConfigError naming the spec if it holds less than one block.
+        """
+        for target in self.tiers:
+            if isinstance(target, CpuTarget):
+                slots = target.capacity_bytes // block_bytes
+                if slots < 1:
+                    raise ConfigError(
+                        f"tier cpu:{target.capacity_bytes} holds less than one block of {block_bytes} bytes"
+                    )
+                return slots
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockLoad:
+    """Copy the block stored under ``key`` in ``tier`` into vLLM block ``block_id`` (at host ``slot`` for cpu)."""
+
+    tier: str
+    key: bytes
+    block_id: int
+    slot: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockSave:
+    """Send vLLM block ``block_id`` to ``tiers`` under ``key`` (the cpu tier at host ``slot``)."""
+
+    key: bytes
+    block_id: int
+    tiers: tuple[str, ...]
+    slot: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step's transfers: loads before the forward pass, saves after it (promotions of loads included)."""
+
+    loads: tuple[BlockLoad, ...] = ()
+    saves: tuple[BlockSave, ...] = ()
+
+
+class PlannedRequest(Protocol):
+    """The part of a vLLM ``Request`` the planner reads."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduledChunk:
+    """One request in vLLM's scheduler output.
+
+    ``block_ids``: the request's new block IDs (vLLM's first KV cache group); with ``replace``
+    (a new or resumed request) they are all of its blocks. ``num_computed_tokens``: before this
+    step (a new request's local hit and loads included); ``num_scheduled_tokens``: computed now.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    replace: bool
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: PlannedRequest
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int | None = None  # blocks below this index are in the tiers, or were a local hit
+    first_block: int = 0  # where the last match started
+    runs: tuple[tuple[str, int], ...] = ()  # the last match: (tier, blocks) in lookup order
+    loads: list[tuple[str, bytes, int]] = field(default_factory=list)  # allocated, not yet planned
+
+
+class TierPlanner:
+    """The scheduler side's state and decisions over ``tiers`` (a host tier first, if any, then stores).
+
+    Each tier answers ``contains_prefix`` (a :class:`~kvpool.tiers.hierarchy.HostTier` or a
+    :class:`~kvpool.tiers.hierarchy.ByteTier`, which turns a store's fault into a miss).
+    O(blocks looked up) per match, O(blocks moved) per plan.
+    """
+
+    def __init__(self, tiers: Sequence[HostTier | ByteTier], block_size: int) -> None:
+        names = [t.name for t in tiers]
+        if not tiers or len(set(names)) != len(names):
+            raise ConfigError(f"the connector needs tiers of distinct kinds, got {names}")
+        if any(isinstance(t, HostTier) for t in tiers[1:]):
+            raise ConfigError(f"the cpu tier is looked up first; got the order {names}")
+        if type(block_size) is not int or block_size < 1:
+            raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
+        self.tiers = tuple(tiers)
+        self.block_size = block_size
+        self.host = tiers[0] if isinstance(tiers[0], HostTier) else None
+        self._requests: dict[str, _Tracked] = {}
+        #: Cumulative blocks matched per tier (what vLLM was told it can load).
+        self.matched_blocks: dict[str, int] = dict.fromkeys(names, 0)
+        #: Cumulative blocks planned to be saved per tier.
+        self.saved_blocks: dict[str, int] = dict.fromkeys(names, 0)
+
+    def _track(self, request: PlannedRequest) -> _Tracked:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            tracked = self._requests[request.request_id] = _Tracked(request)
+        return tracked
+
+    def add(self, request: PlannedRequest) -> None:
+        """Start tracking ``request`` (vLLM's ``on_new_request``)."""
+        self._track(request)
+
+    def match(self, request: PlannedRequest, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` (block-aligned) that the tiers hold, whole blocks only.
+
+        Never reaches the request's last token (vLLM computes at least that one). Changes no
+        tier: it may be asked again for the same request when its allocation is refused.
+        """
+        if num_computed_tokens % self.block_size:
+            raise ConfigError(f"num_computed_tokens {num_computed_tokens} is not a multiple of {self.block_size}")
+        tracked = self._track(request)
+        first = num_computed_tokens // self.block_size
+        limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        keys = [bytes(h) for h in request.block_hashes[first:limit]]
+        runs: list[tuple[str, int]] = []
+        position = 0
+        for tier in self.tiers:
+            if position == len(keys):
+                break
+            found = tier.contains_prefix(keys[position:])
+            if found:
+                runs.append((tier.name, found))
+                position += found
+        tracked.first_block, tracked.runs = first, tuple(runs)
+        return position * self.block_size
+
+    def hit_tokens_by_tier(self, request_id: str) -> dict[str, int]:
+        """The last match of ``request_id``, in tokens per tier (only tiers that hold some)."""
+        tracked = self._requests.get(request_id)
+        return {} if tracked is None else {name: n * self.block_size for name, n in tracked.runs}
+
+    def allocated(self, request: PlannedRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks) and will count ``num_external_tokens`` loaded.
+
+        ConfigError naming the count if it is not whole blocks of the last match.
+        """
+        if num_external_tokens == 0:
+            return
+        tracked = self._track(request)
+        blocks, partial = divmod(num_external_tokens, self.block_size)
+        matched = sum(n for _name, n in tracked.runs)
+        if partial or not 0 < blocks <= matched:
+            raise ConfigError(
+                f"request {request.request_id!r}: {num_external_tokens} external tokens are not whole blocks "
+                f"of the {matched * self.block_size} tokens the tiers matched"
+            )
+        index = tracked.first_block
+        loads: list[tuple[str, bytes, int]] = []
+        for name, n in tracked.runs:
+            for _ in range(n):
+                if len(loads) == blocks:
+                    break
+                loads.append((name, bytes(request.block_hashes[index]), block_ids[index]))
+                index += 1
+        tracked.loads = loads
+        for name, _key, _block in loads:
+            self.matched_blocks[name] += 1
+
+    def build(self, chunks: Sequence[ScheduledChunk]) -> StepPlan:
+        """The step's loads and saves for vLLM's scheduled ``chunks``; resets what allocation queued."""
+        loads: list[BlockLoad] = []
+        saves: list[BlockSave] = []
+        pinned: list[int] = []
+        host_name = self.host.name if self.host is not None else None
+        promotions: list[tuple[bytes, int, tuple[str, ...]]] = []
+        for chunk in chunks:
+            tracked = self._requests.get(chunk.request_id)
+            if tracked is None:
+                continue
+            for name, key, block_id in tracked.loads:
+                slot = None
+                if name == host_name and self.host is not None:
+                    slot = self.host.pin(key)  # nothing is reserved between a match and this plan
+                    pinned.append(slot)
+                loads.append(BlockLoad(tier=name, key=key, block_id=block_id, slot=slot))
+                above = tuple(t.name for t in self.tiers[: self._index(name)])
+                if above:
+                    promotions.append((key, block_id, above))
+            tracked.loads = []
+        for key, block_id, tiers in promotions:
+            save = self._save(key, block_id, tiers, pinned)
+            if save is not None:
+                saves.append(save)
+        for chunk in chunks:
+            tracked = self._requests.get(chunk.request_id)
+            if tracked is None:
+                continue
+            if chunk.replace:
+                tracked.block_ids = list(chunk.block_ids)
+            else:
+                tracked.block_ids.extend(chunk.block_ids)
+            done = chunk.num_computed_tokens // self.block_size
+            # New: what is computed already was a local hit or a load. Later: a step that starts below
+            # what was saved is recomputing (a failed load, a preemption), and saves those blocks again.
+            tracked.saved_upto = done if tracked.saved_upto is None else min(tracked.saved_upto, done)
+            hashes = tracked.request.block_hashes
+            full = min(
+                (chunk.num_computed_tokens + chunk.num_scheduled_tokens) // self.block_size,
+                len(hashes),
+                len(tracked.block_ids),
+            )
+            every = tuple(t.name for t in self.tiers)
+            for index in range(tracked.saved_upto, full):
+                save = self._save(bytes(hashes[index]), tracked.block_ids[index], every, pinned)
+                if save is not None:
+                    saves.append(save)
+            tracked.saved_upto = max(tracked.saved_upto, full)
+        if self.host is not None and pinned:
+            self.host.release(pinned)
+        return StepPlan(tuple(loads), tuple(saves))
+
+    def _index(self, name: str) -> int:
+        return next(i for i, t in enumerate(self.tiers) if t.name == name)
+
+    def _save(self, key: bytes, block_id: int, tiers: tuple[str, ...], pinned: list[int]) -> BlockSave | None:
+        slot = None
+        if self.host is not None and self.host.name in tiers:
+            slot = self.host.reserve(key)
+            if slot is None:  # there already, or every host slot is pinned by this plan
+                tiers = tuple(t for t in tiers if t != self.host.name)
+            else:
+                pinned.append(slot)
+        if not tiers:
+            return None
+        for name in tiers:
+            self.saved_blocks[name] += 1
+        return BlockSave(key=key, block_id=block_id, tiers=tiers, slot=slot)
+
+    def finished(self, request_id: str) -> None:
+        """Forget ``request_id`` (finished or aborted); its saves were planned as its blocks filled."""
+        self._requests.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Forget every host block (vLLM's ``reset_prefix_cache``); disk and Redis entries stay."""
+        if self.host is not None:
+            self.host.clear()
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._requests)
