@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvpool.hashing import BlockHash
 
-__all__ = ["KVBlock", "NULL_BLOCK_ID"]
+__all__ = ["KVBlock", "NULL_BLOCK_ID", "block_ids"]
 
 #: Block 0 is reserved: a placeholder in block tables for positions that need
 #: no memory (tokens that slid out of a sliding window). It is never handed out
@@ -36,10 +36,23 @@ class KVBlock:
     ``group_id`` says which layer group's index holds it. ``prev_free`` and
     ``next_free`` thread the free queue through the records themselves, so
     removing a block from the middle of the queue is O(1) and allocates
-    nothing. ``entry`` is used only by the verified (fast-hash) index.
+    nothing. ``content``, ``seal`` and ``parent_seal`` are used only by the
+    verified (fast-hash) index: the block's content bytes, its seal number
+    (0: not sealed) and the seal number of the block before it when it was
+    sealed. They are plain fields, so sealing a block allocates nothing.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free", "entry")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "group_id",
+        "prev_free",
+        "next_free",
+        "content",
+        "seal",
+        "parent_seal",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -48,7 +61,9 @@ class KVBlock:
         self.group_id = 0
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
-        self.entry: object | None = None
+        self.content: bytes | None = None
+        self.seal = 0
+        self.parent_seal = 0
 
     @property
     def is_null(self) -> bool:
@@ -57,3 +72,8 @@ class KVBlock:
     def __repr__(self) -> str:
         cached = "cached" if self.block_hash is not None else "uncached"
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, {cached})"
+
+
+def block_ids(blocks: list[KVBlock]) -> list[int]:
+    """The IDs of ``blocks``, in order (one pass in the compiled build's native loop)."""
+    return [block.block_id for block in blocks]

@@ -212,7 +212,7 @@ class BlockPool:
     def cache_full_blocks(
         self,
         request: Request,
-        table: Sequence[KVBlock],
+        table: list[KVBlock],
         start: int,
         stop: int,
         group_id: int,

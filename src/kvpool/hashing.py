@@ -262,12 +262,19 @@ class BlockHasher:
                     contents.append(content)
         elif self._xxh is not None:
             xxh = self._xxh
-            append = contents.append  # type: ignore[union-attr]  # the fast hash always stores contents
-            for off in range(0, len(token_bytes), width):
-                content = token_bytes[off : off + width] + suffix
-                chained = xxh(chained + content)
-                hashes.append(chained)
-                append(content)
+            stored: list[bytes] = contents  # type: ignore[assignment]  # the fast hash always stores contents
+            if suffix:
+                for off in range(0, len(token_bytes), width):
+                    content = token_bytes[off : off + width] + suffix
+                    chained = xxh(chained + content)
+                    hashes.append(chained)
+                    stored.append(content)
+            else:  # no extra keys (the common case): the block's tokens are its content
+                for off in range(0, len(token_bytes), width):
+                    content = token_bytes[off : off + width]
+                    chained = xxh(chained + content)
+                    hashes.append(chained)
+                    stored.append(content)
         elif suffix:
             sha = self._sha
             for off in range(0, len(token_bytes), width):

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from math import gcd
 from typing import TYPE_CHECKING, Any
 
-from kvpool.block import NULL_BLOCK_ID, KVBlock
+from kvpool.block import NULL_BLOCK_ID, KVBlock, block_ids
 from kvpool.block_pool import BlockPool
 from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.coordinator import Coordinator, make_group_managers
@@ -470,7 +470,7 @@ class KVCacheManager:
         if self.enable_caching:
             cached = total_computed + num_new_tokens
             coordinator.cache_blocks(request, cached if cached < num_tokens else num_tokens)
-        return tuple([b.block_id for b in blocks] for blocks in new_blocks)
+        return tuple(map(block_ids, new_blocks))
 
     @staticmethod
     def _check_progress(rid: str, held: _Held, computed: int) -> None:

@@ -13,9 +13,9 @@ Two variants, chosen once when the manager is built:
   ``{block_id: block}`` dict in insertion order when duplicates exist.
 * :class:`VerifiedPrefixIndex` (fast, non-cryptographic hashes): the same
   map, and every cached block sealed with its content bytes (tokens and extra
-  keys) and its parent's seal. A hit must match both, by content and by
-  identity of the parent seal, so equal hashes with different prefixes
-  (collisions) can only cause misses. A seal whose last block is evicted is
+  keys), a seal number and its parent's seal number. A hit must match both,
+  by content and by the parent's seal number, so equal hashes with different
+  prefixes (collisions) can only cause misses. A seal whose last block is evicted is
   gone; children sealed under it can no longer be reached and age out. This
   can cost a hit that SHA-256 would have found, never the reverse.
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from functools import partial
 from itertools import chain, islice, takewhile
-from operator import eq, is_, is_not, itemgetter
-from typing import Any, cast
+from operator import attrgetter, eq, is_not
+from typing import cast
 
 from kvpool.block import KVBlock
 from kvpool.errors import InvariantViolation
@@ -39,9 +39,10 @@ __all__ = ["PrefixIndex", "VerifiedPrefixIndex"]
 
 #: ``found(x)``: ``x is not None``, called from C (a lookup's run of hits never enters Python per block).
 _found = partial(is_not, None)
-#: The two halves of a verified block's seal ``(content, parent seal)``.
-_content = itemgetter(0)
-_parent = itemgetter(1)
+#: A verified block's sealed fields, read from C.
+_content = attrgetter("content")
+_seal = attrgetter("seal")
+_parent_seal = attrgetter("parent_seal")
 
 
 class PrefixIndex:
@@ -81,25 +82,28 @@ class PrefixIndex:
 
     def insert_run(
         self,
-        table: Sequence[KVBlock],
+        table: list[KVBlock],
         start: int,
         stop: int,
         hashes: Sequence[BlockHash],
-        contents: object,
+        contents: Sequence[bytes] | None,
         group_id: int,
     ) -> int:
         """Cache ``table[k]`` under ``hashes[k]`` for ``k`` in ``start..stop-1``, null blocks skipped.
 
         Sets each block's hash and group. Returns where the run ended (always
-        ``stop``: a trusted hash never refuses). O(1) per block, one call per run.
+        ``stop``: a trusted hash never refuses). One dictionary probe per
+        block (``setdefault``), one call per run.
         """
-        setdefault = self._map.setdefault
-        for block, block_hash in zip(table[start:stop], hashes[start:stop]):
+        m = self._map
+        for k in range(start, stop):
+            block = table[k]
             if block.block_id == 0:
                 continue
             if block.block_hash is not None:
                 raise InvariantViolation(f"block {block.block_id} is cached twice")
-            found = setdefault(block_hash, block)
+            block_hash = hashes[k]
+            found = m.setdefault(block_hash, block)
             if found is not block:  # the hash is cached already: keep both, earliest first
                 self._keep_duplicate(block_hash, found, block)
             block.block_hash = block_hash
@@ -108,12 +112,12 @@ class PrefixIndex:
 
     def remove_run(self, blocks: Sequence[KVBlock]) -> None:
         """Drop every block of ``blocks`` from the index and clear its hash. O(1) per block."""
-        pop = self._map.pop
+        m = self._map
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None:
                 raise InvariantViolation(f"block {block.block_id} is evicted but carries no hash")
-            found = pop(block_hash, None)
+            found = m.pop(block_hash, None)
             if found is not block:
                 self._drop_duplicate(block, block_hash, found)
             block.block_hash = None
@@ -164,25 +168,33 @@ class PrefixIndex:
 class VerifiedPrefixIndex(PrefixIndex):
     """Hash -> block index that verifies content and lineage on every hit.
 
-    Each cached block carries a *seal* in ``block.entry``: the tuple
-    ``(content, parent seal)``, where the parent seal is the seal of the block
-    before it in the table that cached it (None for a first block). Blocks
-    cached under the same hash with the same content and parent share one
-    seal, so lineage is checked by identity: a lookup accepts block ``k`` only
-    if its content equals the request's block ``k`` and its parent seal *is*
-    the seal of the hit it just accepted for block ``k - 1``. Equal hashes
-    with different content or a different prefix (collisions) therefore cost
-    a miss, never a false hit. When every block of a seal is evicted the seal
-    is gone; children sealed under it can no longer be reached and age out,
-    which can cost a hit SHA-256 would have found, never the reverse.
+    Each cached block is *sealed*: it keeps its content bytes
+    (``block.content``), a seal number (``block.seal``, never reused) and the
+    seal number of the block before it in the table that cached it
+    (``block.parent_seal``, 0 for a first block). Blocks cached under the same
+    hash with the same content and parent share one seal number, so lineage
+    is checked by number: a lookup accepts block ``k`` only if its content
+    equals the request's block ``k`` and its parent seal is the seal of the
+    hit it just accepted for block ``k - 1``. Equal hashes with different
+    content or a different prefix (collisions) therefore cost a miss, never a
+    false hit. When every block of a seal is evicted the seal is gone (its
+    number is never issued again); children sealed under it can no longer be
+    reached and age out, which can cost a hit SHA-256 would have found, never
+    the reverse.
 
-    Same map layout and costs as :class:`PrefixIndex`, plus one tuple per
-    newly sealed hash and one bytes comparison per hit.
+    Same map layout and costs as :class:`PrefixIndex`, plus three field
+    writes per sealed block and one bytes comparison per hit; sealing
+    allocates nothing.
     """
 
-    __slots__ = ()
+    __slots__ = ("_last_seal",)
 
     verifies_content = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: The last seal number issued (numbers start at 1; 0 means "not sealed").
+        self._last_seal = 0
 
     def longest_prefix(
         self, hashes: Sequence[BlockHash], contents: Sequence[bytes] | None, max_blocks: int
@@ -190,80 +202,93 @@ class VerifiedPrefixIndex(PrefixIndex):
         if contents is None:
             raise InvariantViolation("verified lookup needs the request's block contents")
         hits = super().longest_prefix(hashes, contents, max_blocks)  # the run by hash alone (duplicates share one seal)
-        seals: list[Any] = [block.entry for block in hits]  # every indexed block is sealed
-        # The whole run verified in two C-level passes: each seal's parent is the seal
+        # The whole run verified in two C-level passes: each block's parent seal is the seal
         # before it (the first has none), and each content equals the request's block.
-        if all(map(is_, map(_parent, seals), chain((None,), seals))) and all(map(eq, map(_content, seals), contents)):
+        if all(map(eq, map(_parent_seal, hits), chain((0,), map(_seal, hits)))) and all(
+            map(eq, map(_content, hits), contents)
+        ):
             return hits
-        parent = None  # a check failed: keep the hits before the first block that fails
-        for k, seal in enumerate(seals):
-            if seal[1] is not parent or seal[0] != contents[k]:
+        parent = 0  # a check failed: keep the hits before the first block that fails
+        for k, block in enumerate(hits):
+            if block.parent_seal != parent or block.content != contents[k]:
                 del hits[k:]
                 break
-            parent = seal
+            parent = block.seal
         return hits
 
     def insert_run(
         self,
-        table: Sequence[KVBlock],
+        table: list[KVBlock],
         start: int,
         stop: int,
         hashes: Sequence[BlockHash],
-        contents: object,
+        contents: Sequence[bytes] | None,
         group_id: int,
     ) -> int:
         """Seal and cache ``table[start:stop]`` until a block is refused; returns where the run stopped.
 
         A block is refused when the block before it is not sealed (its chain
         cannot be verified), or when its hash is held by other content or
-        another lineage; the blocks after it then stay uncached too.
+        another lineage; the blocks after it then stay uncached too. One
+        dictionary probe per block (``setdefault``).
         """
         if contents is None:
             raise InvariantViolation("verified insert needs the blocks' contents")
         m = self._map
-        get = m.get
-        parent = table[start - 1].entry if start else None
-        if start and parent is None:
+        parent = table[start - 1].seal if start else 0
+        if start and parent == 0:
             return start
-        run = zip(range(start, stop), table[start:stop], hashes[start:stop], contents[start:stop])  # type: ignore[index]  # a sequence of bytes for the verified index
-        for k, block, block_hash, content in run:
+        last = self._last_seal
+        for k in range(start, stop):
+            block = table[k]
             if block.block_hash is not None:
+                self._last_seal = last
                 raise InvariantViolation(f"block {block.block_id} is cached twice")
-            found = get(block_hash)
-            seal: Any
-            if found is None:
-                m[block_hash] = block
-                seal = (content, parent)
+            block_hash = hashes[k]
+            content = contents[k]
+            found = m.setdefault(block_hash, block)
+            if found is block:
+                last += 1
+                seal = last
             else:
                 first = found if isinstance(found, KVBlock) else next(iter(found.values()))
-                seal = first.entry
-                if seal[1] is not parent or seal[0] != content:
+                if first.parent_seal != parent or first.content != content:
+                    self._last_seal = last
                     return k  # a collision, or a lineage that was evicted and rebuilt
                 self._keep_duplicate(block_hash, found, block)
-            block.entry = seal
+                seal = first.seal
+                content = first.content
+            block.content = content
+            block.seal = seal
+            block.parent_seal = parent
             block.block_hash = block_hash
             block.group_id = group_id
             parent = seal
+        self._last_seal = last
         return stop
 
     def remove_run(self, blocks: Sequence[KVBlock]) -> None:
         """Drop every block of ``blocks`` from the index, clearing its hash and seal. O(1) per block."""
-        pop = self._map.pop
+        m = self._map
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None:
                 raise InvariantViolation(f"block {block.block_id} is evicted but carries no hash")
-            found = pop(block_hash, None)
+            found = m.pop(block_hash, None)
             if found is not block:
                 self._drop_duplicate(block, block_hash, found)
-            block.block_hash = block.entry = None
+            block.block_hash = None
+            block.content = None
+            block.seal = 0
 
     def remove(self, block: KVBlock) -> None:
         super().remove(block)
-        block.entry = None
+        block.content = None
+        block.seal = 0
 
     def clear(self) -> None:
         for _, block in self.items():
-            block.entry = None
+            block.content = None
+            block.seal = 0
         self._map.clear()
         self._num_shared = 0
