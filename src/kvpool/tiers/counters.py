@@ -97,6 +97,12 @@ class StoreCounters:
             self._stats.bytes_read += len(data)
         return payload
 
+    def hit(self, entry_bytes: int) -> None:
+        """An entry of ``entry_bytes`` read and verified (by a store that decoded it itself)."""
+        with self._lock:
+            self._stats.hits += 1
+            self._stats.bytes_read += entry_bytes
+
     def refused(self, key: bytes, exc: CorruptEntry) -> None:
         """An entry under ``key`` that must not be used (a miss): counted by kind, logged once per kind."""
         self._corrupt(exc.kind, f"refused an entry under {key.hex()[:16]}: {exc}")

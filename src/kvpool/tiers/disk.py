@@ -159,6 +159,14 @@ class DiskStore:
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return [self._get(key) for key in keys]
 
+    def get_many_into(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        """Read each key's payload straight into its buffer in ``out`` (no copy between); whether it arrived.
+
+        A buffer the payload does not fill exactly is a miss (the entry is refused); the contents of
+        a buffer whose key missed are unspecified.
+        """
+        return [self._get_into(key, buffer) for key, buffer in zip(keys, out, strict=True)]
+
     def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> int:
         stored = 0
         for key, payload in items:
@@ -170,7 +178,7 @@ class DiskStore:
                 continue
             if self._clock() < self._saves_paused_until:
                 continue
-            if self._put(key, self._codec.encode(key, payload)):
+            if self._put(key, *self._codec.encode_parts(key, payload)):
                 stored += 1
         return stored
 
@@ -297,10 +305,11 @@ class DiskStore:
             if size is not None:
                 self._used -= size
 
-    def _read(self, key: bytes) -> bytes | None:
-        """The bytes of ``key``'s file if it is a regular file within the entry bound; None if there is none.
+    def _open_entry(self, key: bytes) -> tuple[int, int] | None:
+        """An open descriptor of ``key``'s file and its size, if it is a regular file within the entry bound.
 
-        CorruptEntry (NOT_A_FILE, OVERSIZED) when something else is at the path; OSError for I/O faults.
+        None if there is none; CorruptEntry (NOT_A_FILE, OVERSIZED) when something else is at the
+        path; OSError for I/O faults. The caller closes the descriptor.
         """
         cap = self._cap(key)
         try:
@@ -325,6 +334,22 @@ class DiskStore:
                 raise CorruptEntry(CorruptKind.NOT_A_FILE, f"file mode {stat.filemode(st.st_mode)}")
             if st.st_size > cap:
                 raise CorruptEntry(CorruptKind.OVERSIZED, f"{st.st_size} bytes, an entry is at most {cap}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
+    def _read(self, key: bytes) -> bytes | None:
+        """The bytes of ``key``'s file if it is a regular file within the entry bound; None if there is none.
+
+        CorruptEntry (NOT_A_FILE, OVERSIZED) when something else is at the path; OSError for I/O faults.
+        """
+        opened = self._open_entry(key)
+        if opened is None:
+            return None
+        fd, _size = opened
+        cap = self._cap(key)
+        try:
             chunks: list[bytes] = []
             left = cap + 1  # one byte past the bound tells a file that grew after fstat
             while left > 0:
@@ -339,6 +364,40 @@ class DiskStore:
         if len(data) > cap:
             raise CorruptEntry(CorruptKind.OVERSIZED, f"grew past {cap} bytes while read")
         return data
+
+    def _read_into(self, key: bytes, out: memoryview) -> int | None:
+        """Check ``key``'s entry and read its payload straight into ``out``; the entry's size, None if there is none.
+
+        The head is read first (at most the longest head), checked, then the payload goes into
+        ``out`` with one ``preadv`` that asks one byte more (a file that grew after ``fstat``), and
+        is verified there. CorruptEntry as :meth:`_read` and :meth:`EntryCodec.decode_into`; OSError
+        for I/O faults. ``out`` holds garbage when this raises.
+        """
+        opened = self._open_entry(key)
+        if opened is None:
+            return None
+        fd, size = opened
+        codec = self._codec
+        try:
+            head_bytes = os.pread(fd, min(size, codec.max_head_bytes(len(key))), 0)
+            head = codec.parse_head(key, head_bytes, size)
+            if head.payload_len != out.nbytes:
+                raise CorruptEntry(CorruptKind.MALFORMED, f"{head.payload_len} payload bytes, a block is {out.nbytes}")
+            spare = bytearray(1)
+            done = 0
+            while done < out.nbytes:
+                n = os.preadv(fd, [out[done:], spare], head.size + done)
+                if n == 0:
+                    break
+                done += n
+        finally:
+            os.close(fd)
+        if done > out.nbytes:
+            raise CorruptEntry(CorruptKind.OVERSIZED, f"grew past {size} bytes while read")
+        if done < out.nbytes:
+            raise CorruptEntry(CorruptKind.TRUNCATED, f"shrank to {head.size + done} bytes while read")
+        codec.verify(head, memoryview(head_bytes)[: head.size], out)
+        return size
 
     def _get(self, key: bytes) -> bytes | None:
         try:
@@ -357,6 +416,29 @@ class DiskStore:
         if payload is None:  # a refused entry never gets better: remove it
             self._discard(key)
             return None
+        self._touch(key, len(data))
+        return payload
+
+    def _get_into(self, key: bytes, out: memoryview) -> bool:
+        try:
+            size = self._read_into(key, out)
+        except CorruptEntry as exc:
+            self._counters.refused(key, exc)
+            self._discard(key)  # a refused entry never gets better: remove it
+            return False
+        except OSError as exc:
+            self._counters.error("read", f"cannot read {self._path(key)}: {exc}; a miss", misses=1)
+            return False
+        if size is None:
+            self._counters.add(misses=1)
+            self._forget(key)
+            return False
+        self._counters.hit(size)
+        self._touch(key, size)
+        return True
+
+    def _touch(self, key: bytes, size: int) -> None:
+        """``key``'s entry of ``size`` bytes was just read: most recently used, here and in its mtime."""
         try:
             with self._shard(key) as shard:
                 os.utime(_entry_name(key), dir_fd=shard, follow_symlinks=False)  # recency that survives a restart
@@ -365,14 +447,13 @@ class DiskStore:
         with self._lock:
             known = self._lru.get(key)
             if known is not None:
-                self._used += len(data) - known  # another writer may have replaced the file
-                self._lru[key] = len(data)
+                self._used += size - known  # another writer may have replaced the file
+                self._lru[key] = size
                 self._lru.move_to_end(key)
             else:
-                self._lru[key] = len(data)
-                self._used += len(data)
+                self._lru[key] = size
+                self._used += size
             self._evict_to(self.capacity_bytes)
-        return payload
 
     def _discard(self, key: bytes) -> None:
         """Forget ``key`` and remove what is at its path (a directory there is left alone)."""
@@ -380,16 +461,17 @@ class DiskStore:
         if self._unlink(key):
             self._counters.add(removed=1)
 
-    def _put(self, key: bytes, entry: bytes) -> bool:
-        if len(entry) > self.capacity_bytes:
-            self._counters.warn_once("too big", f"a {len(entry)}-byte entry exceeds the tier ({self.capacity_bytes})")
+    def _put(self, key: bytes, head: bytes, body: memoryview) -> bool:
+        size = len(head) + body.nbytes
+        if size > self.capacity_bytes:
+            self._counters.warn_once("too big", f"a {size}-byte entry exceeds the tier ({self.capacity_bytes})")
             return False
         with self._lock:
-            self._evict_to(self.capacity_bytes - len(entry))
-            self._lru[key] = len(entry)  # reserve its room before writing, so concurrent puts stay in bounds
-            self._used += len(entry)
+            self._evict_to(self.capacity_bytes - size)
+            self._lru[key] = size  # reserve its room before writing, so concurrent puts stay in bounds
+            self._used += size
         try:
-            self._write(key, entry)
+            self._write(key, head, body)
         except OSError as exc:
             self._forget(key)
             if exc.errno in _PATH_ERRNOS:
@@ -401,23 +483,27 @@ class DiskStore:
                 f"cannot write {self._path(key)}: {exc}; saves pause for {self._retry_after_s:g}s, loads go on",
             )
             return False
-        self._counters.add(bytes_written=len(entry))
+        self._counters.add(bytes_written=size)
         if self._saves_paused_until > float("-inf"):  # the first save after a failed one
             self._saves_paused_until = float("-inf")
             self._counters.forget_warning("write")
             _log.warning("kvpool disk tier: saves to %s work again", self.root)
         return True
 
-    def _write(self, key: bytes, entry: bytes) -> None:
+    def _write(self, key: bytes, head: bytes, body: memoryview) -> None:
         name = _entry_name(key)
         tmp = f".{name[:16]}.{secrets.token_hex(6)}.tmp"
         with self._shard(key, create=True) as shard:
             fd = os.open(tmp, _WRITE_FLAGS, 0o600, dir_fd=shard)
             try:
                 try:
-                    view = memoryview(entry)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                    parts = [memoryview(head), body]  # one writev: the payload is never joined to its head
+                    while parts:
+                        written = os.writev(fd, parts)
+                        while parts and written >= parts[0].nbytes:
+                            written -= parts.pop(0).nbytes
+                        if parts:
+                            parts[0] = parts[0][written:]
                     if self._fsync:
                         os.fsync(fd)
                 finally:

@@ -5,26 +5,40 @@ trust where the bytes came from. One entry, little-endian::
 
     offset  size  field
          0     4  magic            b"KVPE"
-         4     1  format version   1
-         5     1  flags            bit 0: signed (an HMAC follows the key)
-         6     2  key length       K
-         8     8  payload length   N
-        16    32  layout digest    SHA-256 of the LayoutFingerprint (the model's weights included)
-        48    32  payload checksum SHA-256 of the payload
-        80     K  key              the chained block hash the entry was stored under
-    80 + K    32  HMAC-SHA256      (signed entries only) over bytes [0, 80 + K)
+         4     1  format version   2
+         5     1  checksum kind    1: XXH3-128, 2: CRC-32 (:class:`Checksum`)
+         6     1  signature kind   0: none, 1: HMAC-SHA256 (:class:`Signature`)
+         7     1  zero
+         8     2  key length       K
+        10     6  zero
+        16     8  payload length   N
+        24    32  layout digest    SHA-256 of the LayoutFingerprint (the model's weights included)
+        56    16  payload checksum the checksum kind's digest of the payload (CRC-32: 4 bytes, then zeros)
+        72     K  key              the chained block hash the entry was stored under
+    72 + K    32  HMAC-SHA256      (signed entries only) over bytes [0, 72 + K) and then the payload
          ...   N  payload
 
-The HMAC covers the header and the key, and the header holds a SHA-256 of the payload, so one
-pass over the payload (the checksum) serves both integrity and authentication: forging a signed
-entry for other KV needs the secret or a SHA-256 collision.
+Integrity and authenticity are separate checks, each at the speed it needs. The checksum is not
+cryptographic: it catches damage (a torn write, a flipped bit, a truncated value) at memory speed
+(XXH3-128 with the ``fast`` or ``tiers`` extra, else CRC-32). The signature is what a secret buys:
+an HMAC over the header, the key and the payload itself, so forging a signed entry for other KV
+needs the secret, whatever the checksum. HMAC-SHA256 is the keyed hash because it is the fastest
+``hashlib`` offers on CPUs with SHA extensions (measured against keyed BLAKE2b and BLAKE2s: see
+BENCHMARKS.md); the header names it, so another kind can follow without guessing.
 
 :meth:`EntryCodec.decode` refuses, with a :class:`CorruptEntry` naming a :class:`CorruptKind`,
-an entry that is truncated or garbled, from another format version, from another model or KV
-layout, longer than any entry of this layout can be, stored under another key (a valid entry
-replayed under another hash), whose payload does not match its checksum, or, when the codec has a
+an entry that is truncated or garbled, from another format version (version 1 entries included),
+from another model or KV layout, longer than any entry of this layout can be, stored under
+another key (a valid entry replayed under another hash), that names a checksum or signature kind
+this process cannot compute, whose payload does not match its checksum, or, when the codec has a
 secret, one that is unsigned or signed with another secret. A codec without a secret reads signed
 entries too (it checks the checksum only).
+
+Copies: :meth:`EntryCodec.encode_parts` gives the head and the payload apart, for writers that
+send both without joining them (``os.writev``); :meth:`EntryCodec.decode_into` checks an entry
+and copies its payload into the caller's buffer; :meth:`EntryCodec.parse_head` and
+:meth:`EntryCodec.verify` let a reader place the payload straight in its buffer (``os.preadv``)
+and check it there.
 
 :meth:`EntryCodec.max_entry_bytes` bounds an entry's size from the layout alone (header, key,
 HMAC and one block's KV), so a store can refuse a bigger stored object before reading it.
@@ -36,6 +50,8 @@ import hashlib
 import hmac
 import json
 import struct
+import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import Enum
 
@@ -45,19 +61,70 @@ from kvpool.hashing import HashAlgo
 from kvpool.secret_files import check_secret
 from kvpool.specs import KVDtype
 
-__all__ = ["FORMAT_VERSION", "CorruptEntry", "CorruptKind", "EntryCodec", "LayoutFingerprint", "Payload"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Checksum",
+    "CorruptEntry",
+    "CorruptKind",
+    "EntryCodec",
+    "EntryHead",
+    "LayoutFingerprint",
+    "Payload",
+    "Signature",
+]
 
 #: Version of the entry layout above; an entry of any other version is refused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 #: What ``encode`` takes as a payload: any contiguous buffer of bytes.
 Payload = bytes | bytearray | memoryview
 
 _MAGIC = b"KVPE"
-_HEADER = struct.Struct("<4sBBHQ32s32s")
-_SIGNED = 0x01
+_HEADER = struct.Struct("<4sBBBBH6sQ32s16s")
+_CHECKSUM_AT = 56  # offset of the checksum field in the header
 _MAC_SIZE = hashlib.sha256().digest_size
 _MAX_KEY = 0xFFFF
+_ZEROS = bytes(16)
+
+
+class Checksum(Enum):
+    """How an entry's payload is checksummed (for damage, not for forgery: that is the signature's job)."""
+
+    XXH3_128 = 1
+    CRC32 = 2
+
+    @classmethod
+    def best_available(cls) -> Checksum:
+        """XXH3-128 when ``xxhash`` is installed (tens of GB/s), else CRC-32 (the standard library's)."""
+        return cls.XXH3_128 if _CHECKSUMS[cls.XXH3_128] is not None else cls.CRC32
+
+
+class Signature(Enum):
+    """How an entry is signed; the header names it."""
+
+    NONE = 0
+    HMAC_SHA256 = 1
+
+
+def _xxh3_128() -> Callable[[Payload], bytes] | None:
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    digest: Callable[[Payload], bytes] = xxhash.xxh3_128_digest
+    return digest
+
+
+def _crc32(payload: Payload) -> bytes:
+    return zlib.crc32(payload).to_bytes(4, "little") + _ZEROS[:12]
+
+
+#: Each checksum kind's 16-byte digest, or None where this process cannot compute it (no xxhash).
+_CHECKSUMS: dict[Checksum, Callable[[Payload], bytes] | None] = {Checksum.XXH3_128: _xxh3_128(), Checksum.CRC32: _crc32}
+
+
+def _checksum_function(kind: Checksum) -> Callable[[Payload], bytes] | None:
+    return _CHECKSUMS[kind]
 
 
 class CorruptKind(Enum):
@@ -70,9 +137,10 @@ class CorruptKind(Enum):
     OVERSIZED = "oversized"  # longer than any entry of this layout (refused before it is read)
     NOT_A_FILE = "not a file"  # a disk entry's path holds a link, a FIFO, a device or a directory
     FOREIGN_KEY = "foreign key"  # stored under another block hash
+    CHECK_KIND = "check kind"  # a checksum or signature kind this process cannot compute
     CHECKSUM = "checksum"  # payload bytes changed
     UNSIGNED = "unsigned"  # the codec has a secret, the entry has no HMAC
-    BAD_SIGNATURE = "bad signature"  # an HMAC made with another secret, or a changed header
+    BAD_SIGNATURE = "bad signature"  # an HMAC made with another secret, or a changed header or payload
 
 
 class CorruptEntry(ExternalDataError):
@@ -129,22 +197,46 @@ class LayoutFingerprint:
         return hashlib.sha256(b"kvpool/layout/v2\0" + text.encode()).digest()
 
 
+@dataclass(frozen=True, slots=True)
+class EntryHead:
+    """An entry's head, checked (:meth:`EntryCodec.parse_head`): where its payload starts and how long it is."""
+
+    size: int  # bytes before the payload: header, key and signature
+    payload_len: int
+    checksum: Checksum
+    signature: Signature
+
+
 class EntryCodec:
     """Encodes payloads into entries for one layout and decodes them back, refusing anything else.
 
-    ``secret``: at least :data:`~kvpool.secret_files.MIN_SECRET_BYTES` bytes; with it, ``encode`` signs every entry and ``decode`` refuses unsigned entries and
-    entries signed with another secret. Share it between the replicas that share a tier.
-    Both directions cost one SHA-256 pass over the payload plus one copy.
+    ``secret``: at least :data:`~kvpool.secret_files.MIN_SECRET_BYTES` bytes; with it, ``encode``
+    signs every entry and ``decode`` refuses unsigned entries and entries signed with another
+    secret. Share it between the replicas that share a tier. ``checksum``: what new entries are
+    checksummed with (default :meth:`Checksum.best_available`); entries of either kind are read.
+    Unsigned, each direction costs one checksum pass over the payload (XXH3-128: far above memory
+    bandwidth); signed, one HMAC-SHA256 pass more.
     """
 
-    def __init__(self, fingerprint: LayoutFingerprint, secret: bytes | None = None) -> None:
+    def __init__(
+        self, fingerprint: LayoutFingerprint, secret: bytes | None = None, *, checksum: Checksum | None = None
+    ) -> None:
         if not isinstance(fingerprint, LayoutFingerprint):
             raise ConfigError(f"fingerprint must be a LayoutFingerprint, got {fingerprint!r}")
         if secret is not None:
             check_secret(secret, purpose="KV tier secret")
+        kind = Checksum.best_available() if checksum is None else checksum
+        if not isinstance(kind, Checksum):
+            raise ConfigError(f"checksum must be a Checksum, got {checksum!r}")
+        function = _checksum_function(kind)
+        if function is None:
+            raise ConfigError(f"checksum {kind.name} needs the xxhash package: pip install 'kvpool[fast]'")
         self.fingerprint = fingerprint
+        self.checksum = kind
+        self._checksum = function
         self._layout = fingerprint.digest()
         self._secret = secret
+        self._signature = Signature.NONE if secret is None else Signature.HMAC_SHA256
 
     @property
     def namespace(self) -> str:
@@ -159,8 +251,19 @@ class EntryCodec:
         """The longest entry of this layout under a key of ``key_len`` bytes (signed, one whole block)."""
         return _HEADER.size + key_len + _MAC_SIZE + self.fingerprint.block_bytes
 
+    def max_head_bytes(self, key_len: int) -> int:
+        """The longest head (everything before the payload) under a key of ``key_len`` bytes."""
+        return _HEADER.size + key_len + _MAC_SIZE
+
+    # -- encoding ---------------------------------------------------------------------------
+
     def encode(self, key: bytes, payload: Payload) -> bytes:
         """The entry for ``payload`` stored under ``key``."""
+        head, body = self.encode_parts(key, payload)
+        return b"".join((head, body))
+
+    def encode_parts(self, key: bytes, payload: Payload) -> tuple[bytes, memoryview]:
+        """The entry for ``payload`` as its head and the payload itself (not copied): written one after the other."""
         if not isinstance(key, bytes) or not 0 < len(key) <= _MAX_KEY:
             raise ConfigError(f"an entry key must be 1 to {_MAX_KEY} bytes, got {key!r:.80}")
         body = memoryview(payload).cast("B")
@@ -168,22 +271,64 @@ class EntryCodec:
             raise ConfigError(
                 f"a payload of {body.nbytes} bytes exceeds one block of this layout ({self.fingerprint.block_bytes})"
             )
-        flags = _SIGNED if self._secret is not None else 0
         header = _HEADER.pack(
-            _MAGIC, FORMAT_VERSION, flags, len(key), body.nbytes, self._layout, hashlib.sha256(body).digest()
+            _MAGIC,
+            FORMAT_VERSION,
+            self.checksum.value,
+            self._signature.value,
+            0,
+            len(key),
+            _ZEROS[:6],
+            body.nbytes,
+            self._layout,
+            self._checksum(body),
         )
-        mac = b"" if self._secret is None else hmac.digest(self._secret, header + key, "sha256")
-        return b"".join((header, key, mac, body))
+        if self._secret is None:
+            return header + key, body
+        mac = hmac.new(self._secret, header, "sha256")
+        mac.update(key)
+        mac.update(body)
+        return b"".join((header, key, mac.digest())), body
 
-    def decode(self, key: bytes, data: bytes) -> bytes:
+    # -- decoding ---------------------------------------------------------------------------
+
+    def decode(self, key: bytes, data: Payload) -> bytes:
         """The payload of ``data`` if it is a sound entry of this layout stored under ``key``; CorruptEntry if not."""
+        view = memoryview(data).cast("B")
+        head = self.parse_head(key, view, view.nbytes)
+        payload = view[head.size :]
+        self.verify(head, view[: head.size], payload)
+        return payload.tobytes()
+
+    def decode_into(self, key: bytes, data: Payload, out: memoryview) -> None:
+        """Check ``data`` as :meth:`decode` does and copy its payload into ``out``, which it must fill exactly.
+
+        CorruptEntry (MALFORMED) for a sound entry whose payload is not ``len(out)`` bytes; ``out``
+        is written only once the entry passed every check.
+        """
+        view = memoryview(data).cast("B")
+        head = self.parse_head(key, view, view.nbytes)
+        if head.payload_len != out.nbytes:
+            raise CorruptEntry(CorruptKind.MALFORMED, f"{head.payload_len} payload bytes, a block is {out.nbytes}")
+        payload = view[head.size :]
+        self.verify(head, view[: head.size], payload)
+        out[:] = payload
+
+    def parse_head(self, key: bytes, data: Payload, entry_len: int) -> EntryHead:
+        """Check an entry's head (``data``: at least its head) for an entry of ``entry_len`` bytes under ``key``.
+
+        Everything but the payload's checksum and signature: magic, version, layout, lengths, key,
+        check kinds, and the signature's presence when the codec has a secret. CorruptEntry if not sound.
+        """
         if len(data) < _HEADER.size:
             raise CorruptEntry(CorruptKind.TRUNCATED, f"{len(data)} bytes, shorter than the {_HEADER.size}-byte header")
-        magic, version, flags, key_len, payload_len, layout, checksum = _HEADER.unpack_from(data)
+        magic, version, checksum, signature, zero, key_len, zeros, payload_len, layout, _sum = _HEADER.unpack_from(data)
         if magic != _MAGIC:
             raise CorruptEntry(CorruptKind.MALFORMED, f"magic {magic!r} is not {_MAGIC!r}")
         if version != FORMAT_VERSION:
             raise CorruptEntry(CorruptKind.VERSION, f"format version {version}, this kvpool reads {FORMAT_VERSION}")
+        if zero or zeros != _ZEROS[:6]:
+            raise CorruptEntry(CorruptKind.MALFORMED, "reserved header bytes are not zero")
         if layout != self._layout:
             raise CorruptEntry(CorruptKind.FOREIGN_LAYOUT, "written for other weights, another model or KV layout")
         if payload_len > self.fingerprint.block_bytes:
@@ -191,24 +336,46 @@ class EntryCodec:
                 CorruptKind.MALFORMED,
                 f"header says {payload_len} payload bytes, a block is {self.fingerprint.block_bytes}",
             )
+        try:
+            checksum_kind = Checksum(checksum)
+            signature_kind = Signature(signature)
+        except ValueError:
+            raise CorruptEntry(
+                CorruptKind.CHECK_KIND, f"checksum kind {checksum} or signature kind {signature} is unknown here"
+            ) from None
         key_end = _HEADER.size + key_len
-        payload_start = key_end + (_MAC_SIZE if flags & _SIGNED else 0)
-        if len(data) < payload_start:
+        size = key_end + (_MAC_SIZE if signature_kind is Signature.HMAC_SHA256 else 0)
+        if len(data) < size:
             raise CorruptEntry(CorruptKind.TRUNCATED, f"{len(data)} bytes end inside the key or signature")
         if data[_HEADER.size : key_end] != key:
             raise CorruptEntry(CorruptKind.FOREIGN_KEY, "stored under another block hash")
-        if self._secret is not None:
-            if not flags & _SIGNED:
-                raise CorruptEntry(CorruptKind.UNSIGNED, "no HMAC, and this tier requires one")
-            expected = hmac.digest(self._secret, data[:key_end], "sha256")
-            if not hmac.compare_digest(expected, data[key_end:payload_start]):
-                raise CorruptEntry(
-                    CorruptKind.BAD_SIGNATURE, "HMAC does not match (another secret or a changed header)"
-                )
-        if len(data) != payload_start + payload_len:
-            kind = CorruptKind.TRUNCATED if len(data) < payload_start + payload_len else CorruptKind.MALFORMED
-            raise CorruptEntry(kind, f"{len(data) - payload_start} payload bytes, header says {payload_len}")
-        payload = data[payload_start:]
-        if hashlib.sha256(payload).digest() != checksum:
+        if _checksum_function(checksum_kind) is None:
+            raise CorruptEntry(
+                CorruptKind.CHECK_KIND, f"checksum {checksum_kind.name} needs xxhash: pip install 'kvpool[fast]'"
+            )
+        if self._secret is not None and signature_kind is Signature.NONE:
+            raise CorruptEntry(CorruptKind.UNSIGNED, "no HMAC, and this tier requires one")
+        if entry_len != size + payload_len:
+            kind = CorruptKind.TRUNCATED if entry_len < size + payload_len else CorruptKind.MALFORMED
+            raise CorruptEntry(kind, f"{entry_len - size} payload bytes, header says {payload_len}")
+        return EntryHead(size=size, payload_len=payload_len, checksum=checksum_kind, signature=signature_kind)
+
+    def verify(self, head: EntryHead, head_bytes: Payload, payload: Payload) -> None:
+        """Check ``payload`` against its checksum, and the signature when the codec has a secret; CorruptEntry if not.
+
+        ``head`` is what :meth:`parse_head` made of ``head_bytes`` (the entry's first ``head.size`` bytes).
+        """
+        function = _checksum_function(head.checksum)
+        stored = bytes(memoryview(head_bytes)[_CHECKSUM_AT : _HEADER.size])
+        if function is None or function(payload) != stored:
             raise CorruptEntry(CorruptKind.CHECKSUM, "payload does not match its checksum")
-        return payload
+        if self._secret is not None:
+            key_end = head.size - _MAC_SIZE
+            view = memoryview(head_bytes)
+            mac = hmac.new(self._secret, view[: _HEADER.size], "sha256")
+            mac.update(view[_HEADER.size : key_end])
+            mac.update(payload)
+            if not hmac.compare_digest(mac.digest(), view[key_end : head.size]):
+                raise CorruptEntry(
+                    CorruptKind.BAD_SIGNATURE, "HMAC does not match (another secret, or a changed header or payload)"
+                )

@@ -21,7 +21,9 @@ not bound what it puts in Redis: entries leave by their TTL or by the server's o
 ``maxmemory-policy`` (``allkeys-lru`` suits a cache), and a block Redis evicted is a miss.
 
 Many blocks travel in one round trip: a pipeline of GETRANGEs (split per node on a cluster), of
-SETs, of STRLENs for lookups. Faults never stop serving: a Redis that is down, dies or times out (short socket timeouts)
+SETs, of STRLENs for lookups, at most :data:`PIPELINE_BLOCKS` blocks each. Replies are parsed by
+hiredis where it is installed (the ``tiers`` extra installs it; redis-py picks it up), and
+``get_many_into`` verifies each value and copies its payload straight into the caller's buffer. Faults never stop serving: a Redis that is down, dies or times out (short socket timeouts)
 costs one warning; until a retry, cheaply timed with a doubling backoff, every call answers at
 once with misses and stores nothing; the tier comes back when the server does.
 """
@@ -31,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode
@@ -48,6 +50,10 @@ REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster", "rediss+c
 
 _log = logging.getLogger("kvpool.tiers.redis")
 _TIMEOUTS = {"socket_timeout": 1.0, "socket_connect_timeout": 0.5}
+
+#: Blocks per pipeline (one round trip): measured with benchmarks/bench_tier_stores.py --pipeline-sweep;
+#: past it, a longer pipeline only buffers more replies at once.
+PIPELINE_BLOCKS = 16
 
 
 def _import_redis() -> Any:
@@ -160,35 +166,77 @@ class RedisStore:
         return count
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        if not keys:
-            return []
-        names = [self._prefix + key for key in keys]
-        caps = [self._codec.max_entry_bytes(len(key)) for key in keys]
-
-        def read(client: Any) -> list[bytes]:
-            pipe = client.pipeline(transaction=False)
-            for name, cap in zip(names, caps):
-                pipe.getrange(name, 0, cap)  # at most cap + 1 bytes: one past the bound tells an oversized value
-            return list(pipe.execute())
-
-        values = self._call("read", read)
-        if values is None:
-            self._counters.add(misses=len(keys))
-            return [None] * len(keys)
         payloads: list[bytes | None] = []
         refused: list[bytes] = []
-        for key, name, cap, value in zip(keys, names, caps, values):
-            if len(value) > cap:
-                self._counters.refused(key, CorruptEntry(CorruptKind.OVERSIZED, f"more than {cap} bytes"))
-                payload = None
-            else:
-                payload = self._counters.payload(key, value or None)  # GETRANGE answers b"" for an absent key
-            if payload is None and value:
-                refused.append(name)
+        for key, value in self._read(keys, refused):
+            payload = None if value is None else self._counters.payload(key, value)
+            if value is not None and payload is None:
+                refused.append(self._prefix + key)
             payloads.append(payload)
         if refused:
             self._remove(refused)
         return payloads
+
+    def get_many_into(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        """Each key's verified payload copied into its buffer in ``out`` (the one copy); whether it arrived.
+
+        A buffer the payload does not fill exactly is a miss (the entry is refused); the contents
+        of a buffer whose key missed are unspecified.
+        """
+        if len(out) != len(keys):
+            raise ConfigError(f"get_many_into needs one buffer per key, got {len(out)} for {len(keys)} keys")
+        arrived: list[bool] = []
+        refused: list[bytes] = []
+        decode_into = self._codec.decode_into
+        for (key, value), buffer in zip(self._read(keys, refused), out):
+            if value is None:
+                arrived.append(False)
+                continue
+            try:
+                decode_into(key, value, buffer)
+            except CorruptEntry as exc:
+                self._counters.refused(key, exc)
+                refused.append(self._prefix + key)
+                arrived.append(False)
+                continue
+            self._counters.hit(len(value))
+            arrived.append(True)
+        if refused:
+            self._remove(refused)
+        return arrived
+
+    def _read(self, keys: Sequence[bytes], refused: list[bytes]) -> Iterator[tuple[bytes, bytes | None]]:
+        """Each key with its stored value, None for a miss (absent, oversized, or Redis down; counted here).
+
+        The names of oversized values go to ``refused``, for the caller to delete.
+
+        Values are read with bounded GETRANGEs, :data:`PIPELINE_BLOCKS` per round trip.
+        """
+        cap = self._codec.max_entry_bytes
+        for start in range(0, len(keys), PIPELINE_BLOCKS):
+            batch = keys[start : start + PIPELINE_BLOCKS]
+
+            def read(client: Any, batch: Sequence[bytes] = batch) -> list[bytes]:
+                pipe = client.pipeline(transaction=False)
+                for key in batch:
+                    pipe.getrange(self._prefix + key, 0, cap(len(key)))  # one byte past the bound tells a bigger one
+                return list(pipe.execute())
+
+            values = self._call("read", read)
+            if values is None:
+                self._counters.add(misses=len(batch))
+                yield from ((key, None) for key in batch)
+                continue
+            for key, value in zip(batch, values):
+                if not value:  # GETRANGE answers b"" for an absent key
+                    self._counters.add(misses=1)
+                    yield key, None
+                elif len(value) > cap(len(key)):
+                    self._counters.refused(key, CorruptEntry(CorruptKind.OVERSIZED, f"more than {cap(len(key))} bytes"))
+                    refused.append(self._prefix + key)
+                    yield key, None
+                else:
+                    yield key, value
 
     def _remove(self, names: list[bytes]) -> None:
         """Delete refused entries under this store's prefix, so their blocks can be saved again.
@@ -210,18 +258,24 @@ class RedisStore:
     def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> int:
         if not items or not self.available:
             return 0
-        entries = [(self._prefix + key, self._codec.encode(key, payload)) for key, payload in items]
+        stored = 0
+        for start in range(0, len(items), PIPELINE_BLOCKS):
+            entries = [
+                (self._prefix + key, self._codec.encode(key, payload))
+                for key, payload in items[start : start + PIPELINE_BLOCKS]
+            ]
 
-        def store(client: Any) -> int:
-            pipe = client.pipeline(transaction=False)
-            for name, entry in entries:
-                pipe.set(name, entry, ex=self.ttl_s)
-            return sum(1 for ok in pipe.execute() if ok)
+            def store(client: Any, entries: list[tuple[bytes, bytes]] = entries) -> int:
+                pipe = client.pipeline(transaction=False)
+                for name, entry in entries:
+                    pipe.set(name, entry, ex=self.ttl_s)
+                return sum(1 for ok in pipe.execute() if ok)
 
-        stored: int | None = self._call("write", store)
-        if stored is None:
-            return 0
-        self._counters.add(bytes_written=sum(len(entry) for _name, entry in entries))
+            done: int | None = self._call("write", store)
+            if done is None:
+                break
+            stored += done
+            self._counters.add(bytes_written=sum(len(entry) for _name, entry in entries))
         return stored
 
     def close(self) -> None:

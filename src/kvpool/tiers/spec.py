@@ -78,8 +78,15 @@ class BlockStore(Protocol):
         """The verified payload of each key, None for a miss (absent, corrupt, foreign, or the backend down)."""
         ...
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        """Store ``(key, payload)`` pairs; how many are stored when it returns. Never raises on backend faults."""
+    def get_many_into(self, keys: Sequence[bytes], out: Sequence[memoryview]) -> list[bool]:
+        """Each key's verified payload written into its buffer in ``out``, which it must fill exactly; whether it was.
+
+        The copy-free read: no payload object is made. A buffer whose key missed holds garbage.
+        """
+        ...
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes | bytearray | memoryview]]) -> int:
+        """Store ``(key, payload)`` pairs (any contiguous buffer, not kept); how many are stored. Never raises on faults."""
         ...
 
     @property
