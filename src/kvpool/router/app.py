@@ -9,7 +9,13 @@ For a generation request the router
    the replicas do;
 3. asks the block index how many leading blocks each replica that is up holds, and
    lets the ``prefix`` routing rule (:mod:`kvpool.routing`) weigh that against each
-   replica's load; its ties go round the replicas in turn, so new prefixes spread out;
+   replica's load; its ties go round the replicas in turn, so new prefixes spread out.
+   The rule weighs cached tokens, counted in blocks of :data:`LOAD_COST_TOKENS` tokens
+   whatever a replica's block size, so ``load_cost`` means the same before 16-token
+   and 128-token blocks. In precise mode the blocks of the requests a replica is
+   computing now count as held there too: their events come only once they are
+   computed, and several conversations that start at once on one system prompt
+   should meet on one replica, not each compute it;
 4. forwards the request's bytes unchanged, with the client's ``Authorization``, and
    streams the answer back as it comes. The replica that served writes the usage,
    ``cached_tokens`` included.
@@ -39,9 +45,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +83,9 @@ log = logging.getLogger("kvpool.route")
 
 # Response headers that describe one hop, not the answer.
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"})
+#: The tokens of one "block" in the routing rule's exchange rate: ``load_cost`` such blocks
+#: cached are worth one request in flight, whatever block size the replicas use.
+LOAD_COST_TOKENS = 16
 # Request headers passed on to the replica.
 _FORWARDED = ("authorization", "content-type", "accept")
 # A request body past this many bytes is tokenized and hashed on a worker thread (the tokenizer
@@ -105,8 +115,8 @@ NO_KEYS = PromptKeys()
 class RouteOptions:
     """Everything ``kvpool route`` is told on its command line, checked.
 
-    ``load_cost``: cached blocks one request queued or running at a replica is worth
-    (the ``prefix`` rule's exchange rate); ``routing``: the rule (the others, for comparison, ignore prefixes). ``admin_key``: sent to the replicas'
+    ``load_cost``: cached blocks of :data:`LOAD_COST_TOKENS` tokens one request queued or
+    running at a replica is worth (the ``prefix`` rule's exchange rate; 8: 128 tokens); ``routing``: the rule (the others, for comparison, ignore prefixes). ``admin_key``: sent to the replicas'
     ``/kv-events``, which only their loopback interface may read without one. ``admin_keys``: the keys that
     open the router's own ``/health?verbose=1`` to clients off its loopback interface (None: loopback only).
     ``keys`` None: the replicas are
@@ -160,7 +170,10 @@ class Router:
         )
         self.approx_hasher = BlockHasher(options.approx_block_size)
         self.no_replica = 0  # requests answered 503 because no replica was up
-        self.rule = chooser(options.routing, load_cost=options.load_cost)
+        self.load_cost = options.load_cost * LOAD_COST_TOKENS  # in cached tokens
+        self.rule = chooser(options.routing, load_cost=self.load_cost)
+        # per replica URL: how many requests in flight there hold each block (precise mode's unpublished blocks)
+        self.computing: dict[str, dict[BlockHash, int]] = {}
         self.monitor = ReplicaMonitor(
             self.replicas,
             self.index,
@@ -356,14 +369,23 @@ class Router:
         ranked: list[tuple[Replica, int]] = []
         if candidates:
             cached = self._cached_blocks(candidates, keys)
-            i = self.rule.choose(cached, [r.load for r in candidates])  # its ties rotate: new prefixes spread
+            tokens = [n * self.block_size(r, keys) for r, n in zip(candidates, cached)]
+            i = self.rule.choose(tokens, [r.load for r in candidates])  # its ties rotate: new prefixes spread
             while True:
                 ranked.append((candidates.pop(i), cached.pop(i)))
+                tokens.pop(i)
                 if not candidates:
                     break
                 # the fallbacks, for a retry: the same rule, without moving the chooser's rotation
-                i = prefix_aware(cached, [r.load for r in candidates], load_cost=self.options.load_cost)
+                i = prefix_aware(tokens, [r.load for r in candidates], load_cost=self.load_cost)
         return ranked
+
+    def block_size(self, replica: Replica, keys: PromptKeys) -> int:
+        """The tokens of one of ``replica``'s blocks as the router counts them (0: it counts none)."""
+        if self.precise_for(replica):
+            assert replica.events is not None
+            return replica.events.block_size
+        return self.options.approx_block_size if keys.approx else 0
 
     def _cached_blocks(self, candidates: Sequence[Replica], keys: PromptKeys) -> list[int]:
         cached = [0] * len(candidates)
@@ -376,6 +398,9 @@ class Router:
             if group and prompt:
                 found = self.index.match(prompt, [candidates[i].url for i in group])
                 for i, n in zip(group, found):
+                    computing = self.computing.get(candidates[i].url)
+                    while computing and n < len(prompt) and prompt[n] in computing:
+                        n += 1  # held, then being computed there now: its events are on their way
                     cached[i] = n
         if keys.approx:
             # in the approximate unit; the rule compares blocks, so scale to the events' unit where both meet
@@ -387,20 +412,42 @@ class Router:
 
     def predicted_tokens(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
         """The prompt tokens ``replica`` should serve from its cache: whole blocks, never the prompt's last token."""
-        if self.precise_for(replica):
-            assert replica.events is not None
-            block_size = replica.events.block_size
-        elif keys.approx:
-            block_size = self.options.approx_block_size
-        else:
+        block_size = self.block_size(replica, keys)
+        if not block_size:
             return 0
         usable = max(0, keys.tokens - 1) // block_size  # the last token is always computed
         return min(cached_blocks, usable) * block_size
 
     def routed(self, replica: Replica, keys: PromptKeys) -> None:
-        """``replica`` accepted a request: the approximate memory notes where its prefix now lives."""
+        """``replica`` accepted a request: the approximate memory notes where its prefix now lives.
+
+        In precise mode its blocks count as being computed there until :meth:`settled`.
+        """
         if keys.approx and self.approximate_for(replica):
             self.approx.store(replica.url, keys.approx)
+        blocks = self._computing_blocks(replica, keys)
+        if blocks:
+            computing = self.computing.setdefault(replica.url, {})
+            for h in blocks:
+                computing[h] = computing.get(h, 0) + 1
+
+    def settled(self, replica: Replica, keys: PromptKeys) -> None:
+        """A request :meth:`routed` to ``replica`` ended (answered, failed or cut): its blocks are no longer computing."""
+        blocks = self._computing_blocks(replica, keys)
+        computing = self.computing.get(replica.url)
+        if not blocks or computing is None:
+            return
+        for h in blocks:
+            left = computing.get(h, 0) - 1
+            if left > 0:
+                computing[h] = left
+            else:
+                computing.pop(h, None)
+
+    def _computing_blocks(self, replica: Replica, keys: PromptKeys) -> list[BlockHash]:
+        if replica.events is None or not self.precise_for(replica):
+            return []
+        return keys.hashes.get(replica.events.hashing, [])
 
     def answered(self, replica: Replica, keys: PromptKeys, predicted: int, cached_tokens: int | None) -> None:
         """``replica`` answered to the end, reporting ``cached_tokens`` (None: no usage in the answer)."""
@@ -454,10 +501,11 @@ class Router:
             out_headers["x-kvpool-replica"] = replica.url
             if not stream:
                 replica.in_flight -= 1
+                self.settled(replica, keys)
                 if response.status_code == 200:
                     self.answered(replica, keys, predicted, cached_tokens_of(response.content))
                 return Response(response.content, status_code=response.status_code, headers=out_headers)
-            upstream = _Upstream(replica, response)
+            upstream = _Upstream(replica, response, functools.partial(self.settled, replica, keys))
             scanner = UsageScanner() if response.status_code == 200 else None
             relay = StreamingResponse(
                 self._relay(upstream, scanner, keys, predicted), status_code=response.status_code, headers=out_headers
@@ -514,17 +562,19 @@ class Router:
 class _Upstream:
     """A replica's streamed answer, closed exactly once however its relay ends (the in-flight count with it)."""
 
-    __slots__ = ("replica", "response", "_open")
+    __slots__ = ("replica", "response", "_open", "_settled")
 
-    def __init__(self, replica: Replica, response: httpx.Response) -> None:
+    def __init__(self, replica: Replica, response: httpx.Response, settled: Callable[[], None]) -> None:
         self.replica = replica
         self.response = response
         self._open = True
+        self._settled = settled  # the router's note that the request's blocks are no longer computing
 
     async def close(self) -> None:
         if self._open:
             self._open = False
             self.replica.in_flight -= 1
+            self._settled()
             await self.response.aclose()
 
 
