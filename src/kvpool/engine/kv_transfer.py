@@ -43,10 +43,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy
 import torch
 
-from kvpool.connector import BlockLoad, ConnectorMetadata, TransferResult
+from kvpool.connector import BlockLoad, BlockSave, ConnectorMetadata, TransferResult
 from kvpool.engine.kv_cache import KVCaches
 from kvpool.engine.memory import format_bytes
 from kvpool.errors import ConfigError, KVPoolError
@@ -74,6 +73,47 @@ def check_tier_specs(specs: Sequence[str]) -> tuple[str, ...]:
         raise ConfigError(f"kv_tiers must be a list of tier specs such as 'cpu:4GiB', got {specs!r}")
     parse_specs(specs)
     return tuple(specs)
+
+
+def _block_major(kv_caches: KVCaches) -> torch.Tensor | None:
+    """A ``[blocks, layers, 2, bs, heads, dim]`` view of the pool's one buffer, if its tensors are views of it."""
+    first = kv_caches.key_caches[0]
+    if not first.is_contiguous():
+        return None
+    per_block = first[0].numel()
+    n = kv_caches.num_blocks
+    layer_stride = 2 * n * per_block
+    for layer, pair in enumerate(zip(kv_caches.key_caches, kv_caches.value_caches)):
+        for kv, tensor in enumerate(pair):
+            offset = layer * layer_stride + kv * n * per_block
+            if not tensor.is_contiguous() or tensor.storage_offset() != first.storage_offset() + offset:
+                return None
+            if tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+                return None
+    inner = first.shape[1:]
+    strides = (per_block, layer_stride, n * per_block, *first.stride()[1:])
+    return first.as_strided((n, kv_caches.num_layers, 2, *inner), strides)
+
+
+def _row_views(staging: torch.Tensor, rows: Sequence[int]) -> list[memoryview]:
+    """Writable byte views of ``rows`` of a contiguous CPU tensor of blocks (no copy)."""
+    raw: Any = staging.view(torch.uint8).reshape(staging.shape[0], -1).numpy()
+    flat = memoryview(raw.reshape(-1))
+    size = raw.shape[1]
+    return [flat[row * size : (row + 1) * size] for row in rows]
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first source, first destination, length)`` of the runs where both indices step by one."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(src, dst):
+        if runs:
+            a0, b0, k = runs[-1]
+            if a == a0 + k and b == b0 + k:
+                runs[-1] = (a0, b0, k + 1)
+                continue
+        runs.append((a, b, 1))
+    return runs
 
 
 def _one_pair_per_layer(kv_caches: KVCaches) -> bool:
@@ -124,10 +164,12 @@ class KVTransferWorker:
         self._cuda = self.device.type == "cuda"
         self.host: torch.Tensor | None = None
         if host_blocks:
-            # The pool's own layout, [layers, 2, blocks, bs, heads, dim]: a layer's copy is one index op.
-            # Never read before written: a host block is read only after a save filled it.
-            shape = (spec.num_layers, 2, host_blocks, *self.block_shape[2:])
-            self.host = torch.empty(shape, dtype=spec.dtype, pin_memory=self._cuda)
+            # Block-major, [host blocks, layers, 2, bs, heads, dim], as a byte tier's payload: a host block
+            # is one contiguous run, so a run of blocks is one copy. Never read before written.
+            self.host = torch.empty((host_blocks, *self.block_shape), dtype=spec.dtype, pin_memory=self._cuda)
+        # The pool's blocks seen block-major ([blocks, layers, 2, bs, heads, dim]) over its one buffer, for
+        # copies of whole blocks on the CPU; None where the caches are not laid out that way.
+        self._blocks = None if self._cuda else _block_major(kv_caches)
         self.stores = {store.name: store for store in stores}
         self.figures: dict[str, TierFigures] = {
             name: TierFigures(name) for name in ([_CPU] if host_blocks else []) + list(self.stores)
@@ -165,23 +207,23 @@ class KVTransferWorker:
         if not meta.loads:
             return
         failed: dict[str, int] = {}  # request -> first block position that did not arrive
-        payloads: dict[int, bytes] = {}  # index in meta.loads -> verified payload
+        byte_loads = [i for i, load in enumerate(meta.loads) if load.tier != _CPU]
+        staging = self._rows("load", len(byte_loads))
+        row_of: dict[int, int] = {}  # index in meta.loads -> its staging row, once verified there
         by_tier: dict[str, list[int]] = {}
-        for i, load in enumerate(meta.loads):
-            by_tier.setdefault(load.tier, []).append(i)
-        for tier, indices in by_tier.items():
-            if tier == _CPU:
-                continue
+        for row, i in enumerate(byte_loads):
+            by_tier.setdefault(meta.loads[i].tier, []).append(row)
+        for tier, rows in by_tier.items():
             started = time.perf_counter()
-            loads = [meta.loads[i] for i in indices]
-            for i, load, payload in zip(indices, loads, self._fetch(tier, loads)):
-                if payload is None:
-                    failed[load.request_id] = min(failed.get(load.request_id, 1 << 62), load.position)
+            loads = [meta.loads[byte_loads[row]] for row in rows]
+            for row, load, arrived in zip(rows, loads, self._fetch_into(tier, loads, staging, rows)):
+                if arrived:
+                    row_of[byte_loads[row]] = row
                 else:
-                    payloads[i] = payload
+                    failed[load.request_id] = min(failed.get(load.request_id, 1 << 62), load.position)
             self.figures[tier].load_seconds += time.perf_counter() - started
         from_host: list[BlockLoad] = []
-        from_bytes: list[tuple[BlockLoad, bytes]] = []
+        from_bytes: list[tuple[BlockLoad, int]] = []
         for i, load in enumerate(meta.loads):
             first_failed = failed.get(load.request_id)
             if first_failed is not None and load.position >= first_failed:
@@ -190,9 +232,9 @@ class KVTransferWorker:
             if load.tier == _CPU:
                 from_host.append(load)
             else:
-                from_bytes.append((load, payloads[i]))
+                from_bytes.append((load, row_of[i]))
         started = time.perf_counter()
-        self._copy_in(from_host, from_bytes)
+        self._copy_in(from_host, from_bytes, staging)
         seconds = (time.perf_counter() - started) / max(1, len(from_host) + len(from_bytes))
         for load in (*from_host, *(load for load, _ in from_bytes)):
             figures = self.figures[load.tier]
@@ -203,45 +245,62 @@ class KVTransferWorker:
         for rid, position in failed.items():
             self._failed[rid] = position * self.block_size
 
-    def _fetch(self, tier: str, loads: Sequence[BlockLoad]) -> list[bytes | None]:
-        """The blocks' payloads from a byte tier; None where it misses, fails or returns the wrong size."""
+    def _fetch_into(self, tier: str, loads: Sequence[BlockLoad], staging: torch.Tensor, rows: list[int]) -> list[bool]:
+        """Read the blocks from a byte tier straight into their staging ``rows``; whether each arrived, verified."""
+        buffers = _row_views(staging, rows)
         try:
-            payloads = self.stores[tier].get_many([load.key for load in loads])
+            return [bool(ok) for ok in self.stores[tier].get_many_into([load.key for load in loads], buffers)]
         except Exception as exc:  # noqa: BLE001  # a store should not raise; if it does, these are misses
             _LOGGER.warning("KV tier %s: a load failed (%s); those tokens are computed instead", tier, exc)
-            return [None] * len(loads)
-        return [p if p is not None and len(p) == self.block_bytes else None for p in payloads]
+            return [False] * len(loads)
 
-    def _copy_in(self, from_host: list[BlockLoad], from_bytes: list[tuple[BlockLoad, bytes]]) -> None:
-        """Write the loaded blocks into the pool, layer by layer (on CUDA on a side stream, one event per layer)."""
+    def _copy_in(
+        self, from_host: list[BlockLoad], from_bytes: list[tuple[BlockLoad, int]], staging: torch.Tensor
+    ) -> None:
+        """Write the loaded blocks into the pool: runs of whole blocks on the CPU, layer by layer on CUDA."""
         if not from_host and not from_bytes:
             return
+        host_src = [load.host_slot - 1 for load in from_host]  # type: ignore[operator]  # CPU-tier loads name their host slot
+        host_dst = [load.block_id for load in from_host]
+        rows = [row for _, row in from_bytes]
+        bytes_dst = [load.block_id for load, _ in from_bytes]
+        blocks = self._blocks
+        if blocks is not None:  # one copy per run of consecutive blocks, every layer at once
+            host = self.host
+            for src, dst, k in _runs(host_src, host_dst):
+                blocks[dst : dst + k].copy_(host[src : src + k])  # type: ignore[index]  # CPU-tier loads only with a host buffer
+            for src, dst, k in _runs(rows, bytes_dst):
+                blocks[dst : dst + k].copy_(staging[src : src + k])
+            return
+        self._copy_in_by_layer(host_src, host_dst, rows, bytes_dst, staging)
+
+    def _copy_in_by_layer(
+        self, host_src: list[int], host_dst: list[int], rows: list[int], bytes_dst: list[int], staging: torch.Tensor
+    ) -> None:
+        """Loads layer by layer (on CUDA on a side stream, one event per layer the forward pass waits for)."""
         caches = self.kv_caches
         device = self.device
-        host_src = torch.tensor([load.host_slot - 1 for load in from_host], dtype=torch.int64)  # type: ignore[operator]  # CPU-tier loads name their host slot
-        host_dst = torch.tensor([load.block_id for load in from_host], dtype=torch.int64)
-        bytes_dst = torch.tensor([load.block_id for load, _ in from_bytes], dtype=torch.int64)
-        staging = self._rows("load", len(from_bytes))
-        if from_bytes:
-            raw = staging.view(torch.uint8).reshape(len(from_bytes), -1).numpy()
-            for j, (_, payload) in enumerate(from_bytes):
-                raw[j] = numpy.frombuffer(payload, dtype=numpy.uint8)
+        host_index = torch.tensor(host_src, dtype=torch.int64)
+        host_to = torch.tensor(host_dst, dtype=torch.int64)
+        rows_index = torch.tensor(rows, dtype=torch.int64)
+        bytes_to = torch.tensor(bytes_dst, dtype=torch.int64)
         host = self.host
         stream = self._stream
         events: list[Any] = []
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(device))  # the blocks' last readers first
-            host_dst, bytes_dst = host_dst.to(device), bytes_dst.to(device)
+            host_to, bytes_to = host_to.to(device), bytes_to.to(device)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for layer in range(caches.num_layers):
                 pair = (caches.key_caches[layer], caches.value_caches[layer])
-                if from_host:
-                    stored = host[layer].index_select(1, host_src)  # type: ignore[index]  # CPU-tier loads only with a host buffer
+                if host_src:
+                    stored = host[:, layer].index_select(0, host_index)  # type: ignore[index]  # CPU-tier loads only with a host buffer
                     for kv in (0, 1):
-                        pair[kv].index_copy_(0, host_dst, stored[kv].to(device, non_blocking=True))
-                if from_bytes:
+                        pair[kv].index_copy_(0, host_to, stored[:, kv].to(device, non_blocking=True))
+                if rows:
+                    staged = staging[:, layer].index_select(0, rows_index)
                     for kv in (0, 1):
-                        pair[kv].index_copy_(0, bytes_dst, staging[:, layer, kv].to(device, non_blocking=True))
+                        pair[kv].index_copy_(0, bytes_to, staged[:, kv].to(device, non_blocking=True))
                 if stream is not None:
                     event = self._new_event()
                     event.record(stream)
@@ -260,25 +319,10 @@ class KVTransferWorker:
         if not saves:
             return
         started = time.perf_counter()
-        caches = self.kv_caches
         to_host = [j for j, s in enumerate(saves) if _CPU in s.tiers]
         to_bytes = [j for j, s in enumerate(saves) if any(t != _CPU for t in s.tiers)]
-        ids = torch.tensor([s.block_id for s in saves], dtype=torch.int64, device=self.device)
-        host_pick = None if len(to_host) == len(saves) else torch.tensor(to_host, dtype=torch.int64, device=self.device)
-        bytes_pick = (
-            None if len(to_bytes) == len(saves) else torch.tensor(to_bytes, dtype=torch.int64, device=self.device)
-        )
-        slots = torch.tensor([saves[j].host_slot - 1 for j in to_host], dtype=torch.int64)  # type: ignore[operator]  # CPU-tier saves name their host slot
         staging = self._rows("save", len(to_bytes))
-        host = self.host
-        for layer in range(caches.num_layers):
-            for kv, cache in enumerate((caches.key_caches[layer], caches.value_caches[layer])):
-                blocks = cache.index_select(0, ids)
-                if to_host:
-                    picked = blocks if host_pick is None else blocks.index_select(0, host_pick)
-                    host[layer, kv].index_copy_(0, slots, picked.cpu())  # type: ignore[index]  # CPU-tier saves only with a host buffer
-                if to_bytes:
-                    staging[:, layer, kv].copy_(blocks if bytes_pick is None else blocks.index_select(0, bytes_pick))
+        self._copy_out(saves, to_host, to_bytes, staging)
         copied = (time.perf_counter() - started) / len(saves)
         by_tier: dict[str, list[int]] = {}
         for row, j in enumerate(to_bytes):
@@ -300,9 +344,34 @@ class KVTransferWorker:
             figures.failed_saves += len(rows) - stored
         self._saved.update(s.request_id for s in saves if s.request_id is not None)  # a spill has none
 
+    def _copy_out(
+        self, saves: Sequence[BlockSave], to_host: list[int], to_bytes: list[int], staging: torch.Tensor
+    ) -> None:
+        """Copy the saved blocks out of the pool: into their host slots, and into staging rows for byte tiers."""
+        host_slots = [saves[j].host_slot - 1 for j in to_host]  # type: ignore[operator]  # CPU-tier saves name their host slot
+        host_from = [saves[j].block_id for j in to_host]
+        bytes_from = [saves[j].block_id for j in to_bytes]
+        host = self.host
+        blocks = self._blocks
+        if blocks is not None:  # one copy per run of consecutive blocks, every layer at once
+            for src, dst, k in _runs(host_from, host_slots):
+                host[dst : dst + k].copy_(blocks[src : src + k])  # type: ignore[index]  # CPU-tier saves only with a host buffer
+            for src, dst, k in _runs(bytes_from, range(len(to_bytes))):
+                staging[dst : dst + k].copy_(blocks[src : src + k])
+            return
+        caches = self.kv_caches
+        host_ids = torch.tensor(host_from, dtype=torch.int64, device=self.device)
+        bytes_ids = torch.tensor(bytes_from, dtype=torch.int64, device=self.device)
+        slots = torch.tensor(host_slots, dtype=torch.int64)
+        for layer in range(caches.num_layers):
+            for kv, cache in enumerate((caches.key_caches[layer], caches.value_caches[layer])):
+                if to_host:
+                    host[:, layer, kv].index_copy_(0, slots, cache.index_select(0, host_ids).cpu())  # type: ignore[index]  # CPU-tier saves only with a host buffer
+                if to_bytes:
+                    staging[:, layer, kv].copy_(cache.index_select(0, bytes_ids))
+
     def _put(self, tier: str, keys: Sequence[bytes], rows: list[int], staging: torch.Tensor) -> int:
-        raw = staging.view(torch.uint8).reshape(staging.shape[0], -1).numpy()
-        items = [(key, raw[row].tobytes()) for key, row in zip(keys, rows)]
+        items = list(zip(keys, _row_views(staging, rows)))  # views of the staging rows: no copy
         try:
             return int(self.stores[tier].put_many(items))
         except Exception as exc:  # noqa: BLE001  # a store should not raise; if it does, the blocks are unsaved

@@ -165,7 +165,9 @@ class DiskStore:
         A buffer the payload does not fill exactly is a miss (the entry is refused); the contents of
         a buffer whose key missed are unspecified.
         """
-        return [self._get_into(key, buffer) for key, buffer in zip(keys, out, strict=True)]
+        if len(out) != len(keys):
+            raise ConfigError(f"get_many_into needs one buffer per key, got {len(out)} for {len(keys)} keys")
+        return [self._get_into(key, buffer) for key, buffer in zip(keys, out)]
 
     def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> int:
         stored = 0
