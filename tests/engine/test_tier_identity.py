@@ -44,9 +44,10 @@ def tokens(outs):
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, redis_url, monkeypatch):
+def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, redis_server, monkeypatch):
     import redis
 
+    redis_url = redis_server.url  # a Redis of its own: the tiny models' namespaces are the same in every run
     monkeypatch.setenv(model_store.CACHE_DIR_ENV, str(tmp_path / "cache"))
     a, b = folders
     tiers = [f"disk:{tmp_path / 'kv'}:1MiB", redis_url]
