@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_fleet  # noqa: E402
 
+from kvpool.tiers.entry import LAYOUT_DIGEST_AT  # noqa: E402
+
 START_S = 900
-HEADER = 80  # an entry's fixed header (kvpool.tiers.entry)
 
 
 def prompt(i: int, words: int = 460) -> str:
@@ -171,7 +172,7 @@ def damage(client: Any, flip: list[bytes], replay: list[bytes], foreign: list[by
         client.set(key, donor)  # a sound entry, stored under another block hash: foreign key
     for key in foreign:
         value = bytearray(client.get(key))
-        value[16] ^= 0xFF  # the layout digest: written for other weights or another layout
+        value[LAYOUT_DIGEST_AT] ^= 0xFF  # the layout digest: written for other weights or another layout
         client.set(key, bytes(value))
     return {"checksum": len(flip), "foreign key": len(replay), "foreign layout": len(foreign)}
 

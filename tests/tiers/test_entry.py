@@ -172,6 +172,14 @@ def test_foreign_layout(codec, change):
     assert refused(codec, other.encode(KEY, b"p")) is CorruptKind.FOREIGN_LAYOUT
 
 
+def test_the_layout_digest_sits_where_the_format_says(codec):
+    """``LAYOUT_DIGEST_AT`` (what tools flip to fake another model's entry) is the digest's offset."""
+    data = bytearray(codec.encode(KEY, b"p"))
+    assert data[entry_module.LAYOUT_DIGEST_AT : entry_module.LAYOUT_DIGEST_AT + 32] == codec.fingerprint.digest()
+    data[entry_module.LAYOUT_DIGEST_AT] ^= 0xFF
+    assert refused(codec, bytes(data)) is CorruptKind.FOREIGN_LAYOUT
+
+
 def test_entry_replayed_under_another_key(codec):
     assert refused(codec, codec.encode(block_key(8), b"p"), key=KEY) is CorruptKind.FOREIGN_KEY
 

@@ -63,6 +63,7 @@ from kvpool.specs import KVDtype
 
 __all__ = [
     "FORMAT_VERSION",
+    "LAYOUT_DIGEST_AT",
     "Checksum",
     "CorruptEntry",
     "CorruptKind",
@@ -82,6 +83,8 @@ Payload = bytes | bytearray | memoryview
 _MAGIC = b"KVPE"
 _HEADER = struct.Struct("<4sBBBBH6sQ32s16s")
 _CHECKSUM_AT = 56  # offset of the checksum field in the header
+#: Offset of the layout digest in an entry (the table above): what names the model and layout an entry is for.
+LAYOUT_DIGEST_AT = 24
 _MAC_SIZE = hashlib.sha256().digest_size
 _MAX_KEY = 0xFFFF
 _ZEROS = bytes(16)
