@@ -85,7 +85,6 @@ import gc
 import importlib.abc
 import importlib.machinery
 import sys
-import time
 import types
 from array import array
 from pathlib import Path
@@ -93,6 +92,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_manager  # noqa: E402  (its clock, chosen by --clock)
 from bench_manager import (  # noqa: E402
     BLOCK_SIZE,
     DEFAULT_TRACE,
@@ -251,7 +251,7 @@ def replay_sglang(
     RadixKey, MatchPrefixParams, InsertParams = sgl.RadixKey, sgl.MatchPrefixParams, sgl.InsertParams
     alloc_token_slots, alloc_paged = sgl.alloc_token_slots, sgl.alloc_paged_token_slots_extend
     evict_from_tree_cache = sgl.evict_from_tree_cache
-    clock = time.perf_counter_ns
+    clock = bench_manager.clock_ns
     ns = dict.fromkeys(SGLANG_PHASES, 0)
     hits = tokens = 0
     no_prefix = torch.full((1,), -1, dtype=torch.int64)
@@ -318,6 +318,7 @@ def main() -> None:
     parser.add_argument("--no-xxh3", action="store_true", help="skip kvpool with xxh3_128")
     add_build_arguments(parser)
     args = parser.parse_args()
+    bench_manager.use_clock(args.clock)
     paths = build_paths(args)
 
     prompts = load_long_prompts(Path(args.trace), args.requests)
@@ -337,6 +338,7 @@ def main() -> None:
     # per round; each also measures the hash floor once), SGLang in this one.
     by_builds = args.builds != "pure"
     worker_argv = ["--workload", "long-prompts", "--requests", str(args.requests), "--trace", args.trace]
+    worker_argv += ["--clock", args.clock]
     if by_builds:
         systems = []
     if not args.no_sglang:

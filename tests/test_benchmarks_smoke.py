@@ -68,3 +68,19 @@ def test_scaling_measures_a_small_pool():
     r = bench_scaling.measure(1000, batch=5, repeats=1)
     assert r["free_after"] == 1000
     assert all(r[p] > 0 for p in bench_scaling.PHASES)
+
+
+def test_long_prompt_replay_on_the_cpu_clock(tmp_path, monkeypatch):
+    prompts = bench_manager.load_long_prompts(_tiny_trace(tmp_path / "t.jsonl"), 10)
+    calls = []
+
+    def counting_clock() -> int:
+        calls.append(1)
+        return len(calls)
+
+    monkeypatch.setitem(bench_manager.CLOCKS, "cpu", counting_clock)
+    monkeypatch.setattr(bench_manager, "clock_ns", bench_manager.clock_ns)
+    bench_manager.use_clock("cpu")
+    r = bench_manager.replay_long_prompts(prompts, "xxh3_128", cache_tokens=2048)
+    assert len(calls) == 6 * 3  # six readings per request, all from the chosen clock
+    assert r["ns"] == {"hash": 3, "lookup": 3, "allocate": 3, "free": 3}  # each phase spans one tick per request

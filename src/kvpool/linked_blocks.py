@@ -27,7 +27,6 @@ on a single list reads its size as an attribute.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import repeat
 
 from kvpool.block import KVBlock
 from kvpool.errors import InvariantViolation
@@ -154,17 +153,17 @@ class FreeList:
             raise InvariantViolation(f"asked the free queue for {n} blocks, it holds {self.num_free_blocks}")
         self.num_free_blocks -= n
         out: list[KVBlock] = []
-        append = out.append
         head, fresh = self.head, self._fresh
         node: KVBlock = head.next_free  # type: ignore[assignment]  # a sentinel always has a neighbour
         while len(out) < n:
-            # A run of linked blocks, up to the never-used marker...
-            for _ in repeat(None, n - len(out)):
+            # A run of linked blocks, up to the never-used marker (``range`` and ``out.append``:
+            # native in the compiled build, specialised by the interpreter)...
+            for _ in range(n - len(out)):
                 if node is fresh:
                     break
                 nxt = node.next_free
                 node.prev_free = node.next_free = None
-                append(node)
+                out.append(node)
                 node = nxt  # type: ignore[assignment]  # a linked node's next is never None
             else:
                 break
