@@ -313,6 +313,7 @@ def run_vllm(args: argparse.Namespace) -> None:
             f"{args.wipe_after}; load average before: {os.getloadavg()[0]:.1f}"
         )
         results: dict[str, list[Any]] = {name: [] for name in routers}
+        splits: dict[str, list[list[int]]] = {name: [] for name in routers}  # requests per replica, per phase
         names = list(routers)
         loads = []
         for round_ in range(args.rounds):
@@ -321,6 +322,7 @@ def run_vllm(args: argparse.Namespace) -> None:
                 for r in replicas:  # every phase starts from empty caches
                     r.reset_cache()
                 tag = f"r{round_}p{k}"
+                before = [r.counters() for r in replicas]
                 result = route_workload.run_phase(
                     routers[name], str(model), tag, conversations=args.conversations, turns=args.turns,
                     system_prompts=args.system_prompts, max_tokens=args.max_tokens, wipe_after=args.wipe_after,
@@ -328,22 +330,32 @@ def run_vllm(args: argparse.Namespace) -> None:
                 )  # fmt: skip
                 loads.append(os.getloadavg()[0])
                 results[name].append(result)
+                after = [r.counters() for r in replicas]
+                served = [int(a["requests"] - b["requests"]) for a, b in zip(after, before)]
+                preempted = sum(int(a["preemptions"] - b["preemptions"]) for a, b in zip(after, before))
+                splits[name].append(served)
                 print(
                     f"  round {round_ + 1} {name}: cached {result.cached}/{result.prompt}, "
-                    f"{result.requests} requests in {result.wall:.1f} s, {result.failed} failed, load {loads[-1]:.1f}",
+                    f"{result.requests} requests in {result.wall:.1f} s, {result.failed} failed, load {loads[-1]:.1f}; "
+                    f"served {served[0]}/{served[1]}, {preempted} preempted; "
+                    "cached by turn: " + " ".join(f"{c}/{p}" for _, (p, c) in sorted(result.by_turn.items())),
                     flush=True,
                 )
         print(f"load average during the phases: {min(loads):.1f} to {max(loads):.1f}")
-        print("| router | prompt tokens from cache | TTFT p50 | TTFT p90 | throughput | failed |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| router | prompt tokens from cache | TTFT p50 | TTFT p90 | throughput | requests per replica | failed |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | --- | ---: |")
         for name, phases in results.items():
             s = route_workload.summary(phases)
+            split = ", ".join(f"{a}/{b}" for a, b in splits[name])
             print(
                 f"| {name} | {s['cached_share']:.1%} ({s['cached']:,.0f} of {s['prompt']:,.0f}) | "
-                f"{s['ttft_p50']:,.0f} ms | {s['ttft_p90']:,.0f} ms | {s['throughput']:.2f} req/s | {s['failed']} |"
+                f"{s['ttft_p50']:,.0f} ms | {s['ttft_p90']:,.0f} ms | {s['throughput']:.2f} req/s | {split} | "
+                f"{s['failed']} |"
             )
         for name, why in failed.items():
-            print(f"| {name} | could not run: {why[:300]} | | | | |")
+            print(f"| {name} | could not run: {why[:300]} | | | | | |")
         for name, base in routers.items():
             if name.startswith("kvpool precise"):
                 metrics = httpx.get(base + "/metrics").text

@@ -50,6 +50,7 @@ class PhaseResult:
     failed: int = 0
     wall: float = 0.0
     ttft: list[float] = field(default_factory=list)
+    by_turn: dict[int, list[int]] = field(default_factory=dict)  # turn: [prompt tokens, cached tokens]
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -113,8 +114,12 @@ def run_phase(
                 result.requests += 1
                 result.ttft.append(ttft)
                 if usage is not None:
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                     result.prompt += usage["prompt_tokens"]
-                    result.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    result.cached += cached
+                    turn_figures = result.by_turn.setdefault(turn, [0, 0])
+                    turn_figures[0] += usage["prompt_tokens"]
+                    turn_figures[1] += cached
 
     t0 = time.perf_counter()
     with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=conversations)) as client:

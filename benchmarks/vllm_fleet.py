@@ -133,6 +133,23 @@ class VLLMReplica:
                 raise RuntimeError(f"vLLM at {self.url} not ready in {timeout:.0f} s; see {self.log}")
             time.sleep(1)
 
+    def counters(self) -> dict[str, float]:
+        """Its ``/metrics`` counters that a benchmark compares before and after a phase.
+
+        ``requests``: finished requests (any reason); ``prompt_tokens``; ``cache_hits``: prompt
+        tokens served from its prefix cache; ``preemptions``.
+        """
+        import httpx
+
+        names = {"vllm:request_success_total": "requests", "vllm:prompt_tokens_total": "prompt_tokens",
+                 "vllm:prefix_cache_hits_total": "cache_hits", "vllm:num_preemptions_total": "preemptions"}  # fmt: skip
+        found = dict.fromkeys(names.values(), 0.0)
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
+                found[names[name]] += float(line.rsplit(" ", 1)[1])
+        return found
+
     def reset_cache(self, timeout: float = 60) -> None:
         """Empty its prefix cache (``dev_mode``); vLLM refuses while a request holds blocks, so this retries."""
         import httpx
