@@ -715,6 +715,68 @@ def bench_vs_vllm_cpu(args) -> str:
     return "\n".join(lines)
 
 
+def _spin(core: int, stop) -> None:
+    os.sched_setaffinity(0, {core})
+    while not stop.is_set():
+        pass
+
+
+def bench_contention(args) -> str:
+    """W in one engine at 1 and 2 threads and ``auto``, with and without a process spinning on the last core."""
+    import multiprocessing
+
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.sampling import SamplingParams
+    from kvpool.engine.threads import ThreadGovernor
+
+    llm = LLM(
+        kv_cache_memory="512MiB", max_model_len=2048, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=64, log=lambda line: None,
+    )  # fmt: skip
+    prompts = make_prompts(llm.tokenizer, args.requests, args.system_tokens)
+    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+    runner = llm.engine.runner
+    cores = sorted(os.sched_getaffinity(0))
+    rows = []
+    for loaded in (False, True):
+        stop = multiprocessing.Event()
+        spinner = multiprocessing.Process(target=_spin, args=(cores[-1], stop)) if loaded else None
+        if spinner is not None:
+            spinner.start()
+        try:
+            for threads in (1, 2, "auto"):
+                runner.thread_governor = ThreadGovernor(threads, torch.set_num_threads)
+                llm.engine.manager.reset_prefix_cache()
+                before = _load()
+                started = time.perf_counter()
+                llm.generate(prompts, params)
+                seconds = time.perf_counter() - started
+                rate = args.requests * args.output_tokens / seconds
+                rows.append((loaded, threads, rate, runner.thread_governor.threads, f"{before} -> {_load()}"))
+                print(f"  spinner {loaded} threads {threads}: {rate:.1f} tok/s", flush=True)
+        finally:
+            if spinner is not None:
+                stop.set()
+                spinner.join()
+    runner.thread_governor = None
+    lines = [
+        "## Engine: threads under contention",
+        "",
+        f"Command: `{args.command}`",
+        "",
+        f"W ({args.requests} requests sharing a {args.system_tokens}-token system turn, {args.output_tokens} tokens "
+        f"each) in one kvpool engine, fp32, once per thread setting, first on the machine as it was, then with "
+        f"another process spinning on core {cores[-1]}. The machine is shared: the load average (1 / 5 min) "
+        "before -> after each run is given.",
+        "",
+        "| spinning process | threads | W output tok/s | threads at the end | load |",
+        "| --- | --- | ---: | ---: | --- |",
+    ]
+    for loaded, threads, rate, final, load in rows:
+        lines.append(f"| {'yes' if loaded else 'no'} | {threads} | {rate:.1f} | {final} | {load} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -757,6 +819,9 @@ def main() -> None:
     parser.add_argument("--vs-step-tokens", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--log-dir", default="/tmp/kvpool-bench-engine", help="the children's logs")
+    parser.add_argument(
+        "--contention", action="store_true", help="W at 1, 2 and auto threads, with a process spinning on a core"
+    )
     parser.add_argument("--mixed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -769,6 +834,13 @@ def main() -> None:
         if args.write is not None:
             write_section(args.write, section, "## Engine: kvpool beside vLLM-CPU")
             print(f"wrote the 'Engine: kvpool beside vLLM-CPU' section of {args.write}")
+        return
+    if args.contention:
+        section = bench_contention(args)
+        print()
+        print(section)
+        if args.write is not None:
+            write_section(args.write, section, "## Engine: threads under contention")
         return
     if args.mixed_child:
         import json
