@@ -123,3 +123,12 @@ def test_click_usage_errors_exit_2(folder):
     result = invoke("chat", "--model", folder, "--max-tokens", "many")
     assert result.exit_code == 2
     assert "Traceback" not in result.output
+
+
+def test_threads_reach_the_engine_and_bad_counts_are_refused(folder):
+    result = invoke("generate", "w1 w2", "--model", folder, "--max-tokens", "2", "--threads", "1", *ENGINE)
+    assert result.exit_code == 0, result.output
+    assert "(1 thread)" in result.stderr  # the start-up line names the step's threads
+    for bad, needle in (("0", "give at least 1"), ("many", "neither 'auto' nor a thread count")):
+        refused = invoke("generate", "w1", "--model", folder, "--threads", bad, *ENGINE)
+        assert refused.exit_code == 2 and needle in refused.stderr, refused.stderr

@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from kvpool.cli.params import fail, require_extra
+from kvpool.cli.params import THREADS, fail, require_extra
 from kvpool.errors import KVPoolError
 from kvpool.hashing import HashAlgo
 from kvpool.tiers.spec import WritePolicy
@@ -35,7 +35,7 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 #: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
 _ENGINE_FLAGS = (
     "model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo", "kv_tiers", "kv_tier_secret_file",
-    "kv_tier_namespace", "kv_tier_write",
+    "kv_tier_namespace", "kv_tier_write", "threads",
 )  # fmt: skip
 
 #: The sources ``--json`` always reports, in this order (the pool, then the tier kinds).
@@ -66,6 +66,11 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-model-len", type=int, default=None, help="Tokens per request [default: the model's context]."),
         click.option("--cache-salt", default=None, help="Requests with different salts never share cached blocks."),
         click.option("--device", default=None, help="cpu or cuda [default: cuda when available]."),
+        click.option(
+            "--threads", type=THREADS, default=None,
+            help="CPU threads of a step: a count, or 'auto' to use only the cores other processes leave free "
+            "[default: torch's own setting].",
+        ),
         click.option(
             "--hash", "hash_algo", type=click.Choice([a.value for a in HashAlgo]), default=HashAlgo.SHA256.value,
             show_default=True, help="Block hash: kvpool's chain, or vLLM's sha256 / sha256_cbor (hashes identical to vLLM's).",

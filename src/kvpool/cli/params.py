@@ -54,6 +54,24 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
+class ThreadsType(click.ParamType):  # type: ignore[type-arg]  # generic only from click 8.2; >= 8.1 is allowed
+    """``auto`` or a thread count >= 1 (the engine's ``threads`` option)."""
+
+    name = "auto|N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            count = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither 'auto' nor a thread count", param, ctx)
+        if count < 1:
+            self.fail(f"{value!r} threads: give at least 1, or 'auto'", param, ctx)
+        return count
+
+
+THREADS = ThreadsType()
 POSITIVE_INT = click.IntRange(min=1)
 NON_NEGATIVE_INT = click.IntRange(min=0)
 NON_NEGATIVE_FLOAT = FiniteFloatRange(min=0)
