@@ -10,7 +10,6 @@ at start on stderr.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -364,24 +363,14 @@ def _events_setup(
 
 
 def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any] | None, limits: Any) -> None:
-    """Serve until interrupted; with an events endpoint, publish the pool's events after every step."""
+    """Serve until interrupted; with an events endpoint, the app publishes the pool's events after every step."""
     if events is None:
         _run(engine, config, host, port, limits)
         return
-    from kvpool.kv_events import EventContent, KVEventPublisher, describe_events
+    from kvpool.kv_events import EventContent, KVEventPublisher
 
     publisher = KVEventPublisher(**events)
     try:
-        where = describe_events(
-            engine.manager.hasher,
-            endpoint=publisher.endpoint,
-            replay_endpoint=publisher.replay_endpoint,
-            topic=publisher.topic,
-            content=publisher.content,
-            curve_public_key=publisher.curve_public_key,
-            # With KV tiers the replica holds more than its pool, in stores without a block count: say nothing then.
-            num_blocks=engine.num_blocks if engine.kv_tiers is None else None,
-        )
         replaying = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
         _log(f"KV events: {publisher.attach.value} {publisher.endpoint}{replaying}")
         if publisher.curve is None:
@@ -394,15 +383,9 @@ def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any
             _log(
                 "WARNING: --kv-events-include-token-ids: every subscriber reads every tenant's prompt tokens and salts"
             )
-
-        def publish(engine: Any, deltas: Any) -> None:
-            taken = engine.manager.take_events()
-            if taken:
-                publisher.publish(taken)
-
-        _run(engine, dataclasses.replace(config, kv_events=lambda: where), host, port, limits, hooks=(publish,))
+        _run(engine, config, host, port, limits, events=publisher)
     finally:
-        publisher.close()
+        publisher.close()  # the app closes it when it stops; this covers a start that failed before
 
 
 def _start_engine(options: dict[str, Any]) -> Any:
@@ -418,7 +401,7 @@ def _start_engine(options: dict[str, Any]) -> Any:
     return engine
 
 
-def _run(engine: Any, config: Any, host: str, port: int, limits: Any, hooks: tuple[Any, ...] = ()) -> None:
+def _run(engine: Any, config: Any, host: str, port: int, limits: Any, events: Any = None) -> None:
     import logging
 
     import uvicorn
@@ -433,7 +416,7 @@ def _run(engine: Any, config: Any, host: str, port: int, limits: Any, hooks: tup
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
 
-    app = build_app(engine, config, hooks=hooks)
+    app = build_app(engine, config, events=events)
     _log(f"serving {config.model_name!r} on http://{host}:{port}/v1")
     settings = uvicorn_config(app, host=host, port=port, limits=limits, log_level="warning", access_log=False)
     uvicorn.Server(settings).run()

@@ -3,6 +3,7 @@
 * :mod:`.protocol`: request bodies checked into typed values; response and error bodies.
 * :mod:`.engine_loop`: the engine on a thread of its own, fed through a queue; per-request streams.
 * :mod:`.metrics`: Prometheus metrics under vLLM's names, in the server's own registry.
+* :mod:`.events`: the step hook that publishes the pool's KV events and the ``/kv-events`` body.
 * :mod:`.app`: the ASGI application (Starlette): :func:`build_app` and :class:`ServeConfig`.
 
 Tenants and cache salts are :mod:`kvpool.tenancy`'s rules. Importing this

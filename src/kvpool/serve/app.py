@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -23,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.serve.connections import is_loopback
 from kvpool.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, StepHook
 from kvpool.serve.errors import APIError, error_body, error_type
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.kv_events import KVEventPublisher
 
 __all__ = ["ServeConfig", "build_app", "pool_health"]
 
@@ -363,14 +365,41 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, ...] = ()) -> Starlette:
-    """The ASGI app serving ``engine``; ``hooks`` run on the engine thread after every step."""
+def build_app(
+    engine: LLMEngine,
+    config: ServeConfig,
+    *,
+    hooks: tuple[StepHook, ...] = (),
+    events: KVEventPublisher | None = None,
+) -> Starlette:
+    """The ASGI app serving ``engine``; ``hooks`` run on the engine thread after every step.
+
+    With ``events`` (a publisher, for an engine built with
+    ``enable_kv_events=True``) the app publishes the pool's events after every
+    step, answers ``GET /kv-events`` with where they are (see
+    :mod:`kvpool.serve.events`), and closes the publisher when it stops; it
+    then owns the publisher. ``config.kv_events`` is for a server that
+    publishes its events some other way, so giving both is refused.
+    """
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    close_events: Callable[[], None] | None = None
+    if events is not None:
+        from kvpool.serve.events import event_wiring
+
+        if config.kv_events is not None:
+            raise ConfigError(
+                f"give events={events!r} or ServeConfig.kv_events={config.kv_events!r}, not both: "
+                "the publisher describes its own events"
+            )
+        wiring = event_wiring(engine, events)
+        config = dataclasses.replace(config, kv_events=wiring.describe)
+        hooks = (*hooks, wiring.hook)
+        close_events = wiring.close
     server = _Server(engine, config, hooks)
 
     def answers(
@@ -470,6 +499,8 @@ def build_app(engine: LLMEngine, config: ServeConfig, *, hooks: tuple[StepHook, 
                 await asyncio.gather(stats, return_exceptions=True)
             server.prompts.close()
             server.loop.stop()
+            if close_events is not None:  # after the last step: its events are sent too
+                close_events()
 
     routes = [
         Route("/v1/completions", answers(completions), methods=["POST"]),
