@@ -20,6 +20,7 @@ LAYERS = {
     "stats": 2,
     "tenancy": 2,  # tenants, API keys and the cache salt derived for them (the server and the router ask it)
     "routing": 2,
+    "prompts": 2,  # how a prompt becomes token IDs: the rule the engine, the server and the router follow
     "block": 3,
     "events": 3,
     "kv_events": 3.5,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily

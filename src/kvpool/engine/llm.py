@@ -26,6 +26,7 @@ from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.startup import EngineOptions
 from kvpool.errors import ConfigError, RequestStateError
+from kvpool.prompts import CHAT_ADDS_SPECIAL_TOKENS, CHAT_GENERATION_PROMPT, TEXT_ADDS_SPECIAL_TOKENS
 
 __all__ = ["LLM"]
 
@@ -87,7 +88,7 @@ class LLM:
             batch = list(cast(Sequence[Prompt], prompts))  # not one prompt: a list of them
         else:
             raise RequestStateError(f"prompts must be text, token IDs or a list of those, got {prompts!r}")
-        return self._run(batch, sampling_params, cache_salt, add_special_tokens=True)
+        return self._run(batch, sampling_params, cache_salt, add_special_tokens=TEXT_ADDS_SPECIAL_TOKENS)
 
     def chat(
         self,
@@ -108,8 +109,8 @@ class LLM:
             conversations = list(cast(Sequence[Conversation], messages))
         else:
             raise RequestStateError(f"messages must be a conversation or a list of them, got {messages!r}")
-        texts = [self.engine.render_chat(c) for c in conversations]
-        return self._run(texts, sampling_params, cache_salt, add_special_tokens=False)
+        texts = [self.engine.render_chat(c, add_generation_prompt=CHAT_GENERATION_PROMPT) for c in conversations]
+        return self._run(texts, sampling_params, cache_salt, add_special_tokens=CHAT_ADDS_SPECIAL_TOKENS)
 
     def _run(
         self,

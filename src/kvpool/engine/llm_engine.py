@@ -73,6 +73,7 @@ from kvpool.engine.startup import EngineOptions, EngineSetup, start_engine
 from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestFailed, RequestStateError
 from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
+from kvpool.prompts import check_conversation
 from kvpool.request import Request
 from kvpool.scheduler import (
     FinishReason,
@@ -254,25 +255,14 @@ class LLMEngine:
         return tokens
 
     def render_chat(self, conversation: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat template writes it."""
+        """The conversation as the model's chat template writes it (encode it as :mod:`kvpool.prompts` says)."""
         if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, Sequence):
             raise RequestStateError(f"a conversation is a list of messages, got {conversation!r}")
         _check_bool("add_generation_prompt", add_generation_prompt)
         tokenizer = self._require_tokenizer("chat needs one")
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"the tokenizer of model {self.setup.model_name!r} has no chat template")
-        messages = list(conversation)
-        if not messages:
-            raise RequestStateError("a conversation needs at least one message")
-        for i, message in enumerate(messages):
-            if (
-                not isinstance(message, Mapping)
-                or not isinstance(message.get("role"), str)
-                or not isinstance(message.get("content"), str)
-            ):
-                raise RequestStateError(
-                    f"message {i} must be a mapping with string 'role' and 'content', got {message!r}"
-                )
+        messages = check_conversation(conversation)
         rendered: str = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )

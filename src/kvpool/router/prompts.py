@@ -10,7 +10,8 @@ light ``route`` extra only (``tokenizers`` and ``jinja2``; never torch nor trans
   Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the generation prompt
   added, the special tokens of ``tokenizer_config.json`` as variables);
 * a chat's rendered text is encoded without adding special tokens (the template wrote
-  them); a text completion is encoded with them, as vLLM and ``kvpool serve`` do.
+  them); a text completion is encoded with them: :mod:`kvpool.prompts`' rule, the one
+  the engine and ``kvpool serve`` follow.
 
 A conversation comes back with every turn, so most of a chat's text was encoded before.
 The tokenizer cuts a text at its added tokens (``<|im_start|>``...) before anything
@@ -37,13 +38,14 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash, BlockHasher
+from kvpool.prompts import chat_token_ids, text_token_ids
 
 __all__ = ["PieceCache", "PromptTokenizer", "Tokenizer", "block_hashes", "missing_packages"]
 
@@ -199,13 +201,28 @@ class PromptTokenizer:
         self._tokenizer = tokenizer
 
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """A conversation's prompt: the chat template with the generation prompt, encoded without special tokens."""
+        """A conversation's prompt, by :func:`kvpool.prompts.chat_token_ids`: the replicas' rule."""
+        return chat_token_ids(self, messages)
+
+    def text_tokens(self, prompt: str) -> list[int]:
+        """A text completion's prompt, by :func:`kvpool.prompts.text_token_ids`: the replicas' rule."""
+        return text_token_ids(self, prompt)
+
+    def render_chat(self, conversation: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's chat template writes it."""
         self.load()
         if self._template is None:
             raise ConfigError(f"the model folder {os.fspath(self.folder)!r} has no chat template")
-        text = self._template.render(messages=list(messages), add_generation_prompt=True, **self._specials)
-        if not self.by_pieces:
-            return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        text: str = self._template.render(
+            messages=list(conversation), add_generation_prompt=add_generation_prompt, **self._specials
+        )
+        return text
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token IDs of ``text``; without special tokens, a chat's text goes by pieces where that is exact."""
+        self.load()
+        if add_special_tokens or not self.by_pieces:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
         tokens = self._encode_pieces(text)
         if self._checks_left > 0:
             self._checks_left -= 1
@@ -231,11 +248,6 @@ class PromptTokenizer:
                     cache.put(piece, ids)
                 tokens += ids
         return tokens
-
-    def text_tokens(self, prompt: str) -> list[int]:
-        """A text completion's prompt, with the tokenizer's own special tokens as the engine adds them."""
-        self.load()
-        return list(self._tokenizer.encode(prompt, add_special_tokens=True).ids)
 
 
 def _added_token_cut(tokenizer: Any) -> tuple[re.Pattern[str] | None, dict[str, int]]:

@@ -7,16 +7,9 @@ other request's steps; done on the event loop, every connection would wait.
 the tokenizer is never entered by two encodes at once), and the engine only
 receives token IDs.
 
-Before any of that, text whose length alone proves it cannot fit is refused:
-every token of the tokenizer's vocabulary stands for at most ``L``
-characters (``L``: its longest token, :func:`longest_token_chars`), so a
-text of ``n`` characters needs at least ``n / L`` tokens, and one of more
-than ``max_model_len * L`` characters needs more than ``max_model_len``.
-That holds for tokenizers that keep every character in some token (the
-byte-level BPE and byte-fallback SentencePiece vocabularies of the models
-served); one that drops characters (a whitespace-splitting word vocabulary)
-may see a text refused that would have fitted, never one let through that
-would not.
+Before any of that, text whose length alone proves it cannot fit is refused
+(the bound is :func:`kvpool.prompts.max_prompt_chars`); how text becomes
+tokens is :mod:`kvpool.prompts`' rule, the one the router follows too.
 """
 
 from __future__ import annotations
@@ -26,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvpool import prompts as prompt_rule
 from kvpool.serve.protocol import APIError, GenerationRequest
 
 if TYPE_CHECKING:
@@ -42,16 +36,9 @@ T = TypeVar("T")
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:
-    """Characters of the longest token in ``tokenizer``'s vocabulary; None without a vocabulary.
-
-    A byte-level vocabulary spells each byte as one character, so a token
-    covers at most that many bytes, hence at most that many characters.
-    """
+    """Characters of the longest token in ``tokenizer``'s vocabulary; None without a vocabulary."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return None
-    vocab = get_vocab()
-    return max((len(token) for token in vocab), default=0) or None
+    return None if get_vocab is None else prompt_rule.longest_token_chars(get_vocab())
 
 
 def prompt_chars(gen: GenerationRequest, source: str | tuple[int, ...] | None = None) -> int:
@@ -77,7 +64,7 @@ class PromptTokenizer:
         self.max_model_len = engine.max_model_len
         longest = longest_token_chars(engine.tokenizer) if engine.tokenizer is not None else None
         #: Text longer than this (in characters) cannot fit ``max_model_len``; None: no bound known.
-        self.max_chars = None if longest is None else self.max_model_len * longest
+        self.max_chars = prompt_rule.max_prompt_chars(self.max_model_len, longest)
         self._executor: ThreadPoolExecutor | None = None
         self._texts: dict[int, str] = {}
 
@@ -144,9 +131,7 @@ class PromptTokenizer:
         return {t: tokenizer.decode([t], skip_special_tokens=False) for t in token_ids}
 
     def _encode(self, gen: GenerationRequest, source: str | None) -> tuple[int, ...]:
-        engine = self._engine
         if source is None:
             assert gen.messages is not None  # a request has text, token IDs or messages
-            text = engine.render_chat(list(gen.messages))
-            return tuple(engine.encode(text, add_special_tokens=False))  # the template wrote its own
-        return tuple(engine.encode(source, add_special_tokens=True))
+            return tuple(prompt_rule.chat_token_ids(self._engine, list(gen.messages)))
+        return tuple(prompt_rule.text_token_ids(self._engine, source))
