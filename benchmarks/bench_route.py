@@ -25,14 +25,18 @@ still run). The routers take turns, one phase each per round, ``--rounds`` round
 order rotated: both replicas' prefix caches are emptied, then ``--conversations``
 conversations run at once through that router (``benchmarks/route_workload.py``: shared
 system prompts, a history of their own, ``--turns`` turns, streamed with ``include_usage``),
-and after ``--wipe-after`` turns replica 1 loses its whole cache (vLLM's ``POST
-/reset_prefix_cache``, as a restart would lose it, without the downtime). Reported per
+and after ``--wipe-after`` turns one replica loses its whole cache (vLLM's ``POST
+/reset_prefix_cache``, as a restart would lose it, without the downtime): replica 1 in the
+first round, replica 0 in the second, and so on, so that a router that favours one replica
+is neither spared nor hit by it every time. Reported per
 router, the median over its rounds: prompt tokens vLLM served from cache, time to first
-token p50/p90 over all requests, and throughput (requests per second of the phase).
+token p50/p90 over all requests, throughput (requests per second of the phase), and the
+requests each replica served (from vLLM's ``/metrics``). ``--precise-load-costs 2 ...`` adds a
+precise router per load cost, to weigh the prefix-against-load trade.
 
     python benchmarks/bench_route.py --index --redis redis://127.0.0.1:6379/0
     python benchmarks/bench_route.py --fleet
-    python benchmarks/bench_route.py --vllm --conversations 12 --turns 5 --num-blocks 64 --wipe-after 3
+    python benchmarks/bench_route.py --vllm --conversations 12 --turns 5 --num-blocks 64 --wipe-after 3 --rounds 2
 
 ``--overhead``: the router's own cost per request. A trivial upstream (``--upstream``: a
 process that answers every chat request at once, streamed as vLLM streams it, usage last)
@@ -274,11 +278,14 @@ def run_vllm(args: argparse.Namespace) -> None:
         print(f"two vLLM-CPU replicas ready in {time.monotonic() - t0:.0f} s (--enforce-eager; logs in {tmp})")
         specs = [a for r in replicas for a in ("--replica", r.spec)]
         urls = [r.url for r in replicas]
-        for name, routing in (("kvpool precise", "precise"), ("kvpool approximate", "approximate"),
-                              ("round-robin", "round-robin")):  # fmt: skip
+        kvpool_routers = [("kvpool precise", "precise", 8.0), ("kvpool approximate", "approximate", 8.0),
+                          ("round-robin", "round-robin", 8.0)]  # fmt: skip
+        kvpool_routers[1:1] = [(f"kvpool precise, load cost {c:g}", "precise", c) for c in args.precise_load_costs]
+        for name, routing, load_cost in kvpool_routers:
             port = _free_port()
             cmd = ["route", "--port", str(port), "--routing", routing, "--model", str(model), *specs]
-            processes.append(_kvpool(cmd, tmp / f"router-{routing}.log"))
+            cmd += ["--load-cost", str(load_cost)]
+            processes.append(_kvpool(cmd, tmp / f"router-{routing}-{load_cost:g}.log"))
             routers[name] = f"http://127.0.0.1:{port}"
         for name, cmd in (
             ("vllm-router cache_aware", [args.vllm_router, "--policy", "cache_aware", "--worker-urls", *urls]),
@@ -304,13 +311,13 @@ def run_vllm(args: argparse.Namespace) -> None:
                 del routers[name]
         for name, base in routers.items():
             if name.startswith("kvpool precise"):
-                _wait(base + "/health", lambda r: r.json().get("prefix_mode") == "precise", "precise mode", 120)
+                _wait(base + "/health", lambda r: r.json().get("prefix_mode") == "precise", f"{name} mode", 120)
         print(
             f"{len(routers)} routers in front of the same two replicas ({args.num_blocks} blocks of 128 tokens each), "
             f"one phase per router per round, {args.rounds} rounds, the order rotated each round: "
             f"{args.conversations} conversations at once on {args.system_prompts} shared system prompts, "
-            f"{args.turns} turns each, max_tokens {args.max_tokens}; replica 1's cache wiped after turn "
-            f"{args.wipe_after}; load average before: {os.getloadavg()[0]:.1f}"
+            f"{args.turns} turns each, max_tokens {args.max_tokens}; one replica's cache wiped after turn "
+            f"{args.wipe_after} (replica 1 in odd rounds, replica 0 in even ones); load average before: {os.getloadavg()[0]:.1f}"
         )
         results: dict[str, list[Any]] = {name: [] for name in routers}
         splits: dict[str, list[list[int]]] = {name: [] for name in routers}  # requests per replica, per phase
@@ -326,7 +333,7 @@ def run_vllm(args: argparse.Namespace) -> None:
                 result = route_workload.run_phase(
                     routers[name], str(model), tag, conversations=args.conversations, turns=args.turns,
                     system_prompts=args.system_prompts, max_tokens=args.max_tokens, wipe_after=args.wipe_after,
-                    on_wipe=replicas[1].reset_cache,
+                    on_wipe=replicas[(round_ + 1) % 2].reset_cache,  # 1, then 0: no favourite replica is spared
                 )  # fmt: skip
                 loads.append(os.getloadavg()[0])
                 results[name].append(result)
@@ -357,7 +364,7 @@ def run_vllm(args: argparse.Namespace) -> None:
         for name, why in failed.items():
             print(f"| {name} | could not run: {why[:300]} | | | | | |")
         for name, base in routers.items():
-            if name.startswith("kvpool precise"):
+            if name == "kvpool precise":
                 metrics = httpx.get(base + "/metrics").text
                 keep = ("kvpool_router_reported_cached", "kvpool_router_predicted_reported", "kvpool_router_exact",
                         "kvpool_router_reports_total", "kvpool_router_event_lag", "kvpool_router_requests_total")  # fmt: skip
@@ -539,6 +546,9 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=64, help="--vllm: each replica's KV cache, in blocks")
     parser.add_argument("--wipe-after", type=int, default=2, help="--vllm: turns before replica 1 loses its cache")
     parser.add_argument("--rounds", type=int, default=2, help="--vllm: phases per router")
+    parser.add_argument(
+        "--precise-load-costs", type=float, nargs="*", default=[], help="--vllm: more precise routers, these load costs"
+    )
     args = parser.parse_args()
     if args.upstream is not None:
         serve_upstream(*args.upstream)
