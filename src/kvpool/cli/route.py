@@ -122,7 +122,7 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
     type=FiniteFloatRange(min=0, min_open=True),
     default=8.0,
     show_default=True,
-    help="Cached blocks that one request in flight at a replica is worth.",
+    help="Cached 16-token blocks that one request in flight at a replica is worth (128 tokens at 8), whatever the replicas' block size.",
 )
 @click.option(
     "--health-interval",
