@@ -126,9 +126,9 @@ def test_the_docstring_draws_every_exception_class_under_its_real_base():
 
 def test_moved_classes_stay_importable_where_they_were():
     from kvpool.kv_events import EventStreamError
+    from kvpool.openai_http.protocol import APIError as ProtocolAPIError
     from kvpool.serve import APIError, QueueFull
     from kvpool.serve.engine_loop import EngineStopped
-    from kvpool.serve.protocol import APIError as ProtocolAPIError
     from kvpool.sim.traces import TraceError
     from kvpool.tiers import CorruptEntry
 

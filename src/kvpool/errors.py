@@ -47,7 +47,7 @@ class of the package, under its real base)::
      ├── ServiceError                 the service: overloaded, stopped, or refusing
      │    ├── QueueFull               the waiting queue is full (kvpool.serve.engine_loop)
      │    ├── EngineStopped           the engine thread has stopped (kvpool.serve.engine_loop)
-     │    └── APIError                an HTTP refusal with its status (kvpool.serve.errors)
+     │    └── APIError                an HTTP refusal with its status (kvpool.openai_http.errors)
      └── RequestFailed                one request failed in the engine (carried by its output, not raised)
     AssertionError
      └── InvariantViolation           kvpool's own bookkeeping is inconsistent (a bug)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvpool.openai_http.protocol import Endpoint, parse_generation
 from kvpool.router import MemoryIndex, RouteOptions, Router
 from kvpool.router.specs import parse_replica
-from kvpool.serve.protocol import Endpoint, parse_generation
 from kvpool.tenancy import DEFAULT_TENANT, SaltPolicy
 from tests.router.fakes import ByteTokenizer
 

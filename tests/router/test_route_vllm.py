@@ -142,7 +142,7 @@ def test_kvpool_route_in_front_of_two_vllm_replicas(fleet: list[vllm_fleet.VLLMR
 
 
 def _parsed(messages: list[dict[str, str]]) -> object:
-    from kvpool.serve.protocol import Endpoint, parse_generation
+    from kvpool.openai_http.protocol import Endpoint, parse_generation
 
     return parse_generation(Endpoint.CHAT, {"model": "m", "messages": messages})
 

@@ -19,8 +19,9 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool.errors import ConfigError
+from kvpool.openai_http import is_loopback
 from kvpool.serve.app import _is_loopback
-from kvpool.serve.connections import ConnectionLimits, is_loopback, uvicorn_config
+from kvpool.serve.connections import ConnectionLimits, uvicorn_config
 from tests.services import free_port
 
 DEADLINE = 30.0  # generous: the machine may be loaded; the assertions wait for events, not for this

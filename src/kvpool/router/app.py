@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash, BlockHasher
+from kvpool.openai_http import APIError, error_body, parse_json, read_body, require_operator, tenant_for
+from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_generation
 from kvpool.router.index import BlockIndex, MemoryIndex
 from kvpool.router.index_guard import GuardedIndex, guarded
 from kvpool.router.metrics import render_metrics
@@ -64,9 +65,7 @@ from kvpool.router.specs import ReplicaSpec
 from kvpool.router.stats import HashVerdict
 from kvpool.router.usage import UsageScanner, cached_tokens_of
 from kvpool.routing import PrefixMode, Routing, chooser, prefix_aware
-from kvpool.serve.connections import is_loopback
-from kvpool.serve.protocol import APIError, Endpoint, GenerationRequest, error_body, parse_generation
-from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
+from kvpool.tenancy import KeyRing, SaltPolicy
 
 if TYPE_CHECKING:
     import httpx
@@ -296,48 +295,18 @@ class Router:
 
     def require_operator(self, request: Request) -> None:
         """The loopback interface, or an admin key: what sees the index and the replicas' event figures."""
-        if request.client is not None and is_loopback(request.client.host):
-            return
-        admin = self.options.admin_keys
-        if admin is None:
-            raise APIError(403, "this route is open on the loopback interface only", type="permission_error")
-        if admin.name_for(bearer_token(request.headers.get("authorization"))) is None:
-            raise APIError(401, "this route needs an admin key", type="authentication_error", code="invalid_api_key")
+        client = request.client
+        require_operator(
+            None if client is None else client.host, self.options.admin_keys, request.headers.get("authorization")
+        )
 
     async def read_body(self, request: Request) -> bytes:
         """The request body, refused with 413 as soon as it is known to be over the limit (nothing more read)."""
-        limit = self.options.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.strip().isdigit():
-                raise APIError(400, f"Content-Length is not a byte count: {declared!r}", code="invalid_request")
-            if int(declared) > limit:
-                raise APIError(
-                    413, f"the request body is {int(declared)} bytes; the limit is {limit}", code="request_too_large"
-                )
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
-        return bytes(body)
+        return await read_body(request, self.options.max_body_bytes)
 
     def tenant(self, authorization: str | None) -> str:
         """The tenant an ``Authorization`` header names; raises 401 for a missing or unknown key."""
-        if self.options.keys is None:
-            return DEFAULT_TENANT
-        key = bearer_token(authorization)
-        if key is None:
-            raise APIError(
-                401,
-                "missing API key: send it as 'Authorization: Bearer KEY'",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-        tenant = self.options.keys.name_for(key)
-        if tenant is None:
-            raise APIError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
-        return tenant
+        return tenant_for(self.options.keys, authorization)
 
     def prompt_keys(self, request: GenerationRequest, tenant: str) -> PromptKeys:
         """The request's prompt length and block hashes under each hashing in use; :data:`NO_KEYS` until tokenized."""
@@ -611,13 +580,7 @@ def build_app(router: Router) -> Starlette:
         try:
             tenant = router.tenant(request.headers.get("authorization"))  # before a byte of the body is read
             body = await router.read_body(request)
-            try:
-                payload = json.loads(body)
-            except RecursionError:
-                raise APIError(400, "the request body's JSON is nested too deeply", code="invalid_json") from None
-            except ValueError as exc:
-                raise APIError(400, f"the request body is not JSON: {exc}", code="invalid_json") from None
-            parsed = parse_generation(endpoint, payload)
+            parsed = parse_generation(endpoint, parse_json(body))
             try:
                 if len(body) > OFF_LOOP_BYTES:
                     keys = await asyncio.to_thread(router.prompt_keys, parsed, tenant)

@@ -6,7 +6,7 @@ thread (:class:`~kvpool.serve.engine_loop.EngineLoop`). Any ASGI server runs
 it; ``kvpool serve`` uses uvicorn.
 
 Every refusal is an OpenAI-style error body with its status (see
-:mod:`kvpool.serve.protocol`), and every way a request can end early (a
+:mod:`kvpool.openai_http.protocol`), and every way a request can end early (a
 refusal after admission, a client that goes away, a failed step) aborts it on
 the engine, so its blocks go back to the pool at once.
 """
@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError, KVPoolError
-from kvpool.serve.connections import is_loopback
+from kvpool.openai_http import is_loopback, parse_json, read_body, require_operator, tenant_for
+from kvpool.openai_http.errors import APIError, error_body, error_type
+from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_generation
 from kvpool.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, StepHook
-from kvpool.serve.errors import APIError, error_body, error_type
 from kvpool.serve.generation import Plan, collect, events, plan_jobs, whole_body
 from kvpool.serve.metrics import DEFAULT_PREFIX, ServerMetrics
 from kvpool.serve.prompts import PromptTokenizer
-from kvpool.serve.protocol import Endpoint, GenerationRequest, parse_generation
 from kvpool.serve.stats_log import StatsLog
-from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy, bearer_token
+from kvpool.tenancy import KeyRing, SaltPolicy
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -174,55 +174,19 @@ class _Server:
     # -- who is asking ---------------------------------------------------------------------
 
     def tenant(self, request: Request) -> str:
-        keys = self.config.api_keys
-        if keys is None:
-            return DEFAULT_TENANT
-        key = bearer_token(request.headers.get("authorization"))
-        if key is None:
-            raise APIError(
-                401,
-                "missing API key: send it as 'Authorization: Bearer KEY'",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-        tenant = keys.name_for(key)
-        if tenant is None:
-            raise APIError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
-        return tenant
+        return tenant_for(self.config.api_keys, request.headers.get("authorization"))
 
     def require_operator(self, request: Request) -> None:
         """The loopback interface, or an admin key: what sees every tenant's figures."""
-        if _is_loopback(request):
-            return
-        admin = self.config.admin_keys
-        if admin is None:
-            raise APIError(403, "this route is open on the loopback interface only", type="permission_error")
-        if admin.name_for(bearer_token(request.headers.get("authorization"))) is None:
-            raise APIError(401, "this route needs an admin key", type="authentication_error", code="invalid_api_key")
+        client = request.client
+        require_operator(
+            None if client is None else client.host, self.config.admin_keys, request.headers.get("authorization")
+        )
 
     # -- reading a request -----------------------------------------------------------------------
 
     async def read_json(self, request: Request) -> object:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        too_big = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
-        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-            raise too_big
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_big
-        try:
-            return json.loads(body)
-        except RecursionError:
-            raise APIError(
-                400, "the request body's JSON is nested too deeply", param="body", code="invalid_json"
-            ) from None
-        except ValueError as exc:
-            raise APIError(
-                400, f"the request body is not valid JSON: {exc}", param="body", code="invalid_json"
-            ) from None
+        return parse_json(await read_body(request, self.config.max_body_bytes))
 
     def check_model(self, gen: GenerationRequest) -> None:
         """The request's ``model`` must be the served one (vLLM's rule: leaving it out means that one)."""

@@ -15,13 +15,12 @@ commands' server settings with
 * a bounded **graceful shutdown**: on SIGTERM, open requests get ``shutdown_timeout``
   seconds, then their tasks are cancelled (a router's upstream streams with them).
 
-:func:`is_loopback` is the operator routes' test of "on this machine".
+The operator routes' test of "on this machine" is :func:`kvpool.openai_http.is_loopback`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,30 +29,13 @@ from kvpool.errors import ConfigError
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["ConnectionLimits", "is_loopback", "uvicorn_config"]
+__all__ = ["ConnectionLimits", "uvicorn_config"]
 
 #: A connection past the cap gets this answer before it is closed.
 _REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b'content-length: 75\r\n\r\n{"error":{"message":"too many connections","type":"service_unavailable"}}\n'
 )
-
-
-def is_loopback(host: str | None) -> bool:
-    """Whether ``host`` (a peer address as the ASGI server gives it) is this machine's loopback interface.
-
-    IPv4 ``127.0.0.0/8``, IPv6 ``::1`` and IPv4-mapped ``::ffff:127.x.y.z``; a name or
-    anything that is not an IP address is not loopback.
-    """
-    if not host:
-        return False
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])  # a scope ID (fe80::1%eth0) is not part of it
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped.is_loopback
-    return address.is_loopback
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

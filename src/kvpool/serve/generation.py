@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import KVPoolError
+from kvpool.openai_http.errors import APIError, error_body
+from kvpool.openai_http.protocol import NEUTRAL, Endpoint, GenerationRequest
 from kvpool.serve.engine_loop import Job
-from kvpool.serve.errors import APIError, error_body
-from kvpool.serve.protocol import NEUTRAL, Endpoint, GenerationRequest
 from kvpool.serve.responses import Choice, Usage, chunk_body, completion_body, logprobs_body
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvpool import prompts as prompt_rule
-from kvpool.serve.protocol import APIError, GenerationRequest
+from kvpool.openai_http.protocol import APIError, GenerationRequest
 
 if TYPE_CHECKING:
     from kvpool.engine.llm_engine import LLMEngine

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpool.serve.protocol import Endpoint
+from kvpool.openai_http.protocol import Endpoint
 
 __all__ = ["Choice", "LogprobEntry", "Usage", "chunk_body", "completion_body", "logprobs_body"]
 

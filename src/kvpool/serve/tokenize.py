@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpool.errors import KVPoolError
-from kvpool.serve.errors import APIError, bad_request
-from kvpool.serve.protocol import Endpoint, GenerationRequest, Sampling, validation_error
-from kvpool.serve.schema import Message, utf8
+from kvpool.openai_http.errors import APIError, bad_request
+from kvpool.openai_http.protocol import Endpoint, GenerationRequest, Sampling, validation_error
+from kvpool.openai_http.schema import Message, utf8
 
 if TYPE_CHECKING:
     from kvpool.serve.prompts import PromptTokenizer

@@ -13,7 +13,7 @@ declared with the value that changes nothing (:data:`UNSUPPORTED`); any other
 value is refused by name, never ignored. Fields no server knows are ignored,
 as the OpenAI API does.
 
-A check that needs a message of its own raises :class:`~kvpool.serve.protocol.APIError`
+A check that needs a message of its own raises :class:`~kvpool.openai_http.protocol.APIError`
 from inside a validator (pydantic lets exceptions other than ``ValueError``
 through), so every refusal names its field.
 """
@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvpool.serve.errors import bad_request
+from kvpool.openai_http.errors import bad_request
 
 __all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "UNSUPPORTED", "ChatBody", "CompletionBody"]
 

@@ -6,7 +6,7 @@ by name rather than ignored, and unknown fields are ignored, as the OpenAI API
 does. Every refusal is an :class:`APIError` carrying the HTTP status and the
 OpenAI error body, its ``param`` naming the field (``messages[2].content``).
 
-Response bodies are :mod:`.responses`'. Nothing here imports torch; sampling
+Response bodies are the server's (:mod:`kvpool.serve.responses`). Nothing here imports torch; sampling
 values are checked again by :class:`~kvpool.engine.sampling.SamplingParams`
 when the server builds them.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kvpool.serve.errors import APIError, bad_request, error_body
+from kvpool.openai_http.errors import APIError, bad_request, error_body
 
 __all__ = ["APIError", "Endpoint", "GenerationRequest", "Sampling", "error_body", "parse_generation"]
 
@@ -105,7 +105,7 @@ def parse_generation(endpoint: Endpoint, body: object) -> GenerationRequest:
     """A decoded JSON request body, checked; raises :class:`APIError` (400) naming the first bad field."""
     from pydantic import ValidationError
 
-    from kvpool.serve.schema import ChatBody, CompletionBody
+    from kvpool.openai_http.schema import ChatBody, CompletionBody
 
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", "body")
