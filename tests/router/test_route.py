@@ -317,10 +317,12 @@ def test_a_client_gone_mid_stream_closes_the_replica_stream_and_frees_its_slot(r
         with router.client.stream("POST", "/v1/chat/completions", json=body) as response:
             first = next(response.iter_lines())
             assert first.startswith("data: ")
-            assert sum(r.in_flight for r in router.router.replicas) == 1
+            assert sum(r.served for r in replicas) == 1
+            in_flight_while_open = sum(r.in_flight for r in router.router.replicas)
         # the client closed its connection after one chunk: the router closes its own to the replica
         wait_for(lambda: sum(r.in_flight for r in router.router.replicas) == 0, "the slot freed")
         wait_for(lambda: sum(r.streams_cut for r in replicas) == 1, "the replica's stream cut short", timeout=30)
+        assert in_flight_while_open == 1
         hold.set()
     finally:
         router.stop()
