@@ -38,28 +38,176 @@ _FR = "The capital of France is"
 #: (name, method, path, body); a body of type str is sent as raw bytes (bad JSON).
 CASES: list[tuple[str, str, str, Any]] = [
     # -- valid --------------------------------------------------------------------------
-    ("completions_basic", "POST", "/v1/completions", {"model": MODEL, "prompt": _FR, "max_tokens": 8, "temperature": 0}),
-    ("completions_token_ids", "POST", "/v1/completions", {"model": MODEL, "prompt": [504, 3575, 282, 4649, 314], "max_tokens": 4, "temperature": 0}),
-    ("completions_stop", "POST", "/v1/completions", {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 20, "temperature": 0, "stop": [" 5"]}),
-    ("completions_stop_included", "POST", "/v1/completions", {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 20, "temperature": 0, "stop": " 5", "include_stop_str_in_output": True}),
-    ("completions_stop_token_ids", "POST", "/v1/completions", {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 20, "temperature": 0, "stop_token_ids": [28]}),
-    ("completions_logprobs_echo", "POST", "/v1/completions", {"model": MODEL, "prompt": _FR, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}),
-    ("completions_logprobs", "POST", "/v1/completions", {"model": MODEL, "prompt": _FR, "max_tokens": 3, "temperature": 0, "logprobs": 0}),
-    ("completions_echo", "POST", "/v1/completions", {"model": MODEL, "prompt": _FR, "max_tokens": 3, "temperature": 0, "echo": True}),
-    ("completions_prompt_list", "POST", "/v1/completions", {"model": MODEL, "prompt": [_FR, "One, two,"], "max_tokens": 3, "temperature": 0}),
-    ("completions_n2_seed", "POST", "/v1/completions", {"model": MODEL, "prompt": _FR, "max_tokens": 4, "temperature": 1.0, "n": 2, "seed": 7}),
-    ("completions_sampling_options", "POST", "/v1/completions", {"model": MODEL, "prompt": _FR, "max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True}),
-    ("completions_stream", "POST", "/v1/completions", {"model": MODEL, "prompt": _FR, "max_tokens": 4, "temperature": 0, "stream": True}),
-    ("completions_stream_usage", "POST", "/v1/completions", {"model": MODEL, "prompt": _FR, "max_tokens": 4, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}),
-    ("chat_basic", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "max_tokens": 8, "temperature": 0}),
+    (
+        "completions_basic",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": _FR, "max_tokens": 8, "temperature": 0},
+    ),
+    (
+        "completions_token_ids",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [504, 3575, 282, 4649, 314], "max_tokens": 4, "temperature": 0},
+    ),
+    (
+        "completions_stop",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 20, "temperature": 0, "stop": [" 5"]},
+    ),
+    (
+        "completions_stop_included",
+        "POST",
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "Count: 1, 2, 3,",
+            "max_tokens": 20,
+            "temperature": 0,
+            "stop": " 5",
+            "include_stop_str_in_output": True,
+        },
+    ),
+    (
+        "completions_stop_token_ids",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 20, "temperature": 0, "stop_token_ids": [28]},
+    ),
+    (
+        "completions_logprobs_echo",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": _FR, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True},
+    ),
+    (
+        "completions_logprobs",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": _FR, "max_tokens": 3, "temperature": 0, "logprobs": 0},
+    ),
+    (
+        "completions_echo",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": _FR, "max_tokens": 3, "temperature": 0, "echo": True},
+    ),
+    (
+        "completions_prompt_list",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [_FR, "One, two,"], "max_tokens": 3, "temperature": 0},
+    ),
+    (
+        "completions_n2_seed",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": _FR, "max_tokens": 4, "temperature": 1.0, "n": 2, "seed": 7},
+    ),
+    (
+        "completions_sampling_options",
+        "POST",
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": _FR,
+            "max_tokens": 6,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "top_k": 20,
+            "min_p": 0.05,
+            "seed": 1,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.5,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+            "ignore_eos": True,
+        },
+    ),
+    (
+        "completions_stream",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": _FR, "max_tokens": 4, "temperature": 0, "stream": True},
+    ),
+    (
+        "completions_stream_usage",
+        "POST",
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": _FR,
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    (
+        "chat_basic",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _HI, "max_tokens": 8, "temperature": 0},
+    ),
     ("chat_default_max_tokens", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "temperature": 0}),
-    ("chat_max_completion_tokens", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "max_completion_tokens": 3, "temperature": 0}),
-    ("chat_logprobs", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}),
-    ("chat_n2", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "max_tokens": 4, "temperature": 1.0, "n": 2, "seed": 3}),
-    ("chat_stop", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "max_tokens": 20, "temperature": 0, "stop": ["!"]}),
-    ("chat_stream_usage", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "max_tokens": 4, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}),
-    ("chat_stream_logprobs", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "max_tokens": 3, "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 1}),
-    ("chat_response_format_text", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "max_tokens": 2, "temperature": 0, "response_format": {"type": "text"}}),
+    (
+        "chat_max_completion_tokens",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _HI, "max_completion_tokens": 3, "temperature": 0},
+    ),
+    (
+        "chat_logprobs",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _HI, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    ),
+    (
+        "chat_n2",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _HI, "max_tokens": 4, "temperature": 1.0, "n": 2, "seed": 3},
+    ),
+    (
+        "chat_stop",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _HI, "max_tokens": 20, "temperature": 0, "stop": ["!"]},
+    ),
+    (
+        "chat_stream_usage",
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": _HI,
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    (
+        "chat_stream_logprobs",
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": _HI,
+            "max_tokens": 3,
+            "temperature": 0,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+    ),
+    (
+        "chat_response_format_text",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _HI, "max_tokens": 2, "temperature": 0, "response_format": {"type": "text"}},
+    ),
     ("models", "GET", "/v1/models", None),
     ("tokenize_prompt", "POST", "/tokenize", {"model": MODEL, "prompt": _FR}),
     ("tokenize_messages", "POST", "/tokenize", {"model": MODEL, "messages": _HI}),
@@ -77,14 +225,34 @@ CASES: list[tuple[str, str, str, Any]] = [
     ("max_tokens_string", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}),
     ("max_tokens_too_many", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}),
     ("n_zero", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}),
-    ("presence_penalty_out_of_range", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3}),
+    (
+        "presence_penalty_out_of_range",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "presence_penalty": 3},
+    ),
     ("repetition_penalty_zero", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}),
     ("min_p_out_of_range", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}),
     ("logprobs_too_many", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 30}),
-    ("chat_top_logprobs_without_logprobs", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "top_logprobs": 2}),
-    ("chat_top_logprobs_too_many", "POST", "/v1/chat/completions", {"model": MODEL, "messages": _HI, "logprobs": True, "top_logprobs": 30}),
+    (
+        "chat_top_logprobs_without_logprobs",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _HI, "top_logprobs": 2},
+    ),
+    (
+        "chat_top_logprobs_too_many",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _HI, "logprobs": True, "top_logprobs": 30},
+    ),
     ("best_of_above_n", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}),
-    ("stream_options_without_stream", "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
+    (
+        "stream_options_without_stream",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+    ),
     ("empty_messages", "POST", "/v1/chat/completions", {"model": MODEL, "messages": []}),
     ("bad_role", "POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}),
     ("unknown_model", "POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}),
@@ -187,13 +355,22 @@ def main() -> int:
         version = client.get("/version").json().get("version")
         cases = {}
         for name, method, path, body in CASES:
-            cases[name] = {"request": {"method": method, "path": path, "body": body}, **send(client, method, path, body)}
+            cases[name] = {
+                "request": {"method": method, "path": path, "body": body},
+                **send(client, method, path, body),
+            }
             print(f"{name:40s} {cases[name]['status']}", file=sys.stderr)
         record = {"server": f"vllm {version}", "model": args.model, "cases": cases}
         (FIXTURES / "contract.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
         prompts = {"completions": GREEDY_PROMPTS, "chat": GREEDY_CHATS}
         texts = greedy(client, args.model)
-        record = {"server": f"vllm {version}", "model": args.model, "max_tokens": GREEDY_TOKENS, "prompts": prompts, "texts": texts}
+        record = {
+            "server": f"vllm {version}",
+            "model": args.model,
+            "max_tokens": GREEDY_TOKENS,
+            "prompts": prompts,
+            "texts": texts,
+        }
         (FIXTURES / "greedy.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     return 0
 

@@ -49,7 +49,6 @@ LAYERS = {
     "router": 16,  # kvpool route: the prefix-aware front door over serve replicas (torch-free)
     "cli": 17,
     "integrations": 17,  # kvpool inside other servers (vLLM's KV connector); each imports its server only itself
-    "integrations": 17,  # kvpool inside other servers (vLLM's KV connector); each imports its server only itself
     "__init__": 18,  # the package facade re-exports the core
 }
 TORCH_FREE_BELOW = 13
