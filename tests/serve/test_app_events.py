@@ -55,10 +55,7 @@ def test_a_python_built_app_publishes_block_stored_and_answers_kv_events(engine:
             # The hook publishes before the step's output reaches the response, and a replay asked for
             # after publish() returned holds that batch: no waiting.
             stored = [
-                event
-                for item in subscriber.replay(0)
-                for event in item.batch.events
-                if isinstance(event, BlockStored)
+                event for item in subscriber.replay(0) for event in item.batch.events if isinstance(event, BlockStored)
             ]
         assert [token for event in stored for token in event.token_ids][:32] == prompt[:32]
     finally:
