@@ -555,6 +555,17 @@ def _load() -> str:
     return f"{one:.2f}/{five:.2f}"
 
 
+def _machine_state(peak_load: float) -> str:
+    """What the load says of the run: quiet (about the engines' own threads) or shared with other work."""
+    cores = os.cpu_count() or 1
+    if peak_load <= cores + 0.5:
+        return "quiet apart from this run (the load average stayed near the engines' own threads)."
+    return (
+        "SHARED: other work ran beside this run, so absolute figures are lower than on a quiet machine; the "
+        "rounds are interleaved so both engines see the same conditions."
+    )
+
+
 def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, int, int]:
     """Requests whose tokens are all equal; tokens equal before each request's first difference; all tokens."""
     same = sum(a == b for a, b in zip(ours, theirs))
@@ -611,6 +622,7 @@ def bench_vs_vllm_cpu(args) -> str:
     outputs: dict[str, list[list[int]]] = {}
     cached: dict[str, int] = {}
     loads: list[str] = []
+    peak_load = 0.0  # the highest 1-minute load average seen around a round
 
     def put(side: _Child, key: str, value: float) -> None:
         figures[side.name].setdefault(key, []).append(value)
@@ -645,6 +657,7 @@ def bench_vs_vllm_cpu(args) -> str:
                 f"decode {figures[side.name]['decode'][-1]:.1f} tok/s", flush=True,
             )  # fmt: skip
         loads.append(f"{before} -> {_load()}")
+        peak_load = max(peak_load, float(before.split("/")[0]), os.getloadavg()[0])
     rss = {side.name: side.ask(op="rss")["rss_gib"] for side in sides}
     settings = {side.name: side.hello["settings"] for side in sides}
     startup = {side.name: side.hello["startup_s"] for side in sides}
@@ -662,10 +675,8 @@ def bench_vs_vllm_cpu(args) -> str:
         "",
         f"Command: `{args.command}`",
         "",
-        f"Machine: {cpu_name()} ({os.cpu_count()} cores), SHARED: other work ran during the whole run (other "
-        "test suites, vLLM replicas), so absolute figures are lower than on a quiet machine and the rounds are "
-        "interleaved so both engines see the same conditions. Load average (1 min / 5 min) before -> after "
-        f"each round: {'; '.join(loads)}.",
+        f"Machine: {cpu_name()} ({os.cpu_count()} cores), {_machine_state(peak_load)} Load average "
+        f"(1 min / 5 min) before -> after each round: {'; '.join(loads)}.",
         "",
         f"Workload W: {args.requests} requests sharing a {args.system_tokens}-token system turn "
         f"(`make_prompts` of this file), {args.output_tokens} new tokens each, greedy, EOS ignored; the prefix "
