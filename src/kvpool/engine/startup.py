@@ -66,6 +66,7 @@ from kvpool.model_config import max_position_embeddings, serving_dtype
 from kvpool.model_layers import layer_sliding_windows, layer_specs_from_config
 from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_cache
 from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
+from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.spec import WritePolicy
 
 __all__ = ["EngineOptions", "EngineSetup", "start_engine"]
@@ -169,18 +170,8 @@ class EngineOptions:
         secret = self.kv_tier_secret_file
         if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
             raise ConfigError(f"kv_tier_secret_file must be a file path, given with kv_tiers; got {secret!r}")
-        namespace = self.kv_tier_namespace
-        if namespace is not None and (
-            not isinstance(namespace, str)
-            or not 0 < len(namespace) <= 128
-            or not (namespace.isascii() and namespace.isprintable())
-            or any(c.isspace() for c in namespace)
-            or not self.kv_tiers
-        ):
-            raise ConfigError(
-                "kv_tier_namespace must be 1 to 128 printable ASCII characters without spaces, "
-                f"given with kv_tiers; got {namespace!r}"
-            )
+        if check_namespace(self.kv_tier_namespace, "kv_tier_namespace") is not None and not self.kv_tiers:
+            raise ConfigError(f"kv_tier_namespace is given with kv_tiers; got {self.kv_tier_namespace!r} without")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

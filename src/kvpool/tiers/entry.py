@@ -64,6 +64,8 @@ from kvpool.specs import KVDtype
 __all__ = [
     "FORMAT_VERSION",
     "LAYOUT_DIGEST_AT",
+    "MAX_NAMESPACE_CHARS",
+    "check_namespace",
     "Checksum",
     "CorruptEntry",
     "CorruptKind",
@@ -128,6 +130,30 @@ _CHECKSUMS: dict[Checksum, Callable[[Payload], bytes] | None] = {Checksum.XXH3_1
 
 def _checksum_function(kind: Checksum) -> Callable[[Payload], bytes] | None:
     return _CHECKSUMS[kind]
+
+
+#: The longest operator namespace that may name a model's weights in place of their digest.
+MAX_NAMESPACE_CHARS = 128
+
+
+def check_namespace(value: object, what: str) -> str | None:
+    """``value`` as an operator namespace for the weights (1 to 128 printable ASCII characters, no spaces), or None.
+
+    Raises:
+        ConfigError: naming ``what`` and the value.
+    """
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= MAX_NAMESPACE_CHARS
+        or not (value.isascii() and value.isprintable())
+        or any(c.isspace() for c in value)
+    ):
+        raise ConfigError(
+            f"{what} must be 1 to {MAX_NAMESPACE_CHARS} printable ASCII characters without spaces, got {value!r}"
+        )
+    return value
 
 
 class CorruptKind(Enum):

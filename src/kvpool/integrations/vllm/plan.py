@@ -33,6 +33,7 @@ from typing import Protocol
 
 from kvpool.errors import ConfigError
 from kvpool.tiers import ByteTier, CpuTarget, DiskTarget, HostTier, RedisTarget, parse_specs
+from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.store import TierTarget
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
 ]
 
 _OPTION_KEYS = frozenset({"tiers", "secret_file", "namespace"})
-_MAX_NAMESPACE = 128
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,17 +81,7 @@ class ConnectorOptions:
         secret_file = extra.get("secret_file")
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
             raise ConfigError(f"kv_connector_extra_config 'secret_file' must be a file path, got {secret_file!r}")
-        namespace = extra.get("namespace")
-        if namespace is not None and (
-            not isinstance(namespace, str)
-            or not 0 < len(namespace) <= _MAX_NAMESPACE
-            or not (namespace.isascii() and namespace.isprintable())
-            or any(c.isspace() for c in namespace)
-        ):
-            raise ConfigError(
-                f"kv_connector_extra_config 'namespace' must be 1 to {_MAX_NAMESPACE} printable ASCII characters "
-                f"without spaces, got {namespace!r}"
-            )
+        namespace = check_namespace(extra.get("namespace"), "kv_connector_extra_config 'namespace'")
         return cls(tiers=parse_specs(list(specs)), secret_file=secret_file, namespace=namespace)
 
     @property
