@@ -6,12 +6,16 @@ would, publishes each newly cached block with :class:`kvpool.kv_events.KVEventPu
 and answers with ``usage.prompt_tokens_details.cached_tokens`` and its own name. It runs
 on a uvicorn server in a thread, and can be killed (the port refuses connections) and
 started again on the same ports.
+
+Every server here binds port 0 and reads back the port the system gave it
+(:func:`serve_in_thread`), so no other process can take the port between a pick and a bind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -28,9 +32,34 @@ from kvpool.events import BlockStored
 from kvpool.hashing import BlockHasher
 from kvpool.kv_events import KVEventPublisher, describe_events
 from kvpool.tenancy import DEFAULT_TENANT, SaltPolicy
-from tests.services import free_port
 
 BLOCK_SIZE = 16
+
+
+def bound_socket(port: int = 0) -> socket.socket:
+    """A TCP socket bound on the loopback to ``port`` (0: any free port; read it back with ``getsockname``)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on the port it had
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+def serve_in_thread(config: uvicorn.Config, port: int = 0) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """``config``'s app under uvicorn on a thread, on a socket bound before uvicorn starts: (server, thread, port).
+
+    ``port`` 0 (the default) binds a free port; the port returned is the one bound. The
+    call returns once the server accepts connections.
+    """
+    sock = bound_socket(port)
+    bound = int(sock.getsockname()[1])
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), f"the server on port {bound} to start")
+    if not server.started:
+        sock.close()
+        raise AssertionError(f"the server on port {bound} did not start")
+    return server, thread, bound
 
 
 class ByteTokenizer:
@@ -56,16 +85,19 @@ class FakeReplica:
         self.admin_key = admin_key  # when set, /kv-events needs it (as a replica reached off its loopback)
         self.salts = salts
         self.delay = delay
-        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        # 0 until the first start binds them; a restart binds the same ports again
+        self.port, self.events_port, self.replay_port = 0, 0, 0
         self.hasher = BlockHasher(BLOCK_SIZE)
         self.tokenizer = ByteTokenizer()
         self.cached: set[bytes] = set()
         self.served = 0
+        self.failed = 0  # generation requests answered ``fail_with``
         self.chunk_delay = 0.0  # seconds between streamed chunks
         # When set, a stream stops after its first chunk until the event is set (or its client leaves).
         self.hold_stream: threading.Event | None = None
         self.streams_cut = 0  # streams its client closed before the end
         self.healthy = True  # False: /health answers 503, as a replica that stopped answering in time
+        self.fail_with: int | None = None  # when set, each generation request is answered this status at once
         # When set, each generation request is held (after its prompt is counted in ``served``) until the
         # gate opens: tests then know exactly how many requests are in flight, whatever the machine's load.
         self.gate: threading.Event | None = None
@@ -80,16 +112,13 @@ class FakeReplica:
     def start(self) -> FakeReplica:
         self.cached.clear()  # a new process: an empty cache, sequence numbers from 0
         self.publisher = KVEventPublisher(f"tcp://*:{self.events_port}", replay_endpoint=f"tcp://*:{self.replay_port}")
+        self.events_port = _port_of(self.publisher.endpoint)
+        assert self.publisher.replay_endpoint is not None
+        self.replay_port = _port_of(self.publisher.replay_endpoint)
         config = uvicorn.Config(
             self._app(), host="127.0.0.1", port=self.port, log_level="warning", access_log=False, lifespan="off"
         )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, f"{self.name} did not start"
-            time.sleep(0.02)
+        self._server, self._thread, self.port = serve_in_thread(config, self.port)
         return self
 
     def kill(self) -> None:
@@ -131,6 +160,9 @@ class FakeReplica:
 
     def _app(self) -> Starlette:
         async def generate(request: Request) -> Response:
+            if self.fail_with is not None:
+                self.failed += 1
+                return JSONResponse({"error": {"message": f"{self.name} fails"}}, status_code=self.fail_with)
             body = json.loads(await request.body())
             prompt_tokens, cached = self._answer(body, DEFAULT_TENANT)
             if self.delay:
@@ -195,6 +227,11 @@ class FakeReplica:
         )
 
 
+def _port_of(endpoint: str) -> int:
+    """The port of a bound ``tcp://HOST:PORT`` endpoint."""
+    return int(endpoint.rpartition(":")[2])
+
+
 def wait_for(condition: Any, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -210,12 +247,8 @@ class RouterThread:
         from kvpool.router import build_app
 
         self.router = router
-        self.port = free_port()
-        config = uvicorn.Config(build_app(router), host="127.0.0.1", port=self.port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        wait_for(lambda: self._server.started, "the router to start")
+        config = uvicorn.Config(build_app(router), host="127.0.0.1", port=0, log_level="warning")
+        self._server, self._thread, self.port = serve_in_thread(config)
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
 
     def chat(self, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:

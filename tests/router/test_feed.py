@@ -24,7 +24,6 @@ from kvpool.router.feed import EventFeed
 from kvpool.router.index import MemoryIndex
 from kvpool.router.replicas import EventsInfo
 from tests.router.fakes import wait_for
-from tests.services import free_port
 
 R = "http://replica:1"
 H = [bytes([i]) * 32 for i in range(12)]
@@ -45,10 +44,12 @@ class HandPublisher:
     """PUB and replay sockets whose buffer and live sends the test controls batch by batch."""
 
     def __init__(self) -> None:
-        self.port, self.replay_port = free_port(), free_port()
         self.context = zmq.Context()
         self.pub = self.context.socket(zmq.PUB)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")  # bound, then the port read back
+        # bound here, used only by the replay thread from then on
+        self._replay = self.context.socket(zmq.ROUTER)
+        self.replay_port = self._replay.bind_to_random_port("tcp://127.0.0.1")
         self.buffer: dict[int, bytes] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replays, daemon=True)
@@ -75,8 +76,7 @@ class HandPublisher:
         self.pub.send_multipart([b"", seq.to_bytes(8, "big"), self.keep(seq, *events)])
 
     def _serve_replays(self) -> None:
-        router = self.context.socket(zmq.ROUTER)
-        router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        router = self._replay
         while not self._stop.is_set():
             if not router.poll(50):
                 continue

@@ -21,7 +21,7 @@ from kvpool.errors import ConfigError
 from kvpool.router import MemoryIndex, RouteOptions, Router, build_app
 from kvpool.serve.connections import ConnectionLimits, uvicorn_config
 from kvpool.tenancy import KeyRing, SaltPolicy
-from tests.router.fakes import ByteTokenizer, FakeReplica, wait_for
+from tests.router.fakes import ByteTokenizer, FakeReplica, bound_socket, serve_in_thread, wait_for
 from tests.services import free_port
 
 SALTS = SaltPolicy.isolated(b"s" * 32)
@@ -48,15 +48,11 @@ class Served:
     """An ASGI app under uvicorn on a thread (with :func:`uvicorn_config` when ``limits`` is given)."""
 
     def __init__(self, app: Any, limits: ConnectionLimits | None = None) -> None:
-        self.port = free_port()
         if limits is None:
-            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+            config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
         else:
-            config = uvicorn_config(app, host="127.0.0.1", port=self.port, limits=limits, log_level="error")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, "the server to start", timeout=DEADLINE)
+            config = uvicorn_config(app, host="127.0.0.1", port=0, limits=limits, log_level="error")
+        self.server, self.thread, self.port = serve_in_thread(config)  # port 0, read back
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
