@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from kvpool.errors import ConfigError
 from kvpool.router import MemoryIndex, RouteOptions, Router, build_app
 from kvpool.serve.connections import ConnectionLimits, uvicorn_config
 from kvpool.tenancy import KeyRing, SaltPolicy
-from tests.router.fakes import ByteTokenizer, FakeReplica, bound_socket, serve_in_thread, wait_for
+from tests.router.fakes import ByteTokenizer, FakeReplica, serve_in_thread, wait_for
 from tests.services import free_port
 
 SALTS = SaltPolicy.isolated(b"s" * 32)
