@@ -399,6 +399,9 @@ def build_app(
 
     async def health(request: Request) -> Response:
         if request.query_params.get("verbose", "0") in ("", "0", "false"):
+            # liveness that a router can trust: 503 once the engine thread no longer takes requests
+            if not server.loop.running:
+                return JSONResponse({"status": "engine stopped"}, status_code=503)
             return JSONResponse({"status": "ok"})
         server.require_operator(request)
         try:
