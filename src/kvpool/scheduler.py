@@ -13,6 +13,14 @@ running requests (``max_num_seqs``):
    split across steps (chunked prefill). No admission happens in a step that
    preempted.
 
+Requests may name their tenant (:meth:`Scheduler.add_request`). While more
+than one tenant has unfinished requests, the tenants share the batch, the
+pool and each step's token budget by weighted dominant-resource fairness
+(:mod:`kvpool.fair_share`): the running requests are served, and preempted,
+in the order of their tenants' loads, waiting requests are admitted from the
+tenant with the lowest load, and a tenant under its share may preempt a
+tenant over it. With one tenant the steps are exactly the ones above.
+
 The output of a step is plain data for a model runner: which requests, which
 tokens at which positions, their block tables and slot mappings. After the
 runner has sampled, :meth:`Scheduler.update` appends the sampled tokens,
@@ -49,6 +57,7 @@ from enum import Enum
 from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.connector import GPU, NO_MATCH, ConnectorMetadata, ExternalMatch, KVConnector, TransferResult
 from kvpool.errors import CapacityError, ConfigError, InvalidTokenError, RequestStateError
+from kvpool.fair_share import StepShares, TenantWeights
 from kvpool.hashing import TOKEN_LIMIT, to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
@@ -98,6 +107,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     chunk_detail: ChunkDetail = ChunkDetail.FULL
+    #: The tenants' weights in the fair share (:mod:`kvpool.fair_share`).
+    tenant_weights: TenantWeights = dataclasses.field(default_factory=TenantWeights)
 
     def __post_init__(self) -> None:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -106,6 +117,8 @@ class SchedulerConfig:
             check_int("max_model_len", self.max_model_len, minimum=MIN_MODEL_LEN)
         if not isinstance(self.chunk_detail, ChunkDetail):
             raise ConfigError(f"chunk_detail must be a ChunkDetail, got {self.chunk_detail!r}")
+        if not isinstance(self.tenant_weights, TenantWeights):
+            raise ConfigError(f"tenant_weights must be a TenantWeights, got {self.tenant_weights!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -213,6 +226,8 @@ class _Entry:
     __slots__ = (
         "request",
         "stop",
+        "tenant",
+        "admission",
         "status",
         "finish_reason",
         "arrival_time",
@@ -225,9 +240,11 @@ class _Entry:
         "loading",
     )
 
-    def __init__(self, request: Request, stop: StopConditions, arrival_time: float) -> None:
+    def __init__(self, request: Request, stop: StopConditions, arrival_time: float, tenant: str | None) -> None:
         self.request = request
         self.stop = stop
+        self.tenant = tenant
+        self.admission = 0  # the scheduler's count of admissions when this one was last admitted
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival_time = arrival_time
@@ -300,6 +317,9 @@ class Scheduler:
         self.waiting: deque[_Entry] = deque()
         self.running: list[_Entry] = []
         self._entries: dict[str, _Entry] = {}
+        #: Unfinished requests (waiting or running) per tenant: the tenants that share the server now.
+        self._active: dict[str | None, int] = {}
+        self._admissions = 0
         self._step = 0
         # The latest plan, and its chunks' entries until update() applies it.
         self._issued: SchedulerOutput | None = None
@@ -317,8 +337,10 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------
 
-    def check_request(self, request: Request, stop: StopConditions) -> None:
+    def check_request(self, request: Request, stop: StopConditions, *, tenant: str | None = None) -> None:
         """Raise what :meth:`add_request` would raise, without queuing anything."""
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ConfigError(f"a tenant is a non-empty string or None, got {tenant!r}")
         if not isinstance(request, Request):
             raise RequestStateError(f"request must be a Request, got {request!r}")
         if not isinstance(stop, StopConditions):
@@ -347,16 +369,25 @@ class Scheduler:
                 f"the pool has {self.manager.num_blocks - 1} usable blocks"
             )
 
-    def add_request(self, request: Request, stop: StopConditions, *, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises if it could never be served, even alone."""
-        self.check_request(request, stop)
+    def add_request(
+        self,
+        request: Request,
+        stop: StopConditions,
+        *,
+        arrival_time: float | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        """Queue a request of ``tenant`` (None: the one unnamed tenant). Raises if it could never be
+        served, even alone."""
+        self.check_request(request, stop, tenant=tenant)
         if arrival_time is not None and (type(arrival_time) not in (int, float) or not math.isfinite(arrival_time)):
             raise ConfigError(f"arrival_time must be a finite number or None, got {arrival_time!r}")
         arrival = self.clock() if arrival_time is None else arrival_time
         # Refuses a request hashed under another block size or algorithm, and then binds nothing.
         self.manager.hash_request(request)
-        entry = _Entry(request, stop, arrival)
+        entry = _Entry(request, stop, arrival, tenant)
         self._entries[request.request_id] = entry
+        self._active[tenant] = self._active.get(tenant, 0) + 1
         self.waiting.append(entry)
         self._waiting_changed = True
 
@@ -434,12 +465,18 @@ class Scheduler:
         scheduled: list[_Entry] = []
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        shares = None
+        if len(self._active) > 1:  # tenants share the step; the most loaded ones' requests last (preempted first)
+            shares = fair = self._step_shares(budget)
+            self.running.sort(key=lambda e: fair.load(e.tenant))
 
         index = 0
         while index < len(self.running) and budget > 0:
             entry = self.running[index]
             request = entry.request
             todo = min(request.num_tokens - request.num_computed_tokens, budget)
+            if shares is not None:
+                todo = min(todo, shares.left[entry.tenant])
             if todo <= 0:
                 index += 1
                 continue
@@ -449,6 +486,8 @@ class Scheduler:
                     break
                 victim = self.running.pop()
                 self._preempt(victim)
+                if shares is not None:
+                    shares.preempted(victim.tenant, victim.request.num_tokens)
                 preempted.append(victim.request.request_id)
                 if victim is entry:
                     break
@@ -457,21 +496,55 @@ class Scheduler:
             scheduled.append(entry)
             chunks.append(self._chunk(entry, todo, 0))
             budget -= todo
+            if shares is not None:
+                shares.left[entry.tenant] -= todo
             index += 1
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            entry = self.waiting[0]
+        yielded: list[str] = []  # preempted for another tenant's admission (admission goes on)
+        first_admission = self._admissions + 1  # requests admitted in this step are never preempted in it
+        max_seqs = self.config.max_num_seqs
+        while not preempted and self.waiting and budget > 0:
+            if shares is None:
+                if len(self.running) >= max_seqs:
+                    break
+                entry = self.waiting[0]
+            else:
+                tenant = shares.pick(e.tenant for e in self.waiting)
+                if tenant is None:
+                    break
+                entry = next(e for e in self.waiting if e.tenant == tenant)
             request = entry.request
             hit, num_hit = mgr.get_computed_blocks(request)
             match = NO_MATCH if connector is None else self._external_match(request, num_hit)
             num_loaded = match.num_tokens
             todo = min(request.num_tokens - num_hit - num_loaded, budget)
-            if mgr.allocate_slots(request, todo, num_hit, hit, num_external_computed_tokens=num_loaded) is None:
-                break
-            self.waiting.popleft()
+            if shares is not None:
+                todo = min(todo, shares.left[entry.tenant])
+            while True:
+                admitted = len(self.running) < max_seqs and (
+                    mgr.allocate_slots(request, todo, num_hit, hit, num_external_computed_tokens=num_loaded) is not None
+                )
+                if admitted or shares is None:
+                    break
+                loser = self._fairness_victim(entry, shares, first_admission)
+                if loser is None:
+                    break
+                budget += self._unschedule(loser, scheduled, chunks, shares)
+                yielded.append(loser.request.request_id)
+            if not admitted:
+                if shares is None:
+                    break  # first come, first served: nobody overtakes the head of the queue
+                shares.block(entry.tenant)
+                continue
+            if shares is None:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(entry)
             self._waiting_changed = True
             request.num_computed_tokens = num_hit + num_loaded
             entry.status = RequestStatus.RUNNING
+            self._admissions += 1
+            entry.admission = self._admissions
             entry.num_cached_total += num_hit + num_loaded
             self._count_cached(entry, GPU, num_hit)
             if connector is not None:
@@ -485,6 +558,10 @@ class Scheduler:
             scheduled.append(entry)
             chunks.append(self._chunk(entry, todo, num_hit + num_loaded))
             budget -= todo
+            if shares is not None:
+                shares.admitted(entry.tenant, request.num_tokens)
+                shares.left[entry.tenant] -= todo
+        preempted.extend(yielded)
 
         meta = None
         if connector is not None:
@@ -499,6 +576,42 @@ class Scheduler:
         self._issued = output
         self._in_flight = tuple(scheduled)
         return output
+
+    def _step_shares(self, budget: int) -> StepShares:
+        mgr = self.manager
+        return StepShares(
+            self.config.tenant_weights,
+            self._active,
+            ((e.tenant, e.request.num_tokens) for e in self.running),
+            max_seqs=self.config.max_num_seqs,
+            pool_tokens=(mgr.num_blocks - 1) * mgr.block_size,
+            budget=budget,
+        )
+
+    def _fairness_victim(self, entry: _Entry, shares: StepShares, first_admission: int) -> _Entry | None:
+        """The running request to preempt so that ``entry`` (waiting) gets in, or None (see
+        :meth:`StepShares.victim`): the latest admitted of the tenant most over its share."""
+        tenant = shares.victim(entry.tenant, entry.request.num_tokens)
+        if tenant is None:
+            return None
+        candidates = [e for e in self.running if e.tenant == tenant and e.admission < first_admission]
+        return max(candidates, key=lambda e: e.admission, default=None)
+
+    def _unschedule(
+        self, victim: _Entry, scheduled: list[_Entry], chunks: list[ScheduledChunk], shares: StepShares
+    ) -> int:
+        """Preempt a running ``victim`` for fairness, taking back its chunk of this step; returns its tokens."""
+        refund = 0
+        for i, other in enumerate(scheduled):
+            if other is victim:
+                refund = chunks[i].num_tokens
+                del scheduled[i], chunks[i]
+                break
+        shares.left[victim.tenant] += refund
+        shares.preempted(victim.tenant, victim.request.num_tokens)
+        self.running.remove(victim)
+        self._preempt(victim)
+        return refund
 
     def _external_match(self, request: Request, num_hit: int) -> ExternalMatch:
         """The connector's answer, held to its contract (whole blocks, short of the last token)."""
@@ -711,6 +824,11 @@ class Scheduler:
         entry.status = RequestStatus.FINISHED
         entry.finish_reason = reason
         entry.finish_time = now
+        left = self._active[entry.tenant] - 1
+        if left:
+            self._active[entry.tenant] = left
+        else:
+            del self._active[entry.tenant]
 
     # -- inspection ----------------------------------------------------------------------
 
@@ -732,6 +850,13 @@ class Scheduler:
 
     def waiting_ids(self) -> list[str]:
         return [e.request.request_id for e in self.waiting]
+
+    def num_waiting_for(self, tenant: str | None) -> int:
+        """Requests of ``tenant`` waiting for admission."""
+        return sum(1 for e in self.waiting if e.tenant == tenant) if self._active.get(tenant) else 0
+
+    def tenant_of(self, request_id: str) -> str | None:
+        return self._known(request_id).tenant
 
     def all_metrics(self) -> list[RequestMetrics]:
         return [e.metrics() for e in self._entries.values()]
