@@ -56,7 +56,7 @@ def connector_config(redis_url: str) -> str:
             "kv_connector_module_path": "kvpool.integrations.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"tiers": [redis_url]},
+            "kv_connector_extra_config": {"tiers": [redis_url], "unauthenticated": True},
         }
     )
 

@@ -30,6 +30,8 @@ def generate(folder: str, *tiers: str, extra: tuple[str, ...] = ()) -> tuple[dic
     args = ["generate", PROMPT, "--raw", "--json", "--model", folder, *ENGINE, *extra]
     for tier in tiers:
         args += ["--kv-tier", tier]
+    if any(not tier.startswith("cpu:") for tier in tiers):
+        args.append("--kv-tier-unauthenticated")  # these tests share unsigned entries; the rule: test_tier_trust.py
     code = "import sys; from kvpool.cli.app import cli; sys.exit(cli())"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

@@ -21,7 +21,7 @@ from kvpool.engine.llm_engine import LLMEngine
 from kvpool.sim.simulator import CostModel, SimulationConfig, simulate
 from kvpool.sim.traces import TokenSegment, TraceRequest
 from kvpool.tiers import WritePolicy, parse_specs
-from tests.engine.test_tiers import BLOCK, BLOCK_BYTES, PARAMS, TINY_POOL
+from tests.engine.test_tiers import BLOCK, BLOCK_BYTES, PARAMS, TINY_POOL, UNSIGNED
 from tests.engine.tiny_models import build_model, random_prompt, save_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -42,7 +42,7 @@ def request_sequence() -> list[list[int]]:
 @pytest.mark.parametrize("write", list(WritePolicy), ids=lambda w: w.value)
 def test_the_simulator_serves_from_each_tier_what_the_engine_does(folder, tmp_path, write):
     specs = [f"cpu:{24 * BLOCK_BYTES}", f"disk:{tmp_path}:1MiB"]  # 24 host blocks: the CPU tier evicts too
-    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=specs, kv_tier_write=write, log=None)
+    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=specs, kv_tier_write=write, **UNSIGNED, log=None)
     prompts = request_sequence()
     outputs = []
     for prompt in prompts:  # one after another, as the trace's arrivals far apart replay them

@@ -12,7 +12,7 @@ from kvpool.engine.llm_engine import LLMEngine
 from kvpool.engine.model_store import model_digest
 from kvpool.engine.startup import EngineOptions
 from kvpool.errors import ConfigError
-from tests.engine.test_tiers import PARAMS, TINY_POOL, prompts, run
+from tests.engine.test_tiers import PARAMS, TINY_POOL, UNSIGNED, prompts, run
 from tests.engine.tiny_models import build_model, save_model
 
 LATER = 10**10  # ten seconds, in nanoseconds: hashing "later" makes freshly written files safe to remember
@@ -54,9 +54,9 @@ def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, r
     batch = prompts(11, count=2)
     b_alone = tokens(run(LLMEngine(b, **TINY_POOL, log=None), batch))
     assert b_alone != tokens(run(LLMEngine(a, **TINY_POOL, log=None), batch))  # the weights really differ
-    writer = LLMEngine(a, **TINY_POOL, kv_tiers=tiers, log=None)
+    writer = LLMEngine(a, **TINY_POOL, kv_tiers=tiers, **UNSIGNED, log=None)
     run(writer, batch)
-    reader = LLMEngine(b, **TINY_POOL, kv_tiers=tiers, log=None)
+    reader = LLMEngine(b, **TINY_POOL, kv_tiers=tiers, **UNSIGNED, log=None)
     outs = run(reader, batch)
     assert tokens(outs) == b_alone
     assert all(o.cached_tokens_by_tier.get("disk", 0) == o.cached_tokens_by_tier.get("redis", 0) == 0 for o in outs)
@@ -75,7 +75,7 @@ def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, r
         planted += 1
     assert planted > 0
     for tier, spec in zip(("disk", "redis"), tiers):  # one tier each: a refused disk entry ends the lookup
-        fresh = LLMEngine(b, **TINY_POOL, kv_tiers=[spec], log=None)
+        fresh = LLMEngine(b, **TINY_POOL, kv_tiers=[spec], **UNSIGNED, log=None)
         outs = run(fresh, batch)
         assert tokens(outs) == b_alone
         assert all(o.cached_tokens_by_tier.get(tier, 0) == 0 for o in outs)
@@ -83,7 +83,7 @@ def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, r
         assert figures["hits"] == 0 and figures["corrupt_by_kind"].get("foreign layout", 0) > 0
         assert figures["removed"] > 0  # under its own namespace, a refused entry is removed
     # the first model still finds its own entries, untouched
-    again = LLMEngine(a, **TINY_POOL, kv_tiers=tiers[1:], log=None)
+    again = LLMEngine(a, **TINY_POOL, kv_tiers=tiers[1:], **UNSIGNED, log=None)
     assert all(o.cached_tokens_by_tier.get("redis", 0) > 0 for o in run(again, batch))
 
 
@@ -172,7 +172,12 @@ def test_a_namespace_replaces_the_digest(folders, tmp_path, monkeypatch):
     monkeypatch.setattr(model_store, "_hash_file", lambda path: pytest.fail(f"{path} was hashed"))
     lines: list[str] = []
     engine = LLMEngine(
-        folders[0], **TINY_POOL, kv_tiers=[f"disk:{tmp_path}:1MiB"], kv_tier_namespace="prod-7", log=lines.append
+        folders[0],
+        **TINY_POOL,
+        kv_tiers=[f"disk:{tmp_path}:1MiB"],
+        kv_tier_namespace="prod-7",
+        **UNSIGNED,
+        log=lines.append,
     )
     store = engine.kv_tiers.worker.stores["disk"]
     assert store._codec.fingerprint.weights == "namespace:prod-7"

@@ -76,7 +76,9 @@ def new_chunk(rid: str, block_ids: Sequence[int], computed: int, scheduled: int)
 
 
 def test_options_parse_the_tiers_in_order():
-    options = ConnectorOptions.from_extra_config({"tiers": ["cpu:1MiB", "disk:/tmp/kv:1GiB"], "namespace": "smol"})
+    options = ConnectorOptions.from_extra_config(
+        {"tiers": ["cpu:1MiB", "disk:/tmp/kv:1GiB"], "namespace": "smol", "unauthenticated": True}
+    )
     assert [type(t) for t in options.tiers] == [CpuTarget, DiskTarget]
     assert options.namespace == "smol" and options.needs_weights
     assert options.host_slots(1000) == (1 << 20) // 1000

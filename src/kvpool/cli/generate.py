@@ -35,7 +35,7 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 #: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
 _ENGINE_FLAGS = (
     "model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo", "kv_tiers", "kv_tier_secret_file",
-    "kv_tier_namespace", "kv_tier_write", "threads",
+    "kv_tier_unauthenticated", "kv_tier_namespace", "kv_tier_write", "threads",
 )  # fmt: skip
 
 #: The sources ``--json`` always reports, in this order (the pool, then the tier kinds).
@@ -83,6 +83,12 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--kv-tier-secret-file", type=click.Path(dir_okay=False), default=None,
             help="File holding the secret that signs KV tier entries (HMAC); replicas sharing a tier share it.",
+        ),
+        click.option(
+            "--kv-tier-unauthenticated", "kv_tier_unauthenticated", is_flag=True, default=False,
+            help="Open disk and Redis tiers without --kv-tier-secret-file: their entries are then unauthenticated "
+            "(a checksum catches damage, not tampering), so whoever can write to the directory or the Redis "
+            "can plant KV this engine serves.",
         ),
         click.option(
             "--kv-tier-namespace", metavar="NAME", default=None,

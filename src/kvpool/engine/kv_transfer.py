@@ -53,7 +53,7 @@ from kvpool.manager import KVCacheManager
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
 from kvpool.tiers.spec import CpuTarget, TierKind, WritePolicy
-from kvpool.tiers.store import parse_specs
+from kvpool.tiers.store import check_tier_trust, parse_specs
 
 if TYPE_CHECKING:
     from kvpool.scheduler import Scheduler, SchedulerOutput
@@ -506,18 +506,27 @@ def build_kv_tiers(
     model_folder: str | os.PathLike[str],
     namespace: str | None = None,
     write: WritePolicy = WritePolicy.WRITE_THROUGH,
+    unauthenticated: bool = False,
 ) -> KVTiers | None:
     """Open the tiers ``specs`` name, in lookup order, saving by the ``write`` policy; None when there are none.
 
     Disk and Redis entries carry a :class:`~kvpool.tiers.entry.LayoutFingerprint` that names the
     weights (:func:`tier_weights`: ``namespace``, else the digest of ``model_folder``'s files), so
-    an engine never reads another model's entries.
+    an engine never reads another model's entries. A disk or Redis tier is opened with
+    ``secret_file``, or with ``unauthenticated`` (:func:`kvpool.tiers.store.check_tier_trust`).
     """
     targets = parse_specs(specs)  # the one parse: everything below takes the typed targets
     specs = tuple(specs)
+    if not specs and secret_file is not None:
+        raise ConfigError("kv_tier_secret_file is given but no KV tier is")
+    check_tier_trust(
+        targets,
+        secret=secret_file is not None,
+        unauthenticated=unauthenticated,
+        secret_name="kv_tier_secret_file (--kv-tier-secret-file)",
+        unauthenticated_name="kv_tier_unauthenticated (--kv-tier-unauthenticated)",
+    )
     if not specs:
-        if secret_file is not None:
-            raise ConfigError("kv_tier_secret_file is given but no KV tier is")
         return None
     from kvpool.tiers.entry import EntryCodec, LayoutFingerprint
     from kvpool.tiers.store import open_store

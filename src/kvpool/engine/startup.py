@@ -68,6 +68,7 @@ from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_
 from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.spec import WritePolicy
+from kvpool.tiers.store import check_tier_trust, parse_specs
 
 __all__ = ["EngineOptions", "EngineSetup", "start_engine"]
 
@@ -106,7 +107,14 @@ class EngineOptions:
             ``"disk:/path:50GiB"``, ``"redis://host:6379/0"``; see
             :mod:`kvpool.engine.kv_transfer`); empty means none.
         kv_tier_secret_file: a file holding the secret that signs tier
-            entries (HMAC); replicas sharing a tier share it.
+            entries (HMAC); replicas sharing a tier share it. A shared tier
+            (disk, Redis) needs it, or ``kv_tier_unauthenticated``
+            (:func:`kvpool.tiers.store.check_tier_trust`).
+        kv_tier_unauthenticated: open disk and Redis tiers without a secret:
+            their entries carry a checksum (which catches damage, not
+            tampering), so whoever can write to the directory or the Redis
+            server can plant KV the engine serves. Refused with a secret, or
+            without a shared tier.
         kv_tier_namespace: what names the model's weights in disk and Redis
             tier entries instead of the digest of the model folder's files
             (printable, no spaces, at most 128 characters). The operator
@@ -135,6 +143,7 @@ class EngineOptions:
     enable_kv_events: bool = False
     kv_tiers: tuple[str, ...] = ()
     kv_tier_secret_file: str | os.PathLike[str] | None = None
+    kv_tier_unauthenticated: bool = False
     kv_tier_namespace: str | None = None
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
     threads: int | str | None = None
@@ -170,6 +179,13 @@ class EngineOptions:
         secret = self.kv_tier_secret_file
         if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
             raise ConfigError(f"kv_tier_secret_file must be a file path, given with kv_tiers; got {secret!r}")
+        check_tier_trust(
+            parse_specs(self.kv_tiers),
+            secret=secret is not None,
+            unauthenticated=self.kv_tier_unauthenticated,
+            secret_name="kv_tier_secret_file (--kv-tier-secret-file)",
+            unauthenticated_name="kv_tier_unauthenticated (--kv-tier-unauthenticated)",
+        )
         if check_namespace(self.kv_tier_namespace, "kv_tier_namespace") is not None and not self.kv_tiers:
             raise ConfigError(f"kv_tier_namespace is given with kv_tiers; got {self.kv_tier_namespace!r} without")
 

@@ -2,7 +2,8 @@
 
 * :mod:`kvpool.tiers.spec`: :class:`TierKind`, :class:`WritePolicy`, the host-memory spec.
 * :mod:`kvpool.tiers.store`: the :class:`BlockStore` contract, the registry of kinds
-  (:data:`~kvpool.tiers.store.BACKENDS`), :func:`parse_spec` (the one spec parser) and :func:`open_store`.
+  (:data:`~kvpool.tiers.store.BACKENDS`), :func:`parse_spec` (the one spec parser), :func:`open_store`
+  and :func:`check_tier_trust` (a shared tier needs a secret, or the operator's word that it goes without).
 * :mod:`kvpool.tiers.entry`: the entry format and :class:`EntryCodec` (header, checksum, HMAC).
 * :mod:`kvpool.tiers.disk`: :class:`DiskStore`, a directory bounded in bytes, LRU, restart-safe.
 * :mod:`kvpool.tiers.redis_store`: :class:`RedisStore`, a Redis server or cluster shared by replicas.
@@ -19,7 +20,16 @@ from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, LayoutFing
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierCounters, TierHierarchyConnector
 from kvpool.tiers.redis_store import RedisStore, RedisTarget
 from kvpool.tiers.spec import CpuTarget, TierKind, WritePolicy
-from kvpool.tiers.store import BACKENDS, BlockStore, TierTarget, open_store, parse_size, parse_spec, parse_specs
+from kvpool.tiers.store import (
+    BACKENDS,
+    BlockStore,
+    TierTarget,
+    check_tier_trust,
+    open_store,
+    parse_size,
+    parse_spec,
+    parse_specs,
+)
 
 __all__ = [
     "BACKENDS",
@@ -41,6 +51,7 @@ __all__ = [
     "TierStats",
     "TierTarget",
     "WritePolicy",
+    "check_tier_trust",
     "open_store",
     "parse_size",
     "parse_spec",

@@ -546,5 +546,5 @@ def _open(target: DiskTarget, codec: EntryCodec) -> DiskStore:
 
 #: The disk tier, as the registry (:data:`kvpool.tiers.store.BACKENDS`) holds it.
 BACKEND = TierBackend(
-    kind=TierKind.DISK, prefixes=("disk:",), parse=DiskTarget.parse, open=_open, example="disk:PATH:SIZE"
+    kind=TierKind.DISK, prefixes=("disk:",), parse=DiskTarget.parse, open=_open, example="disk:PATH:SIZE", shared=True
 )

@@ -351,4 +351,5 @@ BACKEND = TierBackend(
     parse=RedisTarget.parse,
     open=_open,
     example="redis://HOST:PORT/DB, rediss://... (TLS), redis+cluster://HOST:PORT or unix:///PATH",
+    shared=True,
 )

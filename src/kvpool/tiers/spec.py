@@ -120,7 +120,10 @@ class TierBackend:
     ``prefixes``: how its specs start (``"cpu:"``, ``"redis://"``, ...);
     ``parse``: a spec into the kind's typed target (ConfigError naming it);
     ``open``: a store for a target and an entry codec, or None for host memory,
-    which the engine keeps itself; ``example``: a spec for error messages.
+    which the engine keeps itself; ``example``: a spec for error messages;
+    ``shared``: whether anyone but this process can write what the tier holds
+    (a directory, a Redis server), so its entries need a secret to be trusted
+    (:func:`kvpool.tiers.store.check_tier_trust`).
     """
 
     kind: TierKind
@@ -128,6 +131,7 @@ class TierBackend:
     parse: Callable[[str], Any]
     open: Callable[[Any, EntryCodec], BlockStore] | None
     example: str
+    shared: bool
 
     def names(self, spec: str) -> bool:
         return spec.startswith(self.prefixes)

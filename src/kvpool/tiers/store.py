@@ -16,6 +16,12 @@ Specs::
 
 A new kind of tier is one module (its target, with ``parse``, and its store) plus its
 :class:`~kvpool.tiers.spec.TierKind` member and its line in :data:`BACKENDS`.
+
+Trust: a shared tier (disk, Redis: its backend says ``shared``) holds bytes anyone with write
+access to the directory or the server can plant. :func:`check_tier_trust` is the one rule: such a
+tier is opened with a secret (every entry signed and checked with HMAC-SHA256), or only when the
+operator says explicitly that its entries are unauthenticated (a checksum then catches damage,
+never tampering). The engine's options, its start-up and the vLLM connector ask it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ __all__ = [
     "DiskTarget",
     "TierStats",
     "TierTarget",
+    "check_tier_trust",
     "open_store",
     "parse_size",
     "parse_spec",
@@ -47,7 +54,9 @@ __all__ = [
 #: A parsed tier spec: the kind's typed target (``.kind`` is its :class:`TierKind`).
 TierTarget = CpuTarget | DiskTarget | RedisTarget
 
-_CPU = TierBackend(kind=TierKind.CPU, prefixes=("cpu:",), parse=CpuTarget.parse, open=None, example="cpu:SIZE")
+_CPU = TierBackend(
+    kind=TierKind.CPU, prefixes=("cpu:",), parse=CpuTarget.parse, open=None, example="cpu:SIZE", shared=False
+)
 
 #: Every kind of tier, in the order specs are matched. One line per kind.
 BACKENDS: dict[TierKind, TierBackend] = {
@@ -88,6 +97,50 @@ def parse_specs(specs: Sequence[str]) -> tuple[TierTarget, ...]:
             )
         targets.append(target)
     return tuple(targets)
+
+
+def check_tier_trust(
+    targets: Sequence[TierTarget],
+    *,
+    secret: bool,
+    unauthenticated: object,
+    secret_name: str,
+    unauthenticated_name: str,
+) -> bool:
+    """Whether ``targets`` may be opened as asked; ``unauthenticated``, checked. The one rule of tier trust.
+
+    A shared tier (disk, Redis) needs a secret (``secret``: one is given) or ``unauthenticated``
+    set: the operator's word that anyone who can write to the tier may plant KV the engine serves.
+    ``unauthenticated`` with a secret, or without any shared tier, says nothing true and is refused.
+    ``secret_name`` and ``unauthenticated_name`` are what the caller calls the two (an option, a
+    config key) in errors.
+
+    Raises:
+        ConfigError: naming the shared tiers, or the value of ``unauthenticated``; nothing is opened.
+    """
+    if not isinstance(unauthenticated, bool):
+        raise ConfigError(f"{unauthenticated_name} must be true or false, got {unauthenticated!r}")
+    shared = [target for target in targets if BACKENDS[target.kind].shared]
+    kinds = ", ".join(sorted({t.kind.value for t in shared}))
+    if unauthenticated and secret:
+        raise ConfigError(
+            f"{unauthenticated_name} and {secret_name} are both given: with a secret every entry is signed "
+            f"and checked; leave {unauthenticated_name} out"
+        )
+    if unauthenticated and not shared:
+        raise ConfigError(
+            f"{unauthenticated_name} is given, but no KV tier is shared (disk or Redis); "
+            "the CPU tier is private to the process and needs no secret"
+        )
+    if shared and not secret and not unauthenticated:
+        raise ConfigError(
+            f"a shared KV tier ({kinds}) is opened without a secret: anyone who can write to it can plant KV "
+            "this process would serve. "
+            f"Give {secret_name} (a secret of at least 16 bytes, shared by the processes that share the tier) "
+            f"to sign and check every entry, or {unauthenticated_name} to accept unauthenticated entries "
+            "(their checksum catches damage, not tampering)"
+        )
+    return unauthenticated
 
 
 def open_store(spec: str | TierTarget, codec: EntryCodec) -> BlockStore:

@@ -34,7 +34,7 @@ from typing import Protocol
 from kvpool.errors import ConfigError
 from kvpool.tiers import ByteTier, CpuTarget, DiskTarget, HostTier, RedisTarget, parse_specs
 from kvpool.tiers.entry import check_namespace
-from kvpool.tiers.store import TierTarget
+from kvpool.tiers.store import TierTarget, check_tier_trust
 
 __all__ = [
     "BlockLoad",
@@ -46,7 +46,7 @@ __all__ = [
     "TierPlanner",
 ]
 
-_OPTION_KEYS = frozenset({"tiers", "secret_file", "namespace"})
+_OPTION_KEYS = frozenset({"tiers", "secret_file", "unauthenticated", "namespace"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,12 +54,15 @@ class ConnectorOptions:
     """What ``kv_connector_extra_config`` says, checked.
 
     ``tiers``: tier specs in lookup order (``cpu:SIZE``, ``disk:PATH:SIZE``, ``redis://...``);
-    ``secret_file``: signs and checks every disk and Redis entry (at least 16 bytes);
+    ``secret_file``: signs and checks every disk and Redis entry (at least 16 bytes); a disk or
+    Redis tier needs it, or ``unauthenticated`` (true: the operator accepts entries anyone who can
+    write to the tier may have planted; :func:`kvpool.tiers.store.check_tier_trust`);
     ``namespace``: names the weights instead of hashing the model folder's files.
     """
 
     tiers: tuple[TierTarget, ...]
     secret_file: str | None = None
+    unauthenticated: bool = False
     namespace: str | None = None
 
     @classmethod
@@ -82,7 +85,15 @@ class ConnectorOptions:
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
             raise ConfigError(f"kv_connector_extra_config 'secret_file' must be a file path, got {secret_file!r}")
         namespace = check_namespace(extra.get("namespace"), "kv_connector_extra_config 'namespace'")
-        return cls(tiers=parse_specs(list(specs)), secret_file=secret_file, namespace=namespace)
+        tiers = parse_specs(list(specs))
+        unauthenticated = check_tier_trust(
+            tiers,
+            secret=secret_file is not None,
+            unauthenticated=extra.get("unauthenticated", False),
+            secret_name="kv_connector_extra_config 'secret_file'",
+            unauthenticated_name="kv_connector_extra_config 'unauthenticated'",
+        )
+        return cls(tiers=tiers, secret_file=secret_file, unauthenticated=unauthenticated, namespace=namespace)
 
     @property
     def needs_weights(self) -> bool:
