@@ -158,3 +158,31 @@ def test_a_router_trusts_only_the_publisher_keys_it_was_given(keys):
         trust.client_for(stranger_key, "replica B")
     with pytest.raises(ConfigError, match="not a Z85"):
         trust.client_for("nonsense", "replica C")
+
+
+def test_a_key_file_that_is_a_fifo_is_refused_at_once_not_waited_on(keys, tmp_path):
+    from tests.test_secret_files import fifo_with_a_writer
+
+    with fifo_with_a_writer(tmp_path / "replica.key_secret", keys["replica"].read_bytes()) as path:
+        with pytest.raises(ConfigError, match=f"CURVE secret key file {str(path)!r} is a FIFO, not a regular file"):
+            CurveKeyPair.load(path)
+    with fifo_with_a_writer(tmp_path / "router.key", keys["router.key"].read_bytes()) as path:
+        with pytest.raises(ConfigError, match=f"CURVE public key file {str(path)!r} is a FIFO"):
+            load_public_keys(path)
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    (clients / "router.key").write_bytes(keys["router.key"].read_bytes())
+    with fifo_with_a_writer(clients / "stranger.key", keys["stranger.key"].read_bytes()) as path:
+        with pytest.raises(ConfigError, match=f"{str(path)!r} is a FIFO"):
+            load_public_keys(clients)
+
+
+def test_a_key_file_that_is_a_device_or_huge_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="'/dev/null' is a character device"):
+        CurveKeyPair.load("/dev/null")
+    with pytest.raises(ConfigError, match=f"{str(tmp_path)!r} is a directory"):
+        CurveKeyPair.load(tmp_path)
+    huge = tmp_path / "huge.key"
+    huge.write_bytes(b"# padding\n" * 10_000)
+    with pytest.raises(ConfigError, match="holds more than"):
+        load_public_keys(huge)

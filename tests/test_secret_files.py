@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpool.errors import ConfigError
-from kvpool.secret_files import MIN_SECRET_BYTES, check_secret, read_secret_file
+from kvpool.secret_files import MAX_KEY_FILE_BYTES, MIN_SECRET_BYTES, check_secret, read_key_file, read_secret_file
 from kvpool.tenancy import SaltPolicy, load_secret
 from kvpool.tiers import EntryCodec
 from tests.tiers.conftest import LAYOUT
@@ -61,3 +65,59 @@ def test_secrets_given_as_bytes_keep_the_same_minimum():
         build(GOOD)
     with pytest.raises(ConfigError, match="must be bytes, got str"):
         check_secret("k" * 32, purpose="KV tier secret")
+
+
+# -- what is at the path: a regular file, read without blocking, bounded -------------------------
+
+
+@contextlib.contextmanager
+def fifo_with_a_writer(path: Path, data: bytes) -> Iterator[Path]:
+    """A FIFO at ``path`` whose writer, once a reader opens it, writes ``data``: a reader that waits gets it.
+
+    On leaving, the FIFO is opened for reading here (without blocking), which releases a writer
+    still waiting for a reader, and the writer is joined.
+    """
+    os.mkfifo(path)
+
+    def write() -> None:
+        with open(path, "wb") as f:  # blocks until someone opens the FIFO for reading
+            with contextlib.suppress(BrokenPipeError):
+                f.write(data)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        yield path
+    finally:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        writer.join()
+        os.close(fd)
+
+
+@pytest.mark.parametrize("reader", [tier_secret, tenant_secret], ids=["tier", "tenant"])
+def test_a_fifo_is_refused_at_once_not_waited_on(reader, tmp_path):
+    with fifo_with_a_writer(tmp_path / "secret", GOOD + b"\n") as path:
+        with pytest.raises(ConfigError, match=f"{str(path)!r} is a FIFO, not a regular file"):
+            reader(path)
+
+
+@pytest.mark.parametrize("reader", [tier_secret, tenant_secret], ids=["tier", "tenant"])
+def test_a_device_or_a_directory_is_refused_naming_it(reader, tmp_path):
+    with pytest.raises(ConfigError, match="'/dev/null' is a character device, not a regular file"):
+        reader(Path("/dev/null"))
+    with pytest.raises(ConfigError, match=f"{str(tmp_path)!r} is a directory, not a regular file"):
+        reader(tmp_path)
+
+
+@pytest.mark.parametrize("reader", [tier_secret, tenant_secret], ids=["tier", "tenant"])
+def test_a_huge_file_is_refused_after_a_bounded_read(reader, tmp_path):
+    path = tmp_path / "huge"
+    path.write_bytes(b"k" * (MAX_KEY_FILE_BYTES + 1))
+    with pytest.raises(ConfigError, match=f"{str(path)!r} holds more than {MAX_KEY_FILE_BYTES} bytes"):
+        reader(path)
+
+
+def test_a_link_to_a_regular_file_is_followed(tmp_path):
+    (tmp_path / "real").write_bytes(GOOD)
+    (tmp_path / "link").symlink_to(tmp_path / "real")  # how mounted secrets often appear
+    assert read_key_file(tmp_path / "link", purpose="KV tier secret") == GOOD

@@ -43,6 +43,7 @@ from typing import Any
 
 from kvpool.errors import ConfigError
 from kvpool.kv_events.wire import import_extra
+from kvpool.secret_files import read_key_file
 
 __all__ = [
     "Attach",
@@ -169,12 +170,27 @@ def _key(value: object, what: str) -> bytes:
 
 
 def _certificate(path: str | os.PathLike[str], what: str) -> tuple[bytes, bytes | None]:
-    auth = import_extra("zmq.auth")
+    """The public key and the secret key (None in a public certificate) of a ZeroMQ certificate file.
+
+    Read as :func:`kvpool.secret_files.read_key_file` reads every key file (a regular file only,
+    never waited on, bounded), then parsed as ``zmq.auth.load_certificate`` does: the first
+    ``public-key = "..."`` and ``secret-key = "..."`` lines, ``#`` lines being comments.
+    """
     source = os.fspath(path)
-    try:
-        public, secret = auth.load_certificate(source)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {what} {source!r}: {exc}") from None
+    data = read_key_file(source, purpose=what)
+    public: bytes | None = None
+    secret: bytes | None = None
+    for raw in data.splitlines():
+        line = raw.strip()
+        if line.startswith(b"#") or b"=" not in line:
+            continue
+        name, value = (part.strip() for part in line.split(b"=", 1))
+        if name == b"public-key" and public is None:
+            public = value.strip(b" \t'\"")
+        elif name == b"secret-key" and secret is None:
+            secret = value.strip(b" \t'\"")
+    if public is None:
+        raise ConfigError(f"cannot read the {what} file {source!r}: it holds no public-key line (a ZeroMQ certificate)")
     return _key(public, f"the public key in {source!r}"), None if secret is None else _key(
         secret, f"the secret key in {source!r}"
     )
@@ -194,7 +210,7 @@ class CurveKeyPair:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CurveKeyPair:
         """A secret certificate file (``NAME.key_secret``): both keys."""
-        public, secret = _certificate(path, "the CURVE secret key file")
+        public, secret = _certificate(path, "CURVE secret key")
         if secret is None:
             raise ConfigError(f"{os.fspath(path)!r} holds a public key only; a key pair is its .key_secret file")
         return cls(public_key=public, secret_key=secret)
@@ -209,7 +225,7 @@ def load_public_keys(path: str | os.PathLike[str]) -> frozenset[bytes]:
         files = [source]
     else:
         raise ConfigError(f"the public key file or directory {source!r} does not exist")
-    keys = frozenset(_certificate(f, "the public key file")[0] for f in files)
+    keys = frozenset(_certificate(f, "CURVE public key")[0] for f in files)
     if not keys:
         raise ConfigError(f"{source!r} holds no public key (*.key certificate files)")
     return keys
