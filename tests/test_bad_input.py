@@ -43,6 +43,22 @@ def test_bad_token_ids_are_named(tokens, message):
         Request("r", tokens)
 
 
+@pytest.mark.parametrize(
+    "tokens",
+    [{1: 2, 3: 4}, {1, 2, 3}, frozenset({5, 6}), {7: 0}.keys()],
+    ids=["dict", "set", "frozenset", "dict_keys"],
+)
+def test_a_mapping_or_a_set_is_no_prompt(tokens, busy):
+    name = type(tokens).__name__
+    with pytest.raises(InvalidTokenError, match=rf"prompt_token_ids must be a sequence .* in order, got {name} "):
+        Request("r", tokens)
+    mgr, a = busy
+    before = snapshot(mgr)
+    with pytest.raises(InvalidTokenError, match=rf"got {name} \(a mapping or a set has no token order\)"):
+        a.append_output_token_ids(tokens)
+    assert a.num_tokens == 10 and snapshot(mgr) == before
+
+
 def test_bad_output_tokens_change_nothing(busy):
     mgr, a = busy
     before = snapshot(mgr)

@@ -51,7 +51,8 @@ import pickle
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NewType, cast
@@ -520,7 +521,11 @@ TOKEN_LIMIT = 2**32
 
 
 def to_token_array(token_ids: Iterable[int], what: str) -> array[int]:
-    """Token IDs as an ``array('I')``; anything else raises InvalidTokenError naming it."""
+    """Token IDs as an ``array('I')``; anything else raises InvalidTokenError naming it.
+
+    A mapping or a set (``dict``, ``set``, ``frozenset``, a dict's keys) is refused: its
+    iteration is keys, or an order no one chose, never the prompt's tokens.
+    """
     if isinstance(token_ids, array) and token_ids.typecode == _TOKEN_TYPECODE:
         return array(_TOKEN_TYPECODE, token_ids)
     if isinstance(token_ids, range):
@@ -529,6 +534,11 @@ def to_token_array(token_ids: Iterable[int], what: str) -> array[int]:
         return array(_TOKEN_TYPECODE, token_ids)
     if isinstance(token_ids, str | bytes | bytearray | memoryview) or not isinstance(token_ids, Iterable):
         raise InvalidTokenError(f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}")
+    if isinstance(token_ids, Mapping | AbstractSet):  # a dict's keys, a set's arbitrary order: never a prompt
+        raise InvalidTokenError(
+            f"{what} must be a sequence of integer token IDs in order, got {type(token_ids).__name__} "
+            "(a mapping or a set has no token order)"
+        )
     try:
         values = token_ids if isinstance(token_ids, list | tuple) else list(token_ids)
         tokens = array(_TOKEN_TYPECODE, values)
