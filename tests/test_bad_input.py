@@ -13,6 +13,7 @@ from kvpool import (
     Request,
     RequestStateError,
 )
+from kvpool.hashing import to_token_array
 from tests.helpers import admit, snapshot
 
 
@@ -57,6 +58,18 @@ def test_a_mapping_or_a_set_is_no_prompt(tokens, busy):
     with pytest.raises(InvalidTokenError, match=rf"got {name} \(a mapping or a set has no token order\)"):
         a.append_output_token_ids(tokens)
     assert a.num_tokens == 10 and snapshot(mgr) == before
+
+
+def test_token_hashes_take_no_set_and_stop_tokens_still_may_be_one():
+    from kvpool.hashing import BlockHasher
+    from kvpool.scheduler import StopConditions
+
+    with pytest.raises(InvalidTokenError, match="token_ids must be a sequence .* got set"):
+        BlockHasher(4).hash_token_ids({1, 2, 3, 4})
+    with pytest.raises(InvalidTokenError, match="got dict"):
+        to_token_array({1: 2}, "stop_token_ids")
+    assert StopConditions(max_tokens=4, stop_token_ids={7, 8}).stop_token_ids == frozenset({7, 8})
+    assert sorted(to_token_array({7, 8}, "stop_token_ids")) == [7, 8]  # order does not matter there
 
 
 def test_bad_output_tokens_change_nothing(busy):

@@ -388,7 +388,7 @@ class BlockHasher:
         it (kvpool's own requests, which know adapters by name only, use the
         name as the path). kvpool's algorithms ignore ``lora_path``.
         """
-        tokens = to_token_array(token_ids, "token_ids")
+        tokens = to_token_array(token_ids, "token_ids", ordered=True)
         for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name), ("lora_path", lora_path)):
             problem = None if value is None else key_text_problem(value)
             if problem is not None:
@@ -520,11 +520,13 @@ TOKEN_TYPECODE = _TOKEN_TYPECODE
 TOKEN_LIMIT = 2**32
 
 
-def to_token_array(token_ids: Iterable[int], what: str) -> array[int]:
+def to_token_array(token_ids: Iterable[int], what: str, *, ordered: bool = False) -> array[int]:
     """Token IDs as an ``array('I')``; anything else raises InvalidTokenError naming it.
 
-    A mapping or a set (``dict``, ``set``, ``frozenset``, a dict's keys) is refused: its
-    iteration is keys, or an order no one chose, never the prompt's tokens.
+    A mapping (a ``dict``) is refused: iterating it gives its keys, never tokens. With
+    ``ordered`` (a prompt, a request's output, tokens to hash: their order is their meaning), a
+    set (``set``, ``frozenset``, a dict's keys) is refused too: its order is one no one chose.
+    A collection whose order does not matter (stop token IDs) may be a set.
     """
     if isinstance(token_ids, array) and token_ids.typecode == _TOKEN_TYPECODE:
         return array(_TOKEN_TYPECODE, token_ids)
@@ -534,7 +536,7 @@ def to_token_array(token_ids: Iterable[int], what: str) -> array[int]:
         return array(_TOKEN_TYPECODE, token_ids)
     if isinstance(token_ids, str | bytes | bytearray | memoryview) or not isinstance(token_ids, Iterable):
         raise InvalidTokenError(f"{what} must be a sequence of integer token IDs, got {type(token_ids).__name__}")
-    if isinstance(token_ids, Mapping | AbstractSet):  # a dict's keys, a set's arbitrary order: never a prompt
+    if isinstance(token_ids, Mapping) or (ordered and isinstance(token_ids, AbstractSet)):
         raise InvalidTokenError(
             f"{what} must be a sequence of integer token IDs in order, got {type(token_ids).__name__} "
             "(a mapping or a set has no token order)"

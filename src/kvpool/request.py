@@ -110,7 +110,7 @@ class Request:
         problem = key_text_problem(request_id)
         if problem is not None:
             raise RequestStateError(f"request_id must be {problem}")
-        tokens = to_token_array(prompt_token_ids, "prompt_token_ids")
+        tokens = to_token_array(prompt_token_ids, "prompt_token_ids", ordered=True)
         if len(tokens) == 0:
             raise RequestStateError(
                 f"request {request_id!r}: prompt_token_ids is empty; a prompt needs at least one token"
@@ -206,7 +206,7 @@ class Request:
                 raise InvalidTokenError(f"output token ID {token_ids} is out of range: token IDs must be in [0, 2**32)")
             tokens.append(token_ids)
         else:
-            tokens.extend(to_token_array(token_ids, "output token_ids"))  # type: ignore[arg-type]  # a bool or other non-int is refused there
+            tokens.extend(to_token_array(token_ids, "output token_ids", ordered=True))  # type: ignore[arg-type]  # a bool or other non-int is refused there
         if len(tokens) >= self._next_full:
             self._hash_new_blocks()
 
