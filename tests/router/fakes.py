@@ -92,6 +92,7 @@ class FakeReplica:
         self.cached: set[bytes] = set()
         self.served = 0
         self.failed = 0  # generation requests answered ``fail_with``
+        self.authorizations: list[str | None] = []  # each generation request's Authorization header
         self.chunk_delay = 0.0  # seconds between streamed chunks
         # When set, a stream stops after its first chunk until the event is set (or its client leaves).
         self.hold_stream: threading.Event | None = None
@@ -160,6 +161,7 @@ class FakeReplica:
 
     def _app(self) -> Starlette:
         async def generate(request: Request) -> Response:
+            self.authorizations.append(request.headers.get("authorization"))
             if self.fail_with is not None:
                 self.failed += 1
                 return JSONResponse({"error": {"message": f"{self.name} fails"}}, status_code=self.fail_with)

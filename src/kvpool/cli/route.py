@@ -154,6 +154,27 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
     "one that does is out of rotation for 30 s.",
 )
 @click.option(
+    "--eject-after",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Failed answers in a row (status 500 or more, broken connections) that take a replica out of rotation.",
+)
+@click.option(
+    "--eject-time",
+    type=FiniteFloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds out of rotation for a first ejection; each further one in a row lasts twice the last.",
+)
+@click.option(
+    "--eject-max-time",
+    type=FiniteFloatRange(min=0, min_open=True),
+    default=300.0,
+    show_default=True,
+    help="The longest ejection, in seconds.",
+)
+@click.option(
     "--header-timeout",
     type=FiniteFloatRange(min=0, min_open=True),
     default=10.0,
@@ -196,6 +217,9 @@ def route(
     index_max_blocks: int,
     index_max_blocks_per_replica: int,
     upstream_timeout: float,
+    eject_after: int,
+    eject_time: float,
+    eject_max_time: float,
     header_timeout: float,
     max_connections: int,
     shutdown_timeout: int,
@@ -210,6 +234,7 @@ def route(
     require_extra("route", "route", "zmq", "msgspec")
     from kvpool.errors import ConfigError
     from kvpool.router import RouteOptions, Router, index_from_url
+    from kvpool.router.replicas import check_distinct
     from kvpool.router.specs import load_config, parse_replica
     from kvpool.routing import PrefixMode, Routing
     from kvpool.serve.connections import ConnectionLimits
@@ -220,13 +245,8 @@ def route(
         specs += load_config(config_file)
     if not specs:
         raise ConfigError("no replica: name one with --replica URL (repeat it) or list them in --config FILE")
-    seen: dict[str, object] = {}
-    for spec in specs:
-        if spec.url in seen and seen[spec.url] != spec:
-            raise ConfigError(f"replica {spec.url} is described twice, differently")
-        seen[spec.url] = spec
-    specs = list({spec.url: spec for spec in specs}.values())
-    urls = tuple(spec.url for spec in specs)
+    check_distinct([spec.url for spec in specs])  # before anything is opened; RouteOptions asks it too
+    urls = tuple(spec.name for spec in specs)
     rule, mode = _rule(routing, Routing, PrefixMode)
     keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
     admin_key = None if admin_key_file is None else _first_key(admin_key_file)
@@ -275,6 +295,9 @@ def route(
         load_cost=load_cost,
         health_interval=health_interval,
         upstream_timeout=upstream_timeout,
+        eject_after=eject_after,
+        eject_time=eject_time,
+        eject_max_time=eject_max_time,
         event_trust=event_trust,
     )
     _serve(Router(options, index), host, port, limits)
@@ -304,13 +327,13 @@ def _rule(routing: str, routing_type: Any, mode_type: Any) -> tuple[Any, Any]:
 
 def _describe(spec: Any) -> str:
     if spec.discover:
-        return f"{spec.url} (kvpool: events read from its /kv-events)"
+        return f"{spec.name} (kvpool: events read from its /kv-events)"
     if spec.events is None:
-        return f"{spec.url} (no events)"
+        return f"{spec.name} (no events)"
     info = spec.events
     seed = "" if info.hash_seed is None else f", seed {info.hash_seed}"
     return (
-        f"{spec.url} (events {info.endpoint}, replay {info.replay_endpoint or 'none'}, block size {info.block_size}, "
+        f"{spec.name} (events {info.endpoint}, replay {info.replay_endpoint or 'none'}, block size {info.block_size}, "
         f"{info.hash_algorithm}{seed}, {info.hash_form.value} hashes)"
     )
 

@@ -20,11 +20,22 @@ For a generation request the router
    streams the answer back as it comes. The replica that served writes the usage,
    ``cached_tokens`` included.
 
-A transport error before any byte came back retries the request on the next best
-replica; a refused connection marks the replica down at once, a replica silent for
-longer than ``upstream_timeout`` is taken out of rotation for ``quarantine`` seconds,
-any other error has it checked at once. A replica marked down gets no request; with
-none up the answer is a 503 in OpenAI's error shape (``code: no_replica``).
+A request that failed before any byte reached the client (a transport error, or an
+answer with a status of 500 or more) is retried once, on the next best replica; a
+refused connection (the request never reached the replica) does not use up that retry,
+so the request moves on until a replica takes it. Once a byte was streamed to the
+client the request never moves: its stream ends there. A refused connection marks the
+replica down at once, a replica silent for longer than ``upstream_timeout`` is taken out
+of rotation for ``quarantine`` seconds; a 5xx answer or a broken connection counts
+against the replica, and ``eject_after`` of them in a row eject it for a back-off period
+(:class:`~kvpool.router.monitor.Ejection`). A replica marked down gets no request; with
+none up the answer is a 503 in OpenAI's error shape (``code: no_replica``). The last 5xx
+answer is passed on as it came when no retry is left.
+
+A replica URL's credentials (``http://user:secret@host:port``) go with the requests to
+it and are shown nowhere: ``/health``, ``/metrics``, the log and the
+``x-kvpool-replica`` header name the replica by
+:func:`~kvpool.router.replicas.redact_url`.
 
 Where the cached prefixes come from is the :class:`~kvpool.routing.PrefixMode`: the
 replicas' KV events (``precise``), the router's own memory of where it sent each
@@ -58,9 +69,9 @@ from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_gener
 from kvpool.router.index import BlockIndex, MemoryIndex
 from kvpool.router.index_guard import GuardedIndex, guarded
 from kvpool.router.metrics import render_metrics
-from kvpool.router.monitor import ReplicaMonitor
+from kvpool.router.monitor import Ejection, ReplicaMonitor
 from kvpool.router.prompts import Tokenizer, block_hashes
-from kvpool.router.replicas import Hashing, Replica
+from kvpool.router.replicas import MAX_BLOCK_SIZE, Hashing, Replica, check_distinct, check_replica_url
 from kvpool.router.specs import ReplicaSpec
 from kvpool.router.stats import HashVerdict
 from kvpool.router.usage import UsageScanner, cached_tokens_of
@@ -124,6 +135,11 @@ class RouteOptions:
     ``upstream_timeout``: the longest a replica may stay silent (seconds without a byte: before its
     answer starts, which for a request that does not stream is the whole generation, and between
     streamed chunks); one that does is out of rotation for ``quarantine`` seconds.
+    ``eject_after``, ``eject_time``, ``eject_max_time``: the passive health rule
+    (:class:`~kvpool.router.monitor.Ejection`): that many failed answers in a row (5xx, broken
+    connections) take a replica out of rotation for ``eject_time`` seconds, doubled for each
+    further ejection in a row up to ``eject_max_time``. Each replica is named once (the same
+    scheme, host and port twice is refused).
     """
 
     replicas: tuple[str | ReplicaSpec, ...]  # a URL: a kvpool replica (GET /kv-events); a spec: as described
@@ -139,6 +155,9 @@ class RouteOptions:
     connect_timeout: float = 2.0
     upstream_timeout: float = 300.0
     quarantine: float = 30.0
+    eject_after: int = 3
+    eject_time: float = 10.0
+    eject_max_time: float = 300.0
     max_body_bytes: int = 8 * 2**20
     prefix_mode: PrefixMode = PrefixMode.AUTO
     approx_block_size: int = 16
@@ -150,10 +169,19 @@ class RouteOptions:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.approx_block_size > MAX_BLOCK_SIZE:
+            raise ConfigError(f"approx_block_size must be at most {MAX_BLOCK_SIZE}, got {self.approx_block_size!r}")
+        _ = self.ejection  # checks the eject_* fields, naming the bad one
+        check_distinct([entry if isinstance(entry, str) else entry.url for entry in self.replicas])
         for name in ("health_interval", "health_timeout", "connect_timeout", "upstream_timeout", "quarantine"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    @property
+    def ejection(self) -> Ejection:
+        """The passive health rule the ``eject_*`` fields make."""
+        return Ejection(after=self.eject_after, time=self.eject_time, max_time=self.eject_max_time)
 
 
 class Router:
@@ -180,6 +208,7 @@ class Router:
             options.health_timeout,
             options.admin_key,
             quarantine=options.quarantine,
+            ejection=options.ejection,
             trust=options.event_trust,
         )
         self.monitor.on_down = self.approx.clear  # a replica that went down lost its cache
@@ -430,9 +459,12 @@ class Router:
     # -- forwarding -----------------------------------------------------------------------
 
     async def forward(self, request: Request, body: bytes, keys: PromptKeys, stream: bool) -> Response | _Relay:
-        """Send ``body`` to the best replica that is up; on a connection error before any answer, to the next.
+        """Send ``body`` to the best replica that is up; when it fails before any byte was answered, to the next.
 
-        With no replica up, or every one failing, the answer is a 503 in OpenAI's error shape.
+        The retry rule is the module's: one retry after a failure where the request may have
+        reached the replica (a 5xx, a broken connection, a timeout), any number after refused
+        connections. With no replica up, or every one tried failing, the answer is a 503 in
+        OpenAI's error shape; a 5xx with no retry left is passed on as it came.
         """
         import httpx
         from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -440,11 +472,13 @@ class Router:
         headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
         path = request.url.path
         errors: list[str] = []
-        for replica, cached in self.rank(keys):
+        ranked = self.rank(keys)
+        retries = 1  # after a failure the replica may have seen; refused connections do not count
+        for position, (replica, cached) in enumerate(ranked):
             if not replica.up:
                 continue  # marked down while an earlier choice was being tried
             self.check_hashes(replica)
-            outgoing = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
+            outgoing = self.client.build_request("POST", replica.base + path, content=body, headers=headers)
             replica.in_flight += 1
             try:
                 response = await self.client.send(outgoing, stream=True)
@@ -455,10 +489,25 @@ class Router:
                 replica.stats.transport_errors += 1
                 errors.append(f"{replica.url}: {type(exc).__name__}")
                 self.monitor.suspect(replica, exc)
+                if not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                    if not retries:
+                        break
+                    retries -= 1
                 continue
             except BaseException:
                 replica.in_flight -= 1
                 raise
+            if response.status_code >= 500:
+                replica.stats.server_errors += 1
+                self.monitor.failed(replica, f"answered {response.status_code}")
+                if retries and any(r.up for r, _ in ranked[position + 1 :]):
+                    retries -= 1
+                    replica.in_flight -= 1
+                    errors.append(f"{replica.url}: answered {response.status_code}")
+                    await response.aclose()
+                    continue
+            else:
+                self.monitor.succeeded(replica)
             replica.routed += 1
             predicted = self.predicted_tokens(replica, keys, cached)
             replica.stats.requests += 1
@@ -516,7 +565,7 @@ class Router:
         for replica in [r for r in self.replicas if r.up]:  # a replica marked down gets nothing
             try:
                 response = await self.client.get(
-                    replica.url + path, headers=headers, timeout=self.options.health_timeout
+                    replica.base + path, headers=headers, timeout=self.options.health_timeout
                 )
             except httpx.TransportError as exc:
                 self.monitor.suspect(replica, exc)
@@ -659,7 +708,7 @@ def build_app(router: Router) -> Starlette:
 
 
 def _replica(entry: str | ReplicaSpec) -> Replica:
-    """The router's record of a replica named by URL (kvpool: discovered) or by a spec."""
+    """The router's record of a replica named by URL (kvpool: discovered) or by a spec (credentials redacted)."""
     if isinstance(entry, str):
-        return Replica(entry)
+        return Replica(check_replica_url(entry))
     return Replica(entry.url, discover=entry.discover, described=entry.events)

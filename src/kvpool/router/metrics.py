@@ -1,12 +1,15 @@
 """The router's ``/metrics``: Prometheus' text format, written out (no client library needed).
 
-Per replica (label ``replica``, its URL):
+Per replica (label ``replica``, its URL, credentials redacted):
 
 * ``kvpool_router_replica_up`` (1/0), ``kvpool_router_replica_in_flight``,
   ``kvpool_router_replica_prefix_source`` (label ``source``: precise, approximate or
   load), ``kvpool_router_replica_hash_check`` (label ``verdict``; ``unmatched`` or
   ``silent`` say its described settings are wrong);
 * ``kvpool_router_requests_total``, ``kvpool_router_transport_errors_total``,
+  ``kvpool_router_server_errors_total`` (answers of 500 or more),
+  ``kvpool_router_ejections_total`` (times passive health took it out of rotation),
+  ``kvpool_router_replica_consecutive_failures`` (failed answers since its last good one),
   ``kvpool_router_prompt_tokens_total``;
 * ``kvpool_router_predicted_cached_tokens_total`` (every request routed) and, over the
   answers that reported ``cached_tokens``: ``kvpool_router_reported_cached_tokens_total``,
@@ -92,6 +95,12 @@ def render_metrics(router: MetricsSource) -> str:
 
     family("kvpool_router_replica_up", "gauge", "1 while the replica is in rotation.", lambda r: int(r.up))
     family("kvpool_router_replica_in_flight", "gauge", "Requests in flight at the replica.", lambda r: r.in_flight)
+    family(
+        "kvpool_router_replica_consecutive_failures",
+        "gauge",
+        "Failed answers (5xx, broken connections) since its last good one.",
+        lambda r: r.consecutive_failures,
+    )
     labelled(
         "kvpool_router_replica_prefix_source",
         "Where the replica's cached prefixes are learnt.",
@@ -109,6 +118,8 @@ def render_metrics(router: MetricsSource) -> str:
     counters: list[tuple[str, str, Callable[[Replica], int]]] = [
         ("requests_total", "Requests the replica answered.", lambda r: r.stats.requests),
         ("transport_errors_total", "Requests that failed to reach it.", lambda r: r.stats.transport_errors),
+        ("server_errors_total", "Answers with a status of 500 or more.", lambda r: r.stats.server_errors),
+        ("ejections_total", "Times failed answers in a row took it out of rotation.", lambda r: r.ejected),
         ("prompt_tokens_total", "Prompt tokens routed to it.", lambda r: r.stats.prompt_tokens),
         (
             "predicted_cached_tokens_total",

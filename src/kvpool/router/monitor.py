@@ -14,6 +14,16 @@ A replica that accepted a request and then stayed silent past the router's upstr
 timeout may still answer ``/health`` (its HTTP loop alive, its engine stuck): it is
 *quarantined*, down for ``quarantine`` seconds whatever its health checks say, so
 requests go elsewhere meanwhile.
+
+Passive health (*outlier ejection*, :class:`Ejection`): the answers themselves count too.
+A replica that fails fast (answers 5xx at once) is always the least loaded, and would
+take most of the traffic while its ``/health`` says 200. Every failed answer (a status of
+500 or more, or a connection that broke: reset, closed before the answer) counts against
+it, and any other answer clears the count; ``after`` failures in a row *eject* it, down
+for ``time`` seconds whatever its health checks say. An ejection with no good answer
+since the last one lasts twice as long as that one, up to ``max_time``; a good answer
+starts the back-off over. When the time is up the health checks bring it back, and it is
+tried again.
 """
 
 from __future__ import annotations
@@ -21,11 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.hashing import VLLM_DEFAULT_SEED, BlockHasher, HashAlgo
 from kvpool.router.feed import EventFeed
 from kvpool.router.index import BlockIndex
@@ -37,9 +49,36 @@ if TYPE_CHECKING:
 
     from kvpool.kv_events import CurveTrust
 
-__all__ = ["ReplicaMonitor"]
+__all__ = ["Ejection", "ReplicaMonitor"]
 
 log = logging.getLogger("kvpool.route")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ejection:
+    """The passive health rule (see the module): ``after`` failed answers in a row eject a replica.
+
+    The first ejection lasts ``time`` seconds, each further one in a row twice the last, at
+    most ``max_time``. Bad values are a :class:`ConfigError` naming them.
+    """
+
+    after: int = 3
+    time: float = 10.0
+    max_time: float = 300.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.after, bool) or not isinstance(self.after, int) or self.after < 1:
+            raise ConfigError(f"eject_after must be an integer >= 1 (failed answers in a row), got {self.after!r}")
+        for name in ("time", "max_time"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ConfigError(f"eject_{name} must be a positive number of seconds, got {value!r}")
+        if self.max_time < self.time:
+            raise ConfigError(f"eject_max_time ({self.max_time!r}) must be at least eject_time ({self.time!r})")
+
+    def duration(self, ejections: int) -> float:
+        """How long the ``ejections``-th ejection in a row lasts (1: the first)."""
+        return min(self.time * 2.0 ** min(ejections - 1, 64), self.max_time)
 
 
 class ReplicaMonitor:
@@ -54,6 +93,7 @@ class ReplicaMonitor:
         admin_key: str | None = None,
         *,
         quarantine: float = 30.0,
+        ejection: Ejection | None = None,
         trust: CurveTrust | None = None,
     ) -> None:
         self.replicas = list(replicas)
@@ -64,6 +104,7 @@ class ReplicaMonitor:
         self.interval = interval
         self.timeout = timeout
         self.quarantine = quarantine
+        self.ejection = ejection or Ejection()
         self.feeds: dict[str, EventFeed] = {}
         self._checks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()  # checks asked for by failed requests
@@ -114,7 +155,7 @@ class ReplicaMonitor:
 
         assert self._client is not None
         try:
-            response = await self._client.get(replica.url + "/health", timeout=self.timeout)
+            response = await self._client.get(replica.base + "/health", timeout=self.timeout)
         except httpx.TransportError as exc:
             self.mark_down(replica, f"/health: {type(exc).__name__}")
             return
@@ -135,7 +176,7 @@ class ReplicaMonitor:
         else:
             try:
                 response = await self._client.get(
-                    replica.url + "/kv-events", headers=self._operator, timeout=self.timeout
+                    replica.base + "/kv-events", headers=self._operator, timeout=self.timeout
                 )
                 if response.status_code == 200:
                     replica.events = EventsInfo.from_json(response.json(), replica.url, self._trust)
@@ -171,7 +212,8 @@ class ReplicaMonitor:
 
     def suspect(self, replica: Replica, error: Exception) -> None:
         """A request to ``replica`` failed: a refused connection takes it down now, a replica that went
-        silent past the upstream timeout is quarantined, anything else is checked now.
+        silent past the upstream timeout is quarantined, anything else (a connection reset or closed
+        before the answer's end) counts as a failed answer (:meth:`failed`) and has it checked now.
 
         (A keep-alive connection the replica closed as it was reused fails the same way as
         a crash mid-answer; the health check tells them apart.)
@@ -185,11 +227,30 @@ class ReplicaMonitor:
             self.mark_down(
                 replica, f"no answer in time ({type(error).__name__}): out of rotation for {self.quarantine:g} s"
             )
-        elif replica.up and self._client is not None:
-            replica.last_error = f"request failed: {error!r}"
-            task = asyncio.create_task(self.check(replica))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+        else:
+            self.failed(replica, f"connection broke: {type(error).__name__}")
+            if replica.up and self._client is not None:
+                task = asyncio.create_task(self.check(replica))
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+
+    def failed(self, replica: Replica, why: str) -> None:
+        """A failed answer from ``replica`` (a 5xx, a broken connection): counted; ``after`` in a row eject it."""
+        replica.consecutive_failures += 1
+        replica.last_error = f"{why} ({replica.consecutive_failures} in a row)"
+        if replica.consecutive_failures < self.ejection.after or not replica.up:
+            return
+        replica.ejections += 1
+        replica.ejected += 1
+        period = self.ejection.duration(replica.ejections)
+        replica.held_until = time.monotonic() + period
+        failures, replica.consecutive_failures = replica.consecutive_failures, 0
+        self.mark_down(replica, f"ejected for {period:g} s: {failures} failed answers in a row, the last {why}")
+
+    def succeeded(self, replica: Replica) -> None:
+        """An answer that is not a failure: the count of failures in a row, and the back-off, start over."""
+        replica.consecutive_failures = 0
+        replica.ejections = 0
 
     def mark_down(self, replica: Replica, why: str) -> None:
         """Out of rotation at once: its entries dropped, its feed stopped (a health check brings it back)."""

@@ -3,13 +3,20 @@
 A replica is named by its base URL (``http://127.0.0.1:8001``); that name is its key in
 the block index. Its state changes only on the router's event loop, so nothing here
 locks.
+
+A replica URL may carry credentials (``http://user:secret@10.0.0.5:8000``, for a proxy in
+front of the replica that asks for HTTP basic authentication). They are kept for the
+requests the router sends there (:attr:`Replica.base`) and nowhere else: the replica's
+name (:attr:`Replica.url`: its index key, its ``/health`` and ``/metrics`` entries, the
+log, the ``x-kvpool-replica`` header, error messages) is :func:`redact_url`'s, with the
+user information replaced by ``***``.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,7 +26,24 @@ from kvpool.hashing import BlockHash
 from kvpool.kv_events.transport import CurveClient, CurveTrust
 from kvpool.router.stats import ReplicaStats
 
-__all__ = ["EventsInfo", "HashForm", "Hashing", "Replica", "check_replica_url", "connectable_endpoint"]
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "EventsInfo",
+    "HashForm",
+    "Hashing",
+    "Replica",
+    "check_block_size",
+    "check_distinct",
+    "check_replica_url",
+    "connectable_endpoint",
+    "redact_url",
+    "replica_identity",
+    "shown",
+]
+
+#: The most tokens per block a replica may be described with (vLLM's largest are a few hundred; a
+#: hybrid model's a few thousand): past it a block size is a typo, and no prompt would fill a block.
+MAX_BLOCK_SIZE = 2**16
 
 
 class HashForm(enum.Enum):
@@ -44,18 +68,82 @@ class HashForm(enum.Enum):
 Hashing = tuple[int, str, str | None, HashForm]
 
 
-def check_replica_url(url: str) -> str:
-    """``url`` as a replica's name: an ``http(s)://host:port`` base, without a trailing slash."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"a replica is an http:// or https:// URL with a host, got {url!r}")
-    if parts.query or parts.fragment or parts.path not in ("", "/"):
-        raise ConfigError(f"a replica URL is a bare base such as http://127.0.0.1:8001, got {url!r}")
+def shown(value: object, limit: int = 80) -> str:
+    """``value`` as an error message names it: its ``repr`` (one line), cut at ``limit`` characters.
+
+    A table or a list (from a TOML file) is named by its kind alone: nested deeply
+    enough, its ``repr`` would not even finish.
+    """
+    if isinstance(value, dict | list | tuple | set):
+        return f"a {type(value).__name__} ({len(value)} items)"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def redact_url(url: str) -> str:
+    """``url`` as the router shows it: its user information (``user:password@``), if any, as ``***@``.
+
+    The one redaction of a replica URL: every place that shows a replica shows this.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    # up to the last "@" anywhere: a password may hold "/" or "?", and a replica URL has no path to keep
+    _, at, host = rest.rpartition("@")
+    return f"{scheme}://***@{host}" if at else url
+
+
+def check_replica_url(url: object) -> str:
+    """``url`` as a replica's base: ``http(s)://host:port``, without a trailing slash (credentials kept).
+
+    Refused, with a :class:`ConfigError` naming the URL (redacted): another scheme, no host,
+    a path, query or fragment, a port that is not in 1..65535, and spaces or control
+    characters (which would end up in the log and in response headers).
+    """
+    if not isinstance(url, str):
+        raise ConfigError(f"a replica is an http:// or https:// URL, got {shown(url)}")
+    named = shown(redact_url(url))
+    if not url.isprintable() or any(c.isspace() for c in url):
+        raise ConfigError(f"a replica URL holds no spaces or control characters, got {named}")
     try:
-        _ = parts.port  # raises on a port that is not a number or out of range
+        parts = urlsplit(url)
+        host = parts.hostname
+        port = parts.port  # raises on a port that is not a number or out of range
     except ValueError:
-        raise ConfigError(f"the port of replica {url!r} is not a port number") from None
+        raise ConfigError(f"replica {named} is not a URL with a host and a port number (1-65535)") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigError(f"a replica is an http:// or https:// URL with a host, got {named}")
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise ConfigError(f"a replica URL is a bare base such as http://127.0.0.1:8001, got {named}")
+    if port == 0 or (port is None and parts.netloc.endswith(":")):
+        raise ConfigError(f"the port of replica {named} must be in 1-65535")
     return url.rstrip("/")
+
+
+def replica_identity(url: str) -> tuple[str, str, int]:
+    """What makes two replica URLs the same replica: scheme, host (any case) and port (the scheme's default)."""
+    parts = urlsplit(check_replica_url(url))
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+def check_distinct(urls: Sequence[str]) -> None:
+    """Each replica named once: the same scheme, host and port twice is a ConfigError naming it."""
+    seen: dict[tuple[str, str, int], str] = {}
+    for url in urls:
+        identity = replica_identity(url)  # checks the URL too
+        if identity in seen:
+            raise ConfigError(
+                f"replica {redact_url(url)} is named twice (as {seen[identity]} too): name each replica once"
+            )
+        seen[identity] = redact_url(url)
+
+
+def check_block_size(value: object, what: str) -> int:
+    """A replica's tokens per block: an integer in 1..:data:`MAX_BLOCK_SIZE`; ConfigError naming ``what`` and it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"{what}: block-size must be an integer from 1 to {MAX_BLOCK_SIZE}, got {shown(value)}")
+    return value
 
 
 def connectable_endpoint(endpoint: str, replica_url: str) -> str:
@@ -135,6 +223,7 @@ class EventsInfo:
         block_size = body.get("block_size")
         if not isinstance(algo, str) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"replica {replica_url}: GET /kv-events lacks hash_algorithm or block_size: {body!r}")
+        check_block_size(block_size, f"replica {replica_url}'s GET /kv-events")
         return cls(
             endpoint=connectable_endpoint(endpoint, replica_url),
             replay_endpoint=connectable_endpoint(replay, replica_url) if isinstance(replay, str) and replay else None,
@@ -155,12 +244,18 @@ class EventsInfo:
 class Replica:
     """One replica behind the router.
 
-    ``load`` is what the routing rule weighs: the requests this router has in flight
-    there (sent, and not yet answered to the end). ``held_until``: the monotonic time
-    before which health checks do not bring it back (a quarantine; 0: none).
+    ``url`` is its name (credentials redacted, see the module); ``base`` the URL its
+    requests go to (credentials kept; by default the URL it was given). ``load`` is what
+    the routing rule weighs: the requests this router has in flight there (sent, and not
+    yet answered to the end). ``held_until``: the monotonic time before which health
+    checks do not bring it back (a quarantine or an ejection; 0: none).
+    ``consecutive_failures``: failed answers in a row (5xx, broken connections) since its
+    last good one; ``ejections``: ejections in a row with no good answer between (the
+    back-off's exponent); ``ejected``: all its ejections.
     """
 
     url: str
+    base: str = field(default="", repr=False)
     up: bool = False
     events: EventsInfo | None = None
     discover: bool = True  # read GET /kv-events (kvpool); otherwise ``described`` is what it publishes
@@ -169,8 +264,16 @@ class Replica:
     routed: int = 0
     failures: int = 0
     held_until: float = 0.0
+    consecutive_failures: int = 0
+    ejections: int = 0
+    ejected: int = 0
     last_error: str | None = field(default=None, repr=False)
     stats: ReplicaStats = field(default_factory=ReplicaStats, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.base:
+            self.base = self.url
+        self.url = redact_url(self.url)
 
     @property
     def load(self) -> int:
@@ -187,5 +290,7 @@ class Replica:
             "described": not self.discover,
             "last_error": self.last_error,
             "quarantined": self.held_until > time.monotonic(),
+            "consecutive_failures": self.consecutive_failures,
+            "ejected": self.ejected,
             "hash_check": self.stats.verdict.value,
         }

@@ -43,10 +43,12 @@ The keys (``-`` and ``_`` are the same in a key):
 ``num-blocks``
     the most blocks the replica holds (caps its entries in the index).
 
-Every mistake (an unknown key, a block size that is not a positive integer, an
-algorithm the router cannot compute, an endpoint that is not ZeroMQ's) is a
-:class:`~kvpool.errors.ConfigError` naming the replica and the value, raised before the
-router starts.
+Every mistake (an unknown key or one given twice, a block size that is not an integer
+from 1 to :data:`~kvpool.router.replicas.MAX_BLOCK_SIZE`, an algorithm the router cannot
+compute, an endpoint that is not ZeroMQ's or whose port is not in 1-65535, a TOML file
+nested too deeply) is a :class:`~kvpool.errors.ConfigError` naming the replica (its URL
+redacted: credentials in it are never shown) and the value, raised before the router
+starts.
 """
 
 from __future__ import annotations
@@ -58,17 +60,27 @@ from typing import Any
 
 from kvpool.errors import ConfigError
 from kvpool.hashing import HashAlgo
-from kvpool.router.replicas import EventsInfo, HashForm, check_replica_url, connectable_endpoint
+from kvpool.kv_events.transport import parse_subscriber_endpoint
+from kvpool.router.replicas import (
+    EventsInfo,
+    HashForm,
+    check_block_size,
+    check_replica_url,
+    connectable_endpoint,
+    redact_url,
+    shown,
+)
 
 __all__ = ["ReplicaSpec", "load_config", "parse_replica"]
 
 _KEYS = ("events", "replay", "block_size", "hash", "seed", "block_hash", "num_blocks")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class ReplicaSpec:
     """One replica: its URL and, for one that is described rather than discovered, its events.
 
+    ``url`` is where requests go, credentials included; :attr:`name` is how it is shown.
     ``discover``: read ``GET /kv-events`` (a ``kvpool serve`` replica). Otherwise
     ``events`` is what the replica was described with (None: it publishes no events).
     """
@@ -78,75 +90,103 @@ class ReplicaSpec:
     events: EventsInfo | None = None
 
     @property
+    def name(self) -> str:
+        """The URL as it is shown: credentials redacted."""
+        return redact_url(self.url)
+
+    @property
     def described(self) -> bool:
         return not self.discover
 
+    def __repr__(self) -> str:
+        return f"ReplicaSpec(name={self.name!r}, discover={self.discover!r}, events={self.events!r})"
 
-def _int(value: object, key: str, url: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if type(value) is not int or value < 1:
-        raise ConfigError(f"replica {url}: {key.replace('_', '-')} must be a positive integer, got {value!r}")
+
+def _number(value: object) -> object:
+    """A command line's ``"128"`` as 128 (ASCII digits, at most 19 of them); anything else as it came."""
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit() and len(value.strip()) <= 19:
+        return int(value.strip())
     return value
 
 
-def _endpoint(value: object, key: str, url: str) -> str:
+def _int(value: object, key: str, name: str) -> int:
+    value = _number(value)
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"replica {name}: {key.replace('_', '-')} must be a positive integer, got {shown(value)}")
+    return value
+
+
+def _endpoint(value: object, key: str, name: str) -> str:
     if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://")):
-        raise ConfigError(f"replica {url}: {key} must be a tcp:// or ipc:// ZeroMQ endpoint, got {value!r}")
-    endpoint = connectable_endpoint(value, url)
-    if endpoint.startswith("tcp://") and not endpoint.rpartition(":")[2].isdigit():
-        raise ConfigError(f"replica {url}: {key} {value!r} has no port")
-    return endpoint
+        raise ConfigError(f"replica {name}: {key} must be a tcp:// or ipc:// ZeroMQ endpoint, got {shown(value)}")
+    endpoint = connectable_endpoint(value, name)
+    # the subscriber's rule (kv_events.transport): a host, and a port in 1-65535
+    return parse_subscriber_endpoint(endpoint, f"replica {name}: {key}")
+
+
+def _normalized(fields: Mapping[str, object], name: str) -> dict[str, object]:
+    """``fields`` with each key spelled with ``_``; a key given twice (``block-size`` and ``block_size``) is refused."""
+    norm: dict[str, object] = {}
+    for key, value in fields.items():
+        spelled = str(key).replace("-", "_")
+        if spelled in norm:
+            raise ConfigError(f"replica {name}: {shown(key)} is given twice")
+        norm[spelled] = value
+    return norm
 
 
 def build_spec(url: str, fields: Mapping[str, object]) -> ReplicaSpec:
     """A replica from its URL and the keys described above (none: a ``kvpool serve`` replica)."""
     url = check_replica_url(url)
-    norm = {str(k).replace("-", "_"): v for k, v in fields.items()}
+    name = redact_url(url)
+    norm = _normalized(fields, name)
     unknown = sorted(set(norm) - set(_KEYS))
     if unknown:
         raise ConfigError(
-            f"replica {url}: unknown key {unknown[0]!r}; the keys are {', '.join(k.replace('_', '-') for k in _KEYS)}"
+            f"replica {name}: unknown key {shown(unknown[0])}; "
+            f"the keys are {', '.join(k.replace('_', '-') for k in _KEYS)}"
         )
     if not norm:
         return ReplicaSpec(url=url)
     events = norm.get("events")
     if events is None:
-        raise ConfigError(f"replica {url}: a described replica needs events=ENDPOINT (or events=none)")
+        raise ConfigError(f"replica {name}: a described replica needs events=ENDPOINT (or events=none)")
     if events == "none":
         extra = sorted(set(norm) - {"events"})
         if extra:
-            raise ConfigError(f"replica {url}: events=none publishes no events, so {extra[0]!r} means nothing")
+            raise ConfigError(f"replica {name}: events=none publishes no events, so {shown(extra[0])} means nothing")
         return ReplicaSpec(url=url, discover=False)
     if "block_size" not in norm:
-        raise ConfigError(f"replica {url}: block-size is needed with events (vLLM's CPU backend: 128, GPUs: 16)")
-    block_size = _int(norm["block_size"], "block_size", url)
+        raise ConfigError(f"replica {name}: block-size is needed with events (vLLM's CPU backend: 128, GPUs: 16)")
+    block_size = check_block_size(_number(norm["block_size"]), f"replica {name}")
     algo_name = norm.get("hash", HashAlgo.VLLM_SHA256.value)
+    names = ", ".join(a.value for a in HashAlgo)
     try:
-        algo = HashAlgo.parse(str(algo_name))
+        algo = HashAlgo.parse(algo_name) if isinstance(algo_name, str) else None
     except (ConfigError, ValueError):
-        names = ", ".join(a.value for a in HashAlgo)
-        raise ConfigError(f"replica {url}: unknown hash algorithm {algo_name!r}; one of {names}") from None
+        algo = None
+    if algo is None:
+        raise ConfigError(f"replica {name}: unknown hash algorithm {shown(algo_name)}; one of {names}")
     seed = norm.get("seed")
     if seed is not None and (not isinstance(seed, str | int) or isinstance(seed, bool) or str(seed) == ""):
-        raise ConfigError(f"replica {url}: seed must be the replica's PYTHONHASHSEED, got {seed!r}")
+        raise ConfigError(f"replica {name}: seed must be the replica's PYTHONHASHSEED, got {shown(seed)}")
     default_form = HashForm.INT64 if algo.is_vllm else HashForm.BYTES
     form_name = norm.get("block_hash", default_form.value)
-    try:
-        form = HashForm(form_name)
-    except ValueError:
-        raise ConfigError(f"replica {url}: block-hash must be int64 or bytes, got {form_name!r}") from None
+    forms = {form.value: form for form in HashForm}
+    if not isinstance(form_name, str) or form_name not in forms:
+        raise ConfigError(f"replica {name}: block-hash must be int64 or bytes, got {shown(form_name)}")
+    form = forms[form_name]
     replay = norm.get("replay")
     return ReplicaSpec(
         url=url,
         discover=False,
         events=EventsInfo(
-            endpoint=_endpoint(events, "events", url),
-            replay_endpoint=None if replay is None else _endpoint(replay, "replay", url),
+            endpoint=_endpoint(events, "events", name),
+            replay_endpoint=None if replay is None else _endpoint(replay, "replay", name),
             hash_algorithm=algo.value,
             hash_seed=None if seed is None else str(seed),
             block_size=block_size,
-            num_blocks=None if "num_blocks" not in norm else _int(norm["num_blocks"], "num_blocks", url),
+            num_blocks=None if "num_blocks" not in norm else _int(norm["num_blocks"], "num_blocks", name),
             hash_form=form,
             configured=True,
         ),
@@ -156,13 +196,14 @@ def build_spec(url: str, fields: Mapping[str, object]) -> ReplicaSpec:
 def parse_replica(text: str) -> ReplicaSpec:
     """``URL`` or ``URL,key=value,...`` (the ``--replica`` option)."""
     url, *pairs = [part.strip() for part in text.split(",")]
+    name = shown(redact_url(url))
     fields: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"replica {url!r}: {pair!r} is not key=value")
+            raise ConfigError(f"replica {name}: {shown(pair)} is not key=value")
         if key.strip() in fields:
-            raise ConfigError(f"replica {url!r}: {key.strip()!r} is given twice")
+            raise ConfigError(f"replica {name}: {shown(key.strip())} is given twice")
         fields[key.strip()] = value.strip()
     return build_spec(url, fields)
 
@@ -178,9 +219,13 @@ def load_config(path: str | os.PathLike[str]) -> list[ReplicaSpec]:
         raise ConfigError(f"cannot read the router config {os.fspath(path)!r}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"the router config {os.fspath(path)!r} is not TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays and inline tables
+        raise ConfigError(f"the router config {os.fspath(path)!r} is nested too deeply") from None
     unknown = sorted(set(data) - {"defaults", "replica"})
     if unknown:
-        raise ConfigError(f"the router config {os.fspath(path)!r}: unknown table {unknown[0]!r} (defaults, replica)")
+        raise ConfigError(
+            f"the router config {os.fspath(path)!r}: unknown table {shown(unknown[0])} (defaults, replica)"
+        )
     defaults = data.get("defaults", {})
     replicas = data.get("replica", [])
     if not isinstance(defaults, dict) or not isinstance(replicas, list):
@@ -189,7 +234,8 @@ def load_config(path: str | os.PathLike[str]) -> list[ReplicaSpec]:
     for i, entry in enumerate(replicas):
         if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
             raise ConfigError(f"the router config {os.fspath(path)!r}: replica {i} has no url")
-        own = {k: v for k, v in entry.items() if k != "url"}
-        fields = own if own.get("events") == "none" else {**defaults, **own}
+        name = shown(redact_url(entry["url"]))
+        own = _normalized({k: v for k, v in entry.items() if k != "url"}, name)
+        fields = own if own.get("events") == "none" else {**_normalized(defaults, "defaults"), **own}
         specs.append(build_spec(entry["url"], fields))
     return specs

@@ -80,6 +80,7 @@ class ReplicaStats:
 
     requests: int = 0  # requests it answered (any status)
     transport_errors: int = 0  # requests that failed to reach it, or broke before an answer
+    server_errors: int = 0  # answers with a status of 500 or more (retried elsewhere, or passed on)
     prompt_tokens: int = 0  # prompt tokens of the requests routed to it (the router's tokenization)
     predicted_cached_tokens: int = 0  # what the router predicted it would serve from cache
     reports: int = 0  # answers that reported cached_tokens
