@@ -28,7 +28,6 @@ from kvpool.kv_events import (
 )
 from tests.group_helpers import full, sliding
 from tests.helpers import admit
-from tests.services import free_port
 from tests.test_hashing_vllm import _vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,15 +234,15 @@ def test_vllms_own_decoder_reads_kvpools_stream_with_the_same_fields():
 # -- on the wire ------------------------------------------------------------------------
 
 
-def endpoints() -> tuple[str, str, str, str]:
-    """Bind endpoints for a publisher and the addresses its subscribers connect to."""
-    pub, replay = free_port(), free_port()
-    return (
-        f"bind:tcp://127.0.0.1:{pub}",
-        f"tcp://127.0.0.1:{replay}",
-        f"tcp://127.0.0.1:{pub}",
-        f"tcp://127.0.0.1:{replay}",
-    )
+#: Where a test publisher binds (its stream, its replay socket): the loopback, at ports the OS picks as it
+#: binds them (port 0), so nothing races for a port; subscribers connect where the publisher says it bound.
+BIND, BIND_REPLAY = "bind:tcp://127.0.0.1:0", "tcp://127.0.0.1:0"
+
+
+def addresses(publisher: KVEventPublisher) -> tuple[str, str]:
+    """Where subscribers reach ``publisher``: the stream and the replay socket it bound."""
+    assert publisher.replay_endpoint is not None
+    return publisher.endpoint, publisher.replay_endpoint
 
 
 def batch_of(i: int) -> list:
@@ -273,9 +272,10 @@ def assert_in_order(got: list, first: int) -> None:
 
 
 def test_publish_and_subscribe_with_a_gap_repaired_through_replay():
-    bind, bind_replay, connect, connect_replay = endpoints()
-    with KVEventPublisher(bind, replay_endpoint=bind_replay, topic="kv") as publisher:
-        assert publisher.endpoint == connect and publisher.replay_endpoint == connect_replay
+    with KVEventPublisher(BIND, replay_endpoint=BIND_REPLAY, topic="kv") as publisher:
+        connect, connect_replay = addresses(publisher)
+        for address in (connect, connect_replay):  # the loopback, at the port the OS chose
+            assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
         # a subscriber that wants everything from the start: what it joined too late for is replayed
         with KVEventSubscriber(connect, replay_endpoint=connect_replay, topic="kv", last_seq=-1) as sub:
             for i in range(3):
@@ -294,8 +294,8 @@ def test_publish_and_subscribe_with_a_gap_repaired_through_replay():
 
 
 def test_a_gap_the_replay_buffer_no_longer_holds_is_reported():
-    bind, bind_replay, connect, connect_replay = endpoints()
-    with KVEventPublisher(bind, replay_endpoint=bind_replay, buffer_steps=2) as publisher:
+    with KVEventPublisher(BIND, replay_endpoint=BIND_REPLAY, buffer_steps=2) as publisher:
+        connect, connect_replay = addresses(publisher)
         for i in range(5):  # nobody listens
             publisher.publish(batch_of(i))
         with KVEventSubscriber(connect, replay_endpoint=connect_replay, last_seq=0) as sub:
@@ -306,8 +306,9 @@ def test_a_gap_the_replay_buffer_no_longer_holds_is_reported():
     assert got[1].replayed
 
 
-def test_without_a_replay_socket_a_gap_is_reported_and_a_restart_is_seen():
-    bind, _, connect, _ = endpoints()
+def test_without_a_replay_socket_a_gap_is_reported_and_a_restart_is_seen(tmp_path):
+    # the subscriber connects before the publisher binds: an ipc path of this test's own, which nothing else takes
+    bind, connect = f"bind:ipc://{tmp_path}/events", f"ipc://{tmp_path}/events"
     with KVEventSubscriber(connect, last_seq=600) as sub:
         with KVEventPublisher(bind) as publisher:  # a new publisher: its sequence starts at 0
             got = publish_until_heard(publisher, sub)
@@ -321,10 +322,10 @@ def test_without_a_replay_socket_a_gap_is_reported_and_a_restart_is_seen():
         assert sub.replay(0) == []
 
 
-def test_a_replay_socket_that_does_not_answer_leaves_the_gap_reported():
-    bind, _, connect, _ = endpoints()
-    nobody = f"tcp://127.0.0.1:{free_port()}"
-    with KVEventPublisher(bind) as publisher:
+def test_a_replay_socket_that_does_not_answer_leaves_the_gap_reported(tmp_path):
+    nobody = f"ipc://{tmp_path}/nobody"  # nothing ever binds it
+    with KVEventPublisher(BIND) as publisher:
+        connect = publisher.endpoint
         for i in range(3):
             publisher.publish(batch_of(i))
         with KVEventSubscriber(connect, replay_endpoint=nobody, last_seq=0, replay_timeout=0.3) as sub:
@@ -348,8 +349,8 @@ def collect(sub: KVEventSubscriber, count: int, timeout: float = 5.0) -> list:
 def test_the_replay_socket_answers_a_plain_zmq_client_as_vllm_does():
     import zmq
 
-    bind, bind_replay, _, connect_replay = endpoints()
-    with KVEventPublisher(bind, replay_endpoint=bind_replay, topic="t") as publisher:
+    with KVEventPublisher(BIND, replay_endpoint=BIND_REPLAY, topic="t") as publisher:
+        _, connect_replay = addresses(publisher)
         for i in range(3):
             publisher.publish(batch_of(i), ts=float(i))
         ctx = zmq.Context()
@@ -374,8 +375,8 @@ def test_the_replay_socket_answers_a_plain_zmq_client_as_vllm_does():
 
 def test_a_managers_events_go_over_the_wire_intact():
     events = manager_events()
-    bind, bind_replay, connect, connect_replay = endpoints()
-    with KVEventPublisher(bind, replay_endpoint=bind_replay) as publisher:
+    with KVEventPublisher(BIND, replay_endpoint=BIND_REPLAY) as publisher:
+        connect, connect_replay = addresses(publisher)
         publisher.publish(events)  # perhaps before the subscription is up: then it is replayed
         with KVEventSubscriber(connect, replay_endpoint=connect_replay, last_seq=-1) as sub:
             got = publish_until_heard(publisher, sub)
@@ -391,9 +392,8 @@ def test_publisher_arguments_are_checked():
         KVEventPublisher("tcp://*:0", buffer_steps=0)
     with pytest.raises(ConfigError, match="last_seq"):
         KVEventSubscriber("tcp://127.0.0.1:1", last_seq=-2)
-    port = free_port()
-    with KVEventPublisher(f"tcp://*:{port}"), pytest.raises(ConfigError, match="cannot open"):
-        KVEventPublisher(f"tcp://*:{port}")  # the port is taken
+    with KVEventPublisher("tcp://*:0") as taken, pytest.raises(ConfigError, match="cannot open"):
+        KVEventPublisher(f"tcp://*:{taken.endpoint.rsplit(':', 1)[1]}")  # the port is taken
     publisher = KVEventPublisher("tcp://*:0")
     assert publisher.endpoint.startswith("tcp://*:") and not publisher.endpoint.endswith(":0")
     publisher.close()

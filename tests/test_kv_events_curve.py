@@ -24,7 +24,6 @@ from kvpool.kv_events import (  # noqa: E402
     SequencedBatch,
     load_public_keys,
 )
-from tests.services import free_port  # noqa: E402
 
 
 @pytest.fixture
@@ -44,8 +43,8 @@ def removed(i: int) -> list[BlockRemoved]:
 
 def curve_publisher(keys: dict[str, Path]) -> KVEventPublisher:
     server = CurveServer.load(keys["replica"], keys["router.key"])
-    port, replay = free_port(), free_port()
-    return KVEventPublisher(f"bind:tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}", curve=server)
+    # port 0: the OS picks both ports as they are bound; subscribers read them from the publisher
+    return KVEventPublisher("bind:tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", curve=server)
 
 
 def subscriber(publisher: KVEventPublisher, curve: CurveClient | None, timeout: float = 2.0) -> KVEventSubscriber:

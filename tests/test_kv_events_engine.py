@@ -15,7 +15,6 @@ from kvpool.engine.llm import LLM  # noqa: E402
 from kvpool.engine.sampling import SamplingParams  # noqa: E402
 from kvpool.kv_events import KVEventPublisher, KVEventSubscriber  # noqa: E402
 from tests.engine.tiny_models import build_model, random_prompt, save_model  # noqa: E402
-from tests.services import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -51,8 +50,9 @@ def test_engine_events_carry_hashes_a_router_computes_from_the_prompt(hybrid):
     full_attention = [h for e in stored if e.spec_kind == "full_attention" for h in e.block_hashes]
     assert full_attention[: len(expected)] == expected
     # Over the wire, with every field.
-    port, replay = free_port(), free_port()
-    with KVEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}") as publisher:
+    with KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0") as publisher:  # port 0: the OS picks them
+        assert publisher.replay_endpoint is not None
+        port, replay = (int(e.rsplit(":", 1)[1]) for e in (publisher.endpoint, publisher.replay_endpoint))
         with KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay}") as subscriber:
             publisher.publish(events)
             # heard live, or (when the subscription was not up yet) from the replay socket

@@ -22,7 +22,7 @@ from kvpool.errors import ConfigError
 from kvpool.openai_http import is_loopback
 from kvpool.serve.app import _is_loopback
 from kvpool.serve.connections import ConnectionLimits, uvicorn_config
-from tests.services import free_port
+from tests.serve.conftest import bound_port
 
 DEADLINE = 30.0  # generous: the machine may be loaded; the assertions wait for events, not for this
 
@@ -46,8 +46,7 @@ class Served:
             return StreamingResponse(chunks())
 
         app = Starlette(routes=[Route("/", hello), Route("/forever", forever)])
-        self.port = free_port()
-        config = uvicorn_config(app, host="127.0.0.1", port=self.port, limits=limits, log_level="error")
+        config = uvicorn_config(app, host="127.0.0.1", port=0, limits=limits, log_level="error")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -55,6 +54,7 @@ class Served:
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
+        self.port = bound_port(self.server)  # bound as port 0: the OS chose it, nothing raced for it
 
     def connect(self) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self.port), timeout=DEADLINE)

@@ -134,15 +134,15 @@ def test_killed_mid_run_then_back(redis_server, caplog):
 
 
 def test_down_at_start_then_comes_up(tmp_path):
-    port = free_port()
+    server = RedisServer(tmp_path / "late")  # its unix socket's path is known, and free, before it starts
     clock = FakeClock()
-    opened = open_store(f"redis://127.0.0.1:{port}/0", fresh_codec())  # opening never connects, never raises
+    opened = open_store(server.url, fresh_codec())  # opening never connects, never raises
     assert opened.get_many([block_key(0)]) == [None] and opened.stats.errors == 1
-    store = RedisStore(f"redis://127.0.0.1:{port}/0", fresh_codec(), clock=clock)
+    store = RedisStore(server.url, fresh_codec(), clock=clock)
     assert store.put_many(items([0])) == 0
     assert store.get_many([block_key(0)]) == [None]
     assert store.stats.errors == 1
-    server = RedisServer(tmp_path / "late", port).start()
+    server.start()
     try:
         clock.now = 100.0
         assert store.put_many(items([0])) == 1
@@ -169,7 +169,7 @@ def test_a_server_that_stops_answering_times_out(redis_server):
 
 
 def test_password(tmp_path):
-    server = RedisServer(tmp_path / "auth").start()
+    server = RedisServer(tmp_path / "auth", tcp=True).start()
     try:
         redis.Redis(port=server.port).config_set("requirepass", "s3cret pass")
         clock = FakeClock()
@@ -210,7 +210,7 @@ def test_tls(tmp_path):
     tls = ("--tls-port", str(tls_port), "--tls-cert-file", str(certs / "server.crt"))
     tls += ("--tls-key-file", str(certs / "server.key"), "--tls-ca-cert-file", str(certs / "ca.crt"))
     try:
-        server = RedisServer(tmp_path / "tls", None, *tls, "--tls-auth-clients", "no").start()
+        server = RedisServer(tmp_path / "tls", None, *tls, "--tls-auth-clients", "no", tcp=True).start()
     except RuntimeError:
         unavailable("this redis-server was built without TLS (--tls-port)")
     try:
@@ -237,7 +237,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisServ
             config = str(root / f"nodes-{i}.conf")
             bus = ("--cluster-port", str(free_port()))  # not port + 10000, which may be taken or past 65535
             nodes.append(
-                RedisServer(root / f"n{i}", None, "--cluster-enabled", "yes", "--cluster-config-file", config, *bus)
+                RedisServer(
+                    root / f"n{i}", None, "--cluster-enabled", "yes", "--cluster-config-file", config, *bus, tcp=True
+                )
             )
             nodes[-1].start()
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
