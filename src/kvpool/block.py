@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvpool.errors import ConfigError
+
 if TYPE_CHECKING:
     from kvpool.hashing import BlockHash
 
@@ -54,7 +56,11 @@ class KVBlock:
         "parent_seal",
     )
 
-    def __init__(self, block_id: int) -> None:
+    def __init__(self, block_id: object) -> None:
+        # Taken as an object, so both builds refuse a non-int (a bool too) with this error;
+        # the free lists' sentinels are negative, so any int is a block ID here.
+        if type(block_id) is not int:
+            raise ConfigError(f"block_id must be an integer, got {block_id!r}")
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None

@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
-from kvpool.errors import InvariantViolation
+from kvpool.checks import check_flag, check_int
+from kvpool.errors import ConfigError, InvariantViolation
 from kvpool.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.free_queue import FreeBlockQueue
 from kvpool.hashing import BlockHash
@@ -51,9 +52,13 @@ class BlockPool:
         enable_caching: whether full blocks are cached for prefix reuse.
         verify_content: use the verified index (for non-cryptographic hashes).
         enable_events: record KV events for ``take_events``.
-        free_queue: the eviction policy object; the default is vLLM's order
-            (:class:`FreeBlockQueue`). It must be built over ``blocks`` and
-            ``num_blocks`` exactly as the default is.
+        free_queue_factory: builds the eviction policy object; the default is
+            vLLM's order (:class:`FreeBlockQueue`). It must be built over
+            ``blocks`` and ``num_blocks`` exactly as the default is.
+
+    The arguments are taken as objects and checked first (``int`` counts,
+    ``bool`` switches, a callable factory), so both builds refuse a wrong one
+    with the same :class:`~kvpool.errors.ConfigError`.
     """
 
     __slots__ = (
@@ -74,24 +79,32 @@ class BlockPool:
 
     def __init__(
         self,
-        num_blocks: int,
+        num_blocks: object,
         *,
-        num_groups: int = 1,
-        enable_caching: bool = True,
-        verify_content: bool = False,
-        enable_events: bool = False,
-        free_queue_factory: FreeQueueFactory = FreeBlockQueue,
+        num_groups: object = 1,
+        enable_caching: object = True,
+        verify_content: object = False,
+        enable_events: object = False,
+        free_queue_factory: object = FreeBlockQueue,
     ) -> None:
-        self.num_blocks = num_blocks
+        count = check_int("num_blocks", num_blocks)  # the null block alone is a pool with nothing to hand out
+        groups = check_int("num_groups", num_groups)
+        caching = check_flag("enable_caching", enable_caching)
+        verified = check_flag("verify_content", verify_content)
+        with_events = check_flag("enable_events", enable_events)
+        if not callable(free_queue_factory):
+            raise ConfigError(f"free_queue_factory must be a free-queue factory, got {free_queue_factory!r}")
+        factory: FreeQueueFactory = free_queue_factory
+        self.num_blocks = count
         self.null_block = KVBlock(NULL_BLOCK_ID)
         self.blocks: list[KVBlock] = [self.null_block]
-        self.free_queue = free_queue_factory(self.blocks, num_blocks)
-        index_type = VerifiedPrefixIndex if verify_content else PrefixIndex
-        self.indexes: tuple[PrefixIndex, ...] = tuple(index_type() for _ in range(num_groups))
-        self.enable_caching = enable_caching
-        self.events: list[KVCacheEvent] | None = [] if enable_events else None
+        self.free_queue = factory(self.blocks, count)
+        index_type = VerifiedPrefixIndex if verified else PrefixIndex
+        self.indexes: tuple[PrefixIndex, ...] = tuple(index_type() for _ in range(groups))
+        self.enable_caching = caching
+        self.events: list[KVCacheEvent] | None = [] if with_events else None
         #: Per group, its layer kind and sliding window, for stored-block events (set by the manager).
-        self.group_kinds: tuple[tuple[str | None, int | None], ...] = ((None, None),) * num_groups
+        self.group_kinds: tuple[tuple[str | None, int | None], ...] = ((None, None),) * groups
         #: Blocks evicted from the index so far (a logical clock for stale-hit checks).
         self.num_evictions = 0
         #: Accepted ``reset_prefix_cache`` calls (every hit issued before one is stale).

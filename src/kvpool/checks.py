@@ -1,7 +1,8 @@
 """The rules of every count and size argument.
 
 A count or size argument is an ``int`` (never a ``bool``) at or above a minimum;
-a memory size may also be written with a unit (:func:`parse_size`).
+a memory size may also be written with a unit (:func:`parse_size`); a switch
+is ``True`` or ``False`` and nothing else (:func:`check_flag`).
 
 Every public entry point that takes a count or a size asks :func:`check_int`,
 so each such argument is refused the same way, with a
@@ -9,6 +10,12 @@ so each such argument is refused the same way, with a
 
     check_int("block_size", 0)            # block_size must be a positive integer, got 0
     check_int("num_blocks", 1, minimum=2) # num_blocks must be an integer >= 2, got 1
+
+The compiled build (mypyc) checks a typed argument itself, before the
+function body runs: it raises its own ``TypeError`` and reads ``True`` as
+``1``. So a public entry point of a compiled module takes such an argument as
+``object`` and asks these checks, which run before the typed code sees the
+value and decide exactly as in the pure build.
 
 :data:`MIN_MODEL_LEN` is the one minimum of ``max_model_len`` wherever a
 request generates: a prompt token plus one generated token.
@@ -22,7 +29,20 @@ from fractions import Fraction
 
 from kvpool.errors import ConfigError
 
-__all__ = ["GB", "KB", "MB", "MIN_MODEL_LEN", "TB", "GiB", "KiB", "MiB", "TiB", "check_int", "parse_size"]
+__all__ = [
+    "GB",
+    "KB",
+    "MB",
+    "MIN_MODEL_LEN",
+    "TB",
+    "GiB",
+    "KiB",
+    "MiB",
+    "TiB",
+    "check_flag",
+    "check_int",
+    "parse_size",
+]
 
 #: Shortest ``max_model_len`` a serving loop accepts: one prompt token and one output token.
 MIN_MODEL_LEN = 2
@@ -33,6 +53,13 @@ def check_int(name: str, value: object, *, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         bound = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
         raise ConfigError(f"{name} must be {bound}, got {value!r}")
+    return value
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` when it is ``True`` or ``False``; ConfigError naming both otherwise (1, None and "yes" are not flags)."""
+    if type(value) is not bool:
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
     return value
 
 

@@ -43,6 +43,7 @@ from math import lcm
 
 from kvpool.block import KVBlock
 from kvpool.block_pool import BlockPool
+from kvpool.checks import check_flag, check_int
 from kvpool.errors import ConfigError
 from kvpool.groups.base import GroupManager
 from kvpool.groups.full_attention import FullAttentionManager
@@ -53,19 +54,29 @@ __all__ = ["Coordinator", "make_group_managers"]
 
 
 def make_group_managers(
-    pool: BlockPool, group_specs: Sequence[KVCacheGroup], block_size: int, enable_caching: bool
+    pool: object, group_specs: object, block_size: object, enable_caching: object
 ) -> tuple[GroupManager, ...]:
     """One manager per layer group; no groups means a single full-attention group.
 
     Each group keeps its own block size, which must be a multiple of
-    ``block_size`` (the size request hashes are computed at).
+    ``block_size`` (the size request hashes are computed at). The arguments
+    (a :class:`BlockPool`, a sequence of ``KVCacheGroup``, an ``int`` and a
+    ``bool``) are taken as objects and checked first, so both builds refuse a
+    wrong one with the same :class:`~kvpool.errors.ConfigError`.
     """
+    if not isinstance(pool, BlockPool):
+        raise ConfigError(f"pool must be a kvpool.block_pool.BlockPool, got {pool!r}")
+    if isinstance(group_specs, str | bytes) or not isinstance(group_specs, Sequence):
+        raise ConfigError(f"groups must be a sequence of KVCacheGroup, got {group_specs!r}")
+    block_size = check_int("block_size", block_size)
+    enable_caching = check_flag("enable_caching", enable_caching)
     if not group_specs:
         return (FullAttentionManager(pool, 0, block_size, enable_caching),)
     from kvpool.groups import manager_class_for
 
     managers = []
-    for i, group in enumerate(group_specs):
+    listed: list[object] = list(group_specs)
+    for i, group in enumerate(listed):
         if not isinstance(group, KVCacheGroup):
             raise ConfigError(f"groups[{i}] must be a kvpool.specs.KVCacheGroup, got {group!r}")
         size = group.block_size
@@ -84,19 +95,23 @@ class Coordinator:
 
     __slots__ = ("groups", "block_size", "alignment", "_single", "_lookup_order", "_never_hits")
 
-    def __init__(self, groups: tuple[GroupManager, ...]) -> None:
-        self.groups = groups
-        self.block_size = groups[0].block_size
-        self._single = groups[0] if len(groups) == 1 else None
+    def __init__(self, groups: object) -> None:
+        # Checked as an object first (a compiled build would raise its own TypeError).
+        if type(groups) is not tuple or not groups or not all(isinstance(g, GroupManager) for g in groups):
+            raise ConfigError(f"groups must be a non-empty tuple of group managers, got {groups!r}")
+        managers: tuple[GroupManager, ...] = groups
+        self.groups = managers
+        self.block_size = managers[0].block_size
+        self._single = managers[0] if len(managers) == 1 else None
         #: Tokens a common hit is a multiple of.
-        self.alignment = lcm(*(g.block_size for g in groups))
+        self.alignment = lcm(*(g.block_size for g in managers))
         if self._single is None:
-            for group in groups:
+            for group in managers:
                 group.alignment = self.alignment
-        self._never_hits = any(not g.enable_caching for g in groups)
+        self._never_hits = any(not g.enable_caching for g in managers)
         # Downward-closed groups (a shorter prefix of a hit is a hit) go first:
         # they are looked up once and then only trimmed.
-        self._lookup_order = sorted(range(len(groups)), key=lambda i: not groups[i].downward_closed)
+        self._lookup_order = sorted(range(len(managers)), key=lambda i: not managers[i].downward_closed)
 
     # -- lookup --------------------------------------------------------------------
 

@@ -115,7 +115,12 @@ class HashAlgo(Enum):
         return self in (HashAlgo.VLLM_SHA256, HashAlgo.VLLM_SHA256_CBOR)
 
     @classmethod
-    def parse(cls, value: HashAlgo | str) -> HashAlgo:
+    def parse(cls, value: object) -> HashAlgo:
+        """``value`` as a :class:`HashAlgo`: a member, or its name (any case, ``-`` for ``_``).
+
+        Takes any object, so a compiled build refuses a wrong type with this
+        ConfigError, not a TypeError of its own.
+        """
         if isinstance(value, HashAlgo):
             return value
         try:
@@ -125,25 +130,33 @@ class HashAlgo(Enum):
             raise ConfigError(f"unknown hash algorithm {value!r}; choose one of: {names}") from None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, init=False)
 class MultiModalInput:
     """A multimodal item in a prompt: its content identifier and placeholder range.
 
     ``identifier`` should be a hash of the item's content (an image, audio
     clip, ...); ``offset`` is the position of its first placeholder token and
     ``length`` the number of placeholder tokens.
+
+    The constructor takes objects and checks them before any field is set
+    (a compiled build's typed fields would otherwise refuse a wrong type with
+    their own TypeError, and store ``True`` as ``1``).
     """
 
     identifier: str
     offset: int
     length: int
 
-    def __post_init__(self) -> None:
-        problem = key_text_problem(self.identifier)
+    def __init__(self, *, identifier: object, offset: object, length: object) -> None:
+        problem = key_text_problem(identifier)
         if problem is not None:
             raise ConfigError(f"multimodal identifier must be {problem}")
-        check_int("multimodal offset", self.offset, minimum=0)
-        check_int("multimodal length", self.length)
+        checked_offset = check_int("multimodal offset", offset, minimum=0)
+        checked_length = check_int("multimodal length", length)
+        # frozen: the fields are set once, here, as the dataclass's own __init__ sets them
+        object.__setattr__(self, "identifier", identifier)
+        object.__setattr__(self, "offset", checked_offset)
+        object.__setattr__(self, "length", checked_length)
 
 
 def key_text_problem(value: object) -> str | None:
@@ -161,6 +174,16 @@ def key_text_problem(value: object) -> str | None:
     return None
 
 
+def _key_text_or_none(name: str, value: object) -> str | None:
+    """``value`` when it is None or a text cache key (:func:`key_text_problem`); ConfigError naming it otherwise."""
+    if value is None:
+        return None
+    problem = key_text_problem(value)
+    if problem is not None or not isinstance(value, str):
+        raise ConfigError(f"{name} must be {problem}")
+    return value
+
+
 def _text_key(tag: bytes, text: str) -> bytes:
     raw = text.encode("utf-8")
     return tag + struct.pack("<I", len(raw)) + raw
@@ -174,21 +197,21 @@ class BlockHasher:
     is hashed at that moment. Nothing is rehashed per lookup.
 
     Args:
-        block_size: tokens per block.
+        block_size: tokens per block, an ``int``.
         algo: :class:`HashAlgo` or its name.
         seed: what the chain's root is derived from: bytes for kvpool's
             algorithms (None: :data:`DEFAULT_HASH_SEED`), a string for vLLM's
             (None: vLLM's rule, ``PYTHONHASHSEED`` when set, else
             :data:`VLLM_DEFAULT_SEED`).
+
+    The arguments are taken as objects and checked here, so both builds
+    refuse a wrong one with the same :class:`~kvpool.errors.ConfigError`.
     """
 
     __slots__ = ("block_size", "algo", "seed", "seed_name", "root", "stores_contents", "_sha", "_xxh", "_dumps")
 
-    def __init__(
-        self, block_size: int, algo: HashAlgo | str = HashAlgo.SHA256, seed: bytes | str | None = None
-    ) -> None:
-        check_int("block_size", block_size)
-        self.block_size = block_size
+    def __init__(self, block_size: object, algo: object = HashAlgo.SHA256, seed: object = None) -> None:
+        self.block_size = check_int("block_size", block_size)
         self.algo = HashAlgo.parse(algo)
         self._sha = hashlib.sha256
         self._xxh = None
@@ -374,10 +397,10 @@ class BlockHasher:
         self,
         token_ids: Sequence[int],
         *,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        mm_inputs: Sequence[MultiModalInput] = (),
+        cache_salt: object = None,
+        lora_name: object = None,
+        lora_path: object = None,
+        mm_inputs: object = (),
     ) -> list[BlockHash]:
         """The block hashes of a token sequence, as a manager would compute them.
 
@@ -387,23 +410,26 @@ class BlockHasher:
         path beside its name, so pass ``lora_path`` as the vLLM replica loaded
         it (kvpool's own requests, which know adapters by name only, use the
         name as the path). kvpool's algorithms ignore ``lora_path``.
+
+        ``cache_salt``, ``lora_name`` and ``lora_path`` are None or text,
+        ``mm_inputs`` an iterable of :class:`MultiModalInput`; they are taken
+        as objects and checked here (a :class:`~kvpool.errors.ConfigError`
+        naming the value, in both builds).
         """
         tokens = to_token_array(token_ids, "token_ids", ordered=True)
-        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name), ("lora_path", lora_path)):
-            problem = None if value is None else key_text_problem(value)
-            if problem is not None:
-                raise ConfigError(f"{name} must be {problem}")
-        if lora_path is not None and lora_name is None:
-            raise ConfigError(f"lora_path {lora_path!r} was given without a lora_name")
-        if isinstance(mm_inputs, str | bytes) or not all(isinstance(m, MultiModalInput) for m in mm_inputs):
-            raise ConfigError(f"mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
-        for item in mm_inputs:  # Request's rule: a multimodal item lies within the tokens
+        salt = _key_text_or_none("cache_salt", cache_salt)
+        name = _key_text_or_none("lora_name", lora_name)
+        path = _key_text_or_none("lora_path", lora_path)
+        if path is not None and name is None:
+            raise ConfigError(f"lora_path {path!r} was given without a lora_name")
+        media = _media_items(mm_inputs)
+        for item in media:  # Request's rule: a multimodal item lies within the tokens
             if item.offset + item.length > len(tokens):
                 raise ConfigError(
                     f"multimodal item {item.identifier!r} covers positions {item.offset}..{item.offset + item.length - 1}, "
                     f"beyond the {len(tokens)} tokens"
                 )
-        items = tuple(sorted(mm_inputs, key=lambda m: m.offset))
+        items = tuple(sorted(media, key=lambda m: m.offset))
         bs = self.block_size
         num_blocks = len(tokens) // bs
         if self._dumps is not None:
@@ -411,22 +437,39 @@ class BlockHasher:
                 None,
                 token_bytes(tokens[: num_blocks * bs]),
                 0,
-                lora_key(lora_name),
-                salt_key(cache_salt),
+                lora_key(name),
+                salt_key(salt),
                 items,
-                lora_path,
+                path,
             )
         return self.chain_blocks(
             None,
             token_bytes(tokens[: num_blocks * bs]),
             0,
-            lora_key=lora_key(lora_name),
-            salt_key=salt_key(cache_salt),
+            lora_key=lora_key(name),
+            salt_key=salt_key(salt),
             mm_inputs=items,
         )[0]
 
 
-def _vllm_seed(seed: bytes | str | None) -> tuple[str, str]:
+def _media_items(mm_inputs: object) -> list[MultiModalInput]:
+    """``mm_inputs`` as a list when it is an iterable of :class:`MultiModalInput` (not text); ConfigError otherwise.
+
+    Read as objects, one pass, so a compiled build names a wrong item as the
+    pure build does, and a generator is read once.
+    """
+    if isinstance(mm_inputs, str | bytes) or not isinstance(mm_inputs, Iterable):
+        raise ConfigError(f"mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
+    listed: list[object] = list(mm_inputs)
+    media: list[MultiModalInput] = []
+    for item in listed:
+        if not isinstance(item, MultiModalInput):
+            raise ConfigError(f"mm_inputs must be a sequence of MultiModalInput, got {mm_inputs!r}")
+        media.append(item)
+    return media
+
+
+def _vllm_seed(seed: object) -> tuple[str, str]:
     """vLLM's root seed and where it came from: ``PYTHONHASHSEED`` when set, else vLLM's fixed default."""
     if seed is not None:
         if not isinstance(seed, str) or not seed:

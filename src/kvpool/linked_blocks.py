@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvpool.block import KVBlock
-from kvpool.errors import InvariantViolation
+from kvpool.checks import check_int
+from kvpool.errors import ConfigError, InvariantViolation
 
 __all__ = ["FreeList"]
 
@@ -65,16 +66,19 @@ class FreeList:
 
     __slots__ = ("num_free_blocks", "head", "tail", "_fresh", "_blocks", "_next_fresh", "_end")
 
-    def __init__(self, blocks: list[KVBlock], num_blocks: int) -> None:
-        self._blocks = blocks
+    def __init__(self, blocks: object, num_blocks: object) -> None:
+        # Checked as objects before the typed fields see them (a compiled build would raise its own TypeError).
+        if type(blocks) is not list or not all(type(block) is KVBlock for block in blocks):
+            raise ConfigError(f"blocks must be the pool's list of KVBlock records, got {blocks!r}")
+        self._blocks: list[KVBlock] = blocks
         self._next_fresh = len(blocks)
-        self._end = num_blocks
+        self._end = check_int("num_blocks", num_blocks, minimum=len(blocks))
         # Sentinels are plain records: something always follows the head and precedes the tail,
         # so their links are never None once set (the reads below say so to the type checker).
         head = self.head = KVBlock(_SENTINEL_ID)
         tail = self.tail = KVBlock(_SENTINEL_ID)
         self._fresh = KVBlock(_NEVER_USED_ID)
-        self.num_free_blocks = num_blocks - self._next_fresh
+        self.num_free_blocks = self._end - self._next_fresh
         if self.num_free_blocks > 0:
             fresh = self._fresh
             head.next_free = fresh

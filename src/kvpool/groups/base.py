@@ -29,6 +29,8 @@ from typing import ClassVar, TypeVar, overload
 
 from kvpool.block import NULL_BLOCK_ID, KVBlock
 from kvpool.block_pool import BlockPool
+from kvpool.checks import check_flag, check_int
+from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash
 from kvpool.request import Request
 from kvpool.specs import FullAttentionSpec, KVDtype, LayerSpec, cdiv
@@ -100,6 +102,9 @@ class GroupManager:
         hash_block_size: tokens per request hash; ``block_size`` must be a
             multiple of it. None means ``block_size``.
 
+    The arguments are taken as objects and checked first, so both builds
+    refuse a wrong one with the same :class:`~kvpool.errors.ConfigError`.
+
     ``tables[request_id]`` is the request's block table: block ``k`` holds
     token positions ``k*block_size .. (k+1)*block_size - 1``; the null block
     (block 0) stands where a layer type needs no memory.
@@ -119,24 +124,39 @@ class GroupManager:
 
     def __init__(
         self,
-        pool: BlockPool,
-        group_id: int,
-        block_size: int,
-        enable_caching: bool,
+        pool: object,
+        group_id: object,
+        block_size: object,
+        enable_caching: object,
         *,
-        spec: LayerSpec | None = None,
-        hash_block_size: int | None = None,
+        spec: object = None,
+        hash_block_size: object = None,
     ) -> None:
+        if not isinstance(pool, BlockPool):
+            raise ConfigError(f"pool must be a kvpool.block_pool.BlockPool, got {pool!r}")
+        gid = check_int("group_id", group_id, minimum=0)
+        if gid >= len(pool.indexes):
+            raise ConfigError(f"group_id {gid} is not a group of the pool, which has {len(pool.indexes)}")
+        size = check_int("block_size", block_size)
+        caching = check_flag("enable_caching", enable_caching)
         if spec is None:  # only the block size matters to full attention's rules
-            spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32)
+            spec = FullAttentionSpec(block_size=size, num_kv_heads=1, head_dim=1, dtype=KVDtype.FP32)
+        elif not isinstance(spec, LayerSpec):
+            raise ConfigError(f"spec must be a kvpool.specs layer spec or None, got {spec!r}")
+        stride = 1
+        if hash_block_size is not None:
+            hash_size = check_int("hash_block_size", hash_block_size)
+            if size % hash_size:
+                raise ConfigError(f"block_size {size} is not a multiple of hash_block_size {hash_size}")
+            stride = size // hash_size
         self.spec = spec
         self.pool = pool
-        self.group_id = group_id
-        self.block_size = block_size
-        self.hash_stride = 1 if hash_block_size is None else block_size // hash_block_size
-        self.alignment = block_size
-        self.enable_caching = enable_caching and spec.prefix_cacheable
-        self.index = pool.indexes[group_id]
+        self.group_id = gid
+        self.block_size = size
+        self.hash_stride = stride
+        self.alignment = size
+        self.enable_caching = caching and spec.prefix_cacheable
+        self.index = pool.indexes[gid]
         self.null_block = pool.null_block
         self.tables: dict[str, list[KVBlock]] = {}
         self.num_cached: dict[str, int] = {}
