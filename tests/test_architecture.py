@@ -20,7 +20,7 @@ LAYERS = {
     "stats": 2,
     "tenancy": 2,  # tenants, API keys and the cache salt derived for them (the server and the router ask it)
     "routing": 2,
-    "fair_share": 2,  # how tenants share the batch, the pool and a step (the scheduler asks it)
+    "fair_share": 1,  # how tenants share the batch, the pool and a step (the scheduler asks it)
     "prompts": 2,  # how a prompt becomes token IDs: the rule the engine, the server and the router follow
     "block": 3,
     "events": 3,

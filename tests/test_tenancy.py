@@ -130,3 +130,38 @@ def test_tenants_never_share_blocks_through_derived_salts() -> None:
     for tenant, client in (("bob", None), ("bob", policy.cache_salt("alice", None)), ("alice", "team")):
         other = Request("b", prompt, cache_salt=policy.cache_salt(tenant, client))
         assert mgr.get_computed_blocks(other)[1] == 0
+
+
+def test_a_key_file_may_weigh_its_tenants_in_the_fair_share(tmp_path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-a": "alice", "sk-b": {"tenant": "bob", "weight": 3}, "sk-b2": {"tenant": "bob"}}))
+    ring = KeyRing.load_json(path)
+    assert ring.name_for("sk-b") == ring.name_for("sk-b2") == "bob"
+    assert dict(ring.weights) == {"bob": 3.0}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"tenant": "bob", "weight": 0},
+        {"tenant": "bob", "weight": -2},
+        {"tenant": "bob", "weight": True},
+        {"tenant": "bob", "weight": "2"},
+        {"tenant": "bob", "weight": 1e9},
+        {"tenant": "bob", "weigth": 2},
+        {"weight": 2},
+        {"tenant": 7},
+    ],
+)
+def test_bad_weights_in_a_key_file_are_refused_by_name(value) -> None:
+    with pytest.raises(ConfigError, match="tenant|weight"):
+        KeyRing.from_mapping({"sk-b": value})
+
+
+def test_one_tenant_with_two_weights_is_refused() -> None:
+    with pytest.raises(ConfigError, match="two weights"):
+        KeyRing.from_mapping({"sk-1": {"tenant": "bob", "weight": 1}, "sk-2": {"tenant": "bob", "weight": 2}})
+    ring = KeyRing.from_mapping({"sk-1": {"tenant": "bob", "weight": 1}})
+    with pytest.raises(ConfigError, match="two weights"):
+        ring.merged(KeyRing.from_mapping({"sk-2": {"tenant": "bob", "weight": 2}}))
+    assert ring.merged(KeyRing.from_mapping({"sk-3": "carol"})).name_for("sk-3") == "carol"

@@ -39,6 +39,7 @@ class of the package, under its real base)::
      │    ├── RequestStateError       a call that contradicts the request's state
      │    │    └── ReadOnlyFieldError    assigning a field fixed at construction (also an AttributeError)
      │    └── CapacityError           a request that can never fit: pool or max_model_len
+     │         └── RequestTooLarge    a request asking more than its server allows one request
      └── ExternalDataError            data from outside: malformed or untrusted
           ├── CorruptEntry            a KV tier entry (kvpool.tiers.entry); its kind says why
           ├── EventStreamError        a KV event message (kvpool.kv_events.wire)
@@ -65,6 +66,7 @@ __all__ = [
     "KVPoolError",
     "RequestFailed",
     "RequestStateError",
+    "RequestTooLarge",
     "ServiceError",
 ]
 
@@ -94,6 +96,21 @@ class ReadOnlyFieldError(RequestStateError, AttributeError):
 
 class CapacityError(KVPoolError):
     """A request can never fit: more blocks than the whole pool holds, or more tokens than ``max_model_len``."""
+
+
+class RequestTooLarge(CapacityError):
+    """One request (its prompts times ``n``) asks for more tokens than the server allows a request.
+
+    Attributes:
+        param: the request field at fault (``"max_tokens"`` or ``"min_tokens"``).
+    """
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[type[RequestTooLarge], tuple[str, str]]:
+        return (RequestTooLarge, (str(self), self.param))
 
 
 class ExternalDataError(ValueError):

@@ -38,13 +38,14 @@ from types import MappingProxyType
 
 from kvpool.errors import ConfigError
 
-__all__ = ["MAX_WEIGHT", "StepShares", "TenantWeights", "split_budget", "tenant_load"]
+__all__ = ["MAX_WEIGHT", "StepShares", "TenantWeights", "check_weight", "split_budget", "tenant_load"]
 
 #: The largest weight a tenant may have (a share 10,000 times another's is as good as all of it).
 MAX_WEIGHT = 10_000.0
 
 
-def _check_weight(what: str, weight: object) -> float:
+def check_weight(what: str, weight: object) -> float:
+    """``weight`` as a float, refused (naming ``what``) unless a number in ``(0, MAX_WEIGHT]``."""
     if not isinstance(weight, (int, float)) or type(weight) is bool or not (0 < weight <= MAX_WEIGHT):
         raise ConfigError(f"{what} must be a number in (0, {MAX_WEIGHT:g}], got {weight!r}")
     return float(weight)
@@ -67,9 +68,9 @@ class TenantWeights:
         for tenant, weight in self.weights.items():
             if not isinstance(tenant, str) or not tenant:
                 raise ConfigError(f"a tenant name is a non-empty string, got {tenant!r}")
-            checked[tenant] = _check_weight(f"the weight of tenant {tenant!r}", weight)
+            checked[tenant] = check_weight(f"the weight of tenant {tenant!r}", weight)
         object.__setattr__(self, "weights", MappingProxyType(checked))
-        object.__setattr__(self, "default", _check_weight("the default tenant weight", self.default))
+        object.__setattr__(self, "default", check_weight("the default tenant weight", self.default))
 
     def weight(self, tenant: str | None) -> float:
         return self.weights.get(tenant, self.default) if tenant is not None else self.default

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
+from kvpool.fair_share import check_weight
 from kvpool.secret_files import MIN_SECRET_BYTES, check_secret, read_secret_file
 
 __all__ = [
@@ -80,10 +81,15 @@ class KeyRing:
     """Secret keys and whom each one names, held as digests of the keys.
 
     ``KeyRing.from_mapping({"sk-a": "alice"})``; :meth:`name_for` a presented
-    key gives ``"alice"``, or None for any other key.
+    key gives ``"alice"``, or None for any other key. A key may also name its
+    tenant with a weight in the fair share of the server
+    (``{"sk-b": {"tenant": "bob", "weight": 2}}``, see :mod:`kvpool.fair_share`);
+    :attr:`weights` holds them.
     """
 
     _names: Mapping[bytes, str] = field(repr=False)
+    #: Tenant -> its weight in the fair share, for the tenants the keys give one.
+    weights: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_mapping(cls, keys: Mapping[str, str], *, source: str = "the key mapping") -> KeyRing:
@@ -93,17 +99,38 @@ class KeyRing:
         if not keys:
             raise ConfigError(f"{source} names no API key")
         names: dict[bytes, str] = {}
-        for key, name in keys.items():
+        weights: dict[str, float] = {}
+        for key, value in keys.items():
             if not isinstance(key, str) or not key.strip() or key != key.strip():
                 raise ConfigError(f"{source}: an API key must be a non-empty string without surrounding spaces")
+            name, weight = value, None
+            if isinstance(value, Mapping):
+                if set(value) - {"tenant", "weight"} or "tenant" not in value:
+                    raise ConfigError(
+                        f"{source}: a key's tenant is a name or an object with 'tenant' and optionally 'weight', "
+                        f"got {sorted(map(str, value))!r}"
+                    )
+                name, weight = value["tenant"], value.get("weight")
             if not isinstance(name, str) or not name:
                 raise ConfigError(f"{source}: the tenant of a key must be a non-empty string, got {name!r}")
+            if weight is not None:
+                weight = check_weight(f"{source}: the weight of tenant {name!r}", weight)
+                if weights.get(name, weight) != weight:
+                    raise ConfigError(f"{source}: tenant {name!r} has two weights, {weights[name]:g} and {weight:g}")
+                weights[name] = weight
             names[_digest(key)] = name
-        return cls(names)
+        return cls(names, weights)
+
+    def merged(self, other: KeyRing) -> KeyRing:
+        """Both rings' keys (``other``'s win for a key in both) and weights."""
+        for name, weight in other.weights.items():
+            if self.weights.get(name, weight) != weight:
+                raise ConfigError(f"tenant {name!r} has two weights, {self.weights[name]:g} and {weight:g}")
+        return KeyRing({**self._names, **other._names}, {**self.weights, **other.weights})
 
     @classmethod
     def load_json(cls, path: str | os.PathLike[str]) -> KeyRing:
-        """A JSON file holding one object: API key -> tenant name."""
+        """A JSON file holding one object: API key -> tenant name (or ``{"tenant": name, "weight": w}``)."""
         source = os.fspath(path)
         try:
             with open(path, encoding="utf-8") as f:

@@ -184,7 +184,7 @@ _extreme = st.one_of(
     row=st.lists(st.one_of(_extreme, st.sampled_from([math.inf, -math.inf])), min_size=1, max_size=6),
     presence=st.floats(-2, 2),
     frequency=st.floats(-2, 2),
-    repetition=st.one_of(st.floats(min_value=1e-300, max_value=1e300), st.just(5e-324)),
+    repetition=st.one_of(st.floats(min_value=1e-6, max_value=1e6), st.sampled_from([1e-6, 1e6])),
     min_p=st.floats(0, 1),
     temperature=st.one_of(st.just(0.0), st.floats(min_value=0, max_value=1e6)),
     top_k=st.integers(0, 8),
@@ -216,3 +216,10 @@ def test_extreme_values_never_raise_in_the_sampler(
             assert len(result.logprobs.top) == min(logprobs, len(row))
     else:
         assert isinstance(result, SamplingFailure) and result.reason
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 5e-324, 9.9e-7, 1.01e6, 1e300, 0.0, -1.0])
+def test_a_repetition_penalty_past_float32s_safe_range_is_refused(penalty: float) -> None:
+    """1e-300 once made the penalised logits overflow and the request fail with a 500; now it is refused."""
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=penalty)

@@ -395,7 +395,7 @@ def test_operator_routes_need_an_admin_key_off_loopback(engine: Any) -> None:
     for path in ("/metrics", "/health?verbose=1"):
         assert got[path, None] == got[path, "key-alice"] == 401  # a tenant's key is not an admin key
     assert got["/metrics", ADMIN] == 200
-    assert got["/health", None] == 200  # the plain liveness answer is open
+    assert got["/health", None] == 503  # the plain liveness answer is open (no 401): this engine never started
     got = asyncio.run(statuses(build_app(engine, _config(admin_keys=None))))
     assert got["/metrics", ADMIN] == got["/health?verbose=1", ADMIN] == 403  # no admin keys: loopback only
 

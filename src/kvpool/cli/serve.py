@@ -65,7 +65,16 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--max-body-bytes", type=POSITIVE_INT, default=1 << 20, show_default=True, help="Largest request body (413)."
 )
-@click.option("--max-waiting", type=POSITIVE_INT, default=256, show_default=True, help="Waiting requests before 429.")
+@click.option(
+    "--max-waiting", type=POSITIVE_INT, default=256, show_default=True, help="Waiting requests per tenant before 429."
+)
+@click.option(
+    "--max-request-tokens",
+    type=POSITIVE_INT,
+    default=None,
+    help="Output tokens one request may ask for: n times max_tokens (the rest of the context where it is "
+    "omitted), and apart its min_tokens; more is a 400. Default: the KV pool's tokens.",
+)
 @click.option("--metrics-prefix", default="kvpool:", show_default=True, help="Metric name prefix ('vllm:' for vLLM's).")
 @click.option(
     "--kv-events-endpoint",
@@ -146,6 +155,7 @@ def serve(
     admin_key_file: str | None,
     max_body_bytes: int,
     max_waiting: int,
+    max_request_tokens: int | None,
     metrics_prefix: str,
     kv_events_endpoint: str | None,
     kv_events_replay_endpoint: str | None,
@@ -215,6 +225,9 @@ def serve(
         options["max_num_seqs"] = max_num_seqs
     if max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = max_num_batched_tokens
+    options["max_request_tokens"] = max_request_tokens
+    if api_keys is not None:
+        options["tenant_weights"] = dict(api_keys.weights)
     if gpu_memory_utilization is not None:
         if kw["kv_cache_memory"] != _DEFAULT_KV_CACHE_MEMORY:
             raise click.UsageError("--gpu-memory-utilization sizes the KV cache: leave out --kv-cache-memory")
@@ -284,7 +297,7 @@ def _key_ring(api_key_file: str | None, api_keys: tuple[str, ...]) -> Any:
     for key in api_keys:
         if ring.name_for(key) not in (None, DEFAULT_TENANT):
             raise click.UsageError(f"an --api-key is also a key of tenant {ring.name_for(key)!r} in --api-key-file")
-    return KeyRing({**ring._names, **given._names})  # the key digests of both
+    return ring.merged(given)
 
 
 def _vllm_events_config(

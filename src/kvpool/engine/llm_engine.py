@@ -70,7 +70,14 @@ from kvpool.engine.model_store import DEFAULT_MODEL
 from kvpool.engine.outputs import RequestDelta, RequestOutput, TokenLogprobs
 from kvpool.engine.sampling import SampledToken, SamplingFailure, SamplingParams, sample_rows
 from kvpool.engine.startup import EngineOptions, EngineSetup, start_engine
-from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestFailed, RequestStateError
+from kvpool.errors import (
+    ConfigError,
+    InvalidTokenError,
+    KVPoolError,
+    RequestFailed,
+    RequestStateError,
+    RequestTooLarge,
+)
 from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.prompts import check_conversation
@@ -185,8 +192,15 @@ class LLMEngine:
                 max_num_batched_tokens=chosen.max_num_batched_tokens,
                 max_num_seqs=chosen.max_num_seqs,
                 max_model_len=setup.max_model_len,
+                tenant_weights=chosen.tenant_weights,
             ),
             connector=None if self.kv_tiers is None else self.kv_tiers.connector,
+        )
+        #: The most output tokens (and, apart, ``min_tokens``) one :meth:`add_requests` call may ask for.
+        self.max_request_tokens: int = (
+            chosen.max_request_tokens
+            if chosen.max_request_tokens is not None
+            else (self.manager.num_blocks - 1) * self.manager.block_size
         )
         self._live: dict[str, LiveRequest] = {}
         self._next_id = 0  # automatic request IDs are str(n), n counting up from here
@@ -246,6 +260,12 @@ class LLMEngine:
         text: str = tokenizer.decode(self._vocab_tokens(token_ids, "token_ids").tolist(), skip_special_tokens=True)
         return text
 
+    def check_token_ids(self, token_ids: Sequence[int], what: str) -> None:
+        """Refuse (``InvalidTokenError`` naming ``what``) token IDs that are not this model's.
+
+        Reads only the model's vocabulary size, so any thread may call it."""
+        self._vocab_tokens(token_ids, what)
+
     def _vocab_tokens(self, token_ids: Sequence[int], what: str) -> array[int]:
         """``token_ids`` as an array, refused unless every one is in the model's vocabulary."""
         tokens = to_token_array(token_ids, what)  # the core's rule: integers in [0, 2**32)
@@ -279,6 +299,7 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        tenant: str | None = None,
     ) -> str:
         """Check and queue one request; returns its ID (see :meth:`add_requests`)."""
         [rid] = self.add_requests(
@@ -287,6 +308,7 @@ class LLMEngine:
             request_ids=[request_id],
             cache_salts=[cache_salt],
             add_special_tokens=add_special_tokens,
+            tenant=tenant,
         )
         return rid
 
@@ -298,6 +320,7 @@ class LLMEngine:
         request_ids: Sequence[str | None] | None = None,
         cache_salts: Sequence[str | None] | None = None,
         add_special_tokens: bool = True,
+        tenant: str | None = None,
     ) -> list[str]:
         """Check every request, then queue them all; returns their IDs in prompt order.
 
@@ -312,8 +335,15 @@ class LLMEngine:
             add_special_tokens: encode text prompts with the tokenizer's own
                 special tokens (False for text that already holds them, such
                 as a rendered chat template).
+            tenant: whose requests these are: tenants share the batch, the
+                pool and each step fairly (:mod:`kvpool.fair_share`); None is
+                the one unnamed tenant.
 
         Raises:
+            RequestTooLarge: together they may produce more than
+                :attr:`max_request_tokens` tokens (each at its ``max_tokens``,
+                or the rest of the context without one), or their
+                ``min_tokens`` add up to more.
             KVPoolError: any request is bad; then none is queued and no
                 automatic ID is used up.
         """
@@ -325,16 +355,41 @@ class LLMEngine:
         _check_bool("add_special_tokens", add_special_tokens)
         ids, next_id = self._choose_ids(_per_prompt(request_ids, count, "request_ids"))
         prepared = [
-            self._prepare(prompt, sp, rid, salt, add_special_tokens)
+            self._prepare(prompt, sp, rid, salt, add_special_tokens, tenant)
             for prompt, sp, rid, salt in zip(prompts, params, ids, salts)
         ]
+        self._check_request_size(prepared)
         for one in prepared:  # every check has passed: queuing cannot fail
-            self.scheduler.add_request(one.request, one.stop)
+            self.scheduler.add_request(one.request, one.stop, tenant=tenant)
             self._live[one.request.request_id] = LiveRequest(
                 one.params, one.prompt, self.setup.tokenizer, self.setup.eos_token_ids
             )
         self._next_id = next_id
         return ids
+
+    def _check_request_size(self, prepared: Sequence[_Prepared]) -> None:
+        """Refuse a batch that may produce more than :attr:`max_request_tokens` tokens (or ask that many
+        ``min_tokens``): what one request may ask is bounded by what the server holds."""
+        limit = self.max_request_tokens
+        for field, total in (
+            ("max_tokens", sum(p.stop.max_tokens for p in prepared)),
+            ("min_tokens", sum(p.stop.min_tokens for p in prepared)),
+        ):
+            if total <= limit:
+                continue
+            each = {p.stop.max_tokens if field == "max_tokens" else p.stop.min_tokens for p in prepared}
+            what = (
+                f"{len(prepared)} sequences x {each.pop()} tokens = {total}"
+                if len(each) == 1 and len(prepared) > 1
+                else f"{total} tokens"
+            )
+            omitted = field == "max_tokens" and any(p.params.max_tokens is None for p in prepared)
+            raise RequestTooLarge(
+                f"the request may produce {what} ({field}"
+                + (", the rest of the context where it is not given" if omitted else "")
+                + f"); one request may ask for at most {limit} (max_request_tokens)",
+                field,
+            )
 
     def _choose_ids(self, wanted: list[str | None]) -> tuple[list[str], int]:
         """Given IDs checked, None replaced by fresh numbers; and the counter after them."""
@@ -359,7 +414,13 @@ class LLMEngine:
         return ids, n
 
     def _prepare(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str, cache_salt: str | None, special: bool
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str,
+        cache_salt: str | None,
+        special: bool,
+        tenant: str | None,
     ) -> _Prepared:
         """A request checked by every rule that applies to it; nothing is queued."""
         params = SamplingParams() if params is None else params
@@ -383,6 +444,11 @@ class LLMEngine:
         except KVPoolError as exc:
             raise type(exc)(f"request {request_id!r}: {exc}") from None
         request = Request(request_id, tokens, cache_salt=cache_salt)  # checks the salt and that tokens exist
+        if params.stop_token_ids:
+            try:
+                self._vocab_tokens(params.stop_token_ids, "stop_token_ids")
+            except KVPoolError as exc:
+                raise type(exc)(f"request {request_id!r}: {exc}") from None
         if params.stop and self.setup.tokenizer is None:
             raise ConfigError(
                 f"request {request_id!r}: stop strings {list(params.stop)!r} need a tokenizer; "
@@ -400,7 +466,7 @@ class LLMEngine:
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
         )
-        self.scheduler.check_request(request, stop)  # room under max_model_len, in the pool, a free ID
+        self.scheduler.check_request(request, stop, tenant=tenant)  # room under max_model_len, in the pool, a free ID
         return _Prepared(request=request, stop=stop, params=params, prompt=text)
 
     def abort(self, request_id: str) -> bool:

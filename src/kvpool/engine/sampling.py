@@ -67,6 +67,10 @@ def _check_flag(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be a bool, got {value!r}")
 
 
+#: The repetition penalty's bound either way: a logit divided or multiplied by more leaves float32's range.
+MAX_REPETITION = 1e6
+
+
 def _check_number(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> None:
     """Refuse anything but a finite int or float in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
     if (
@@ -121,9 +125,10 @@ class SamplingParams:
             token already generated (positive discourages repeats).
         frequency_penalty: In [-2, 2]; subtracted from a token's logit once per
             time it was generated.
-        repetition_penalty: > 0; a token seen in the prompt or the output has a
-            positive logit divided by it and a negative one multiplied by it
-            (1 turns it off).
+        repetition_penalty: In [1e-6, 1e6]; a token seen in the prompt or the
+            output has a positive logit divided by it and a negative one
+            multiplied by it (1 turns it off). Within that range a penalised
+            logit stays finite in float32 even at the lowest temperature.
         min_p: In [0, 1]; after temperature, tokens whose probability is below
             ``min_p`` times the most likely token's are dropped (0 turns it off).
         min_tokens: Tokens generated before EOS, a stop token or a stop string
@@ -176,7 +181,7 @@ class SamplingParams:
         _check_flag("include_stop_str_in_output", self.include_stop_str_in_output)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), low=-2.0, high=2.0)
-        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=math.inf, low_open=True)
+        _check_number("repetition_penalty", self.repetition_penalty, low=1.0 / MAX_REPETITION, high=MAX_REPETITION)
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
         check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -38,7 +38,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.model_store import load_model, pending_conversion, resolve_model
 from kvpool.engine.threads import ThreadGovernor, parse_threads
 from kvpool.errors import ConfigError
+from kvpool.fair_share import TenantWeights
 from kvpool.hashing import HashAlgo
 from kvpool.model_config import max_position_embeddings, serving_dtype
 from kvpool.model_layers import layer_sliding_windows, layer_specs_from_config
@@ -127,6 +128,15 @@ class EngineOptions:
         threads: CPU threads of a step: a count, ``"auto"`` (follow the cores
             other processes leave free, re-measured between steps; see
             :mod:`kvpool.engine.threads`), or None to leave torch's setting.
+        max_request_tokens: the most output tokens one call of
+            :meth:`~kvpool.engine.LLMEngine.add_requests` (one API request: its
+            prompts times ``n``) may ask for, each sequence counted at its
+            ``max_tokens`` or, without one, at the rest of the context; its
+            ``min_tokens`` are bounded the same way. None means the pool's
+            tokens: what the KV cache holds at once.
+        tenant_weights: each tenant's weight in the fair share of the batch,
+            the pool and a step (:mod:`kvpool.fair_share`); tenants not named
+            weigh 1.
     """
 
     model: str | os.PathLike[str]
@@ -147,6 +157,8 @@ class EngineOptions:
     kv_tier_namespace: str | None = None
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
     threads: int | str | None = None
+    max_request_tokens: int | None = None
+    tenant_weights: TenantWeights = field(default_factory=TenantWeights)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -176,6 +188,10 @@ class EngineOptions:
         object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
         object.__setattr__(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
         parse_threads(self.threads)
+        if self.max_request_tokens is not None:
+            check_int("max_request_tokens", self.max_request_tokens)
+        if not isinstance(self.tenant_weights, TenantWeights):
+            object.__setattr__(self, "tenant_weights", TenantWeights(self.tenant_weights))
         secret = self.kv_tier_secret_file
         if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
             raise ConfigError(f"kv_tier_secret_file must be a file path, given with kv_tiers; got {secret!r}")

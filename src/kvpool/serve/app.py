@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import ConfigError, KVPoolError
+from kvpool.errors import ConfigError, KVPoolError, RequestTooLarge
 from kvpool.openai_http import is_loopback, parse_json, read_body, require_operator, tenant_for
 from kvpool.openai_http.errors import APIError, error_body, error_type
 from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_generation
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 __all__ = ["ServeConfig", "build_app", "pool_health"]
 
 _LOGGER = logging.getLogger("kvpool.serve")
+#: Bodies up to this size are parsed on the event loop (a few hundred microseconds at most).
+_PARSE_ON_LOOP_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,7 +62,7 @@ class ServeConfig:
         admin_keys: keys that open ``/metrics``, ``/health?verbose`` and
             ``/kv-events`` to clients not on the loopback interface.
         max_body_bytes: the largest request body read; a larger one is 413.
-        max_waiting: requests that may wait for admission; one more is 429.
+        max_waiting: requests that may wait for admission, per tenant; one more is 429.
         retry_after: seconds a 429 asks the client to wait.
         metrics_prefix: the metric names' prefix (``kvpool:``; ``vllm:`` for vLLM's dashboards).
         kv_events: returns the ``GET /kv-events`` body (a JSON-able value);
@@ -186,7 +188,10 @@ class _Server:
     # -- reading a request -----------------------------------------------------------------------
 
     async def read_json(self, request: Request) -> object:
-        return parse_json(await read_body(request, self.config.max_body_bytes))
+        body = await read_body(request, self.config.max_body_bytes)
+        if len(body) > _PARSE_ON_LOOP_BYTES:  # a large body is parsed beside the loop, not on it
+            return await asyncio.to_thread(parse_json, body)
+        return parse_json(body)
 
     def check_model(self, gen: GenerationRequest) -> None:
         """The request's ``model`` must be the served one (vLLM's rule: leaving it out means that one)."""
@@ -209,6 +214,11 @@ class _Server:
                 param="max_tokens",
                 code="invalid_value",
             )
+        if gen.sampling.stop_token_ids:
+            try:
+                self.loop.engine.check_token_ids(gen.sampling.stop_token_ids, "stop_token_ids")
+            except KVPoolError as exc:
+                raise APIError(400, str(exc), param="stop_token_ids", code="invalid_value") from None
         sequences = gen.n * max(1, len(gen.prompts))
         if sequences > self.config.max_waiting:  # never admissible: a 429 would invite a retry in vain
             raise APIError(
@@ -222,7 +232,7 @@ class _Server:
             salt = self.config.salts.cache_salt(tenant, gen.cache_salt)
         except KVPoolError as exc:
             raise APIError(400, str(exc), param="cache_salt", code="invalid_value") from None
-        return await plan_jobs(gen, response_id, salt, self.prompts)
+        return await plan_jobs(gen, response_id, salt, self.prompts, tenant)
 
     async def admit(self, plan: Plan) -> asyncio.Queue[Any]:
         try:
@@ -237,6 +247,8 @@ class _Server:
             ) from None
         except EngineStopped as exc:
             raise APIError(503, str(exc), type="server_error", code="unavailable") from None
+        except RequestTooLarge as exc:
+            raise APIError(400, str(exc), param=exc.param, code="request_too_large") from None
         except KVPoolError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from None
         plan.admitted(counts)
@@ -428,15 +440,15 @@ def build_app(
     async def tokenize(request: Request) -> Response:
         from kvpool.serve.tokenize import tokenize_body
 
-        server.tenant(request)
-        body = await tokenize_body(await server.read_json(request), server.prompts, server.check_model)
+        tenant = server.tenant(request)
+        body = await tokenize_body(await server.read_json(request), server.prompts, server.check_model, tenant)
         return JSONResponse(body)
 
     async def detokenize(request: Request) -> Response:
         from kvpool.serve.tokenize import detokenize_body
 
-        server.tenant(request)
-        body = await detokenize_body(await server.read_json(request), server.prompts, server.check_model)
+        tenant = server.tenant(request)
+        body = await detokenize_body(await server.read_json(request), server.prompts, server.check_model, tenant)
         return JSONResponse(body)
 
     async def version(request: Request) -> Response:

@@ -57,10 +57,10 @@ StreamItem = "RequestDelta | BaseException"
 
 
 class QueueFull(ServiceError):
-    """The waiting queue holds ``max_waiting`` requests: come back later."""
+    """The tenant's waiting queue holds ``max_waiting`` requests: come back later."""
 
     def __init__(self, max_waiting: int) -> None:
-        super().__init__(f"the server's waiting queue is full ({max_waiting} requests); retry later")
+        super().__init__(f"your waiting queue on this server is full ({max_waiting} requests); retry later")
         self.max_waiting = max_waiting
 
 
@@ -76,6 +76,7 @@ class Job:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     cache_salt: str | None
+    tenant: str | None = None
 
 
 def _resolve(future: asyncio.Future[Any], value: Any) -> None:
@@ -98,8 +99,9 @@ class EngineLoop:
 
     Args:
         engine: the engine; after :meth:`start` only the engine thread touches it.
-        max_waiting: requests the scheduler may hold waiting; one more is
-            refused with :class:`QueueFull`.
+        max_waiting: requests the scheduler may hold waiting for one tenant;
+            one more of that tenant is refused with :class:`QueueFull` (so one
+            tenant's backlog never fills another's queue).
         hooks: called on the engine thread after each step (metrics, events).
     """
 
@@ -144,7 +146,8 @@ class EngineLoop:
         return count, stream
 
     async def submit_all(self, jobs: Sequence[Job]) -> tuple[list[int], asyncio.Queue[Any]]:
-        """Queue ``jobs`` on the engine in one ``add_requests`` (all or none); their prompt sizes and one stream.
+        """Queue ``jobs`` (of one tenant) on the engine in one ``add_requests`` (all or none); their prompt
+        sizes and one stream.
 
         The stream yields every job's deltas (each names its request) and, should
         a step fail, the error. Jobs with the same prompt share its blocks
@@ -202,13 +205,18 @@ class EngineLoop:
         try:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")
-            if engine.scheduler.num_waiting + len(jobs) > self.max_waiting:
+            tenants = {job.tenant for job in jobs}
+            if len(tenants) > 1:
+                raise RequestStateError(f"one submission is one tenant's, got jobs of {sorted(map(str, tenants))}")
+            tenant = jobs[0].tenant if jobs else None
+            if engine.scheduler.num_waiting_for(tenant) + len(jobs) > self.max_waiting:
                 raise QueueFull(self.max_waiting)
             engine.add_requests(
                 [job.prompt_token_ids for job in jobs],
                 [job.params for job in jobs],
                 request_ids=[job.request_id for job in jobs],
                 cache_salts=[job.cache_salt for job in jobs],
+                tenant=tenant,
             )
         except Exception as exc:
             self._send(_resolve, admitted, exc)

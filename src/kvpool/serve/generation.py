@@ -92,6 +92,10 @@ class Plan:
     def request_ids(self) -> list[str]:
         return [job.request_id for job in self.jobs]
 
+    @property
+    def tenant(self) -> str | None:
+        return self.jobs[0].tenant if self.jobs else None
+
     def usage(self) -> Usage:
         completion = sum(len(s.output.output_token_ids) for s in self.sequences.values() if s.output is not None)
         cached = [0] * len(self.prompt_tokens)
@@ -107,24 +111,29 @@ class Plan:
         self.prompt_tokens = [counts[p * n] for p in range(len(counts) // n)]
 
 
-async def plan_jobs(gen: GenerationRequest, response_id: str, salt: str | None, prompts: PromptTokenizer) -> Plan:
-    """The engine requests of ``gen``: every prompt tokenized (on the tokenizer thread), ``n`` jobs each."""
+async def plan_jobs(
+    gen: GenerationRequest, response_id: str, salt: str | None, prompts: PromptTokenizer, tenant: str | None = None
+) -> Plan:
+    """The engine requests of ``tenant``'s ``gen``: every prompt tokenized (on the tokenizer thread, in
+    ``tenant``'s turn), ``n`` jobs each."""
     params = [sampling_params(gen, i) for i in range(gen.n)]
     sources: list[Any] = list(gen.prompts) if gen.messages is None else [None]
     jobs, echoes, sequences = [], [], {}
     for p, source in enumerate(sources):
         try:
-            token_ids = await prompts.token_ids(gen, source)
+            token_ids = await prompts.token_ids(gen, source, tenant=tenant)
         except KVPoolError as exc:
             param = "messages" if gen.messages is not None else ("prompt" if len(sources) == 1 else f"prompt[{p}]")
             raise APIError(400, str(exc), param=param, code="invalid_prompt") from None
         if gen.echo:
-            echoes.append(source if isinstance(source, str) else await prompts.decode(token_ids))
+            echoes.append(source if isinstance(source, str) else await prompts.decode(token_ids, tenant=tenant))
         else:
             echoes.append("")
         for i in range(gen.n):
             request_id = f"{response_id}-{p}-{i}" if len(sources) * gen.n > 1 else response_id
-            jobs.append(Job(request_id=request_id, prompt_token_ids=token_ids, params=params[i], cache_salt=salt))
+            jobs.append(
+                Job(request_id=request_id, prompt_token_ids=token_ids, params=params[i], cache_salt=salt, tenant=tenant)
+            )
             sequences[request_id] = _Sequence(index=p * gen.n + i, prompt=p)
     return Plan(gen=gen, response_id=response_id, jobs=jobs, echoes=echoes, sequences=sequences)
 
@@ -161,7 +170,7 @@ async def whole_body(plan: Plan, created: int, model: str, prompts: PromptTokeni
         echo = plan.echoes[seq.prompt]
         logprobs = None
         if plan.gen.sampling.logprobs is not None:
-            texts = await prompts.token_texts(_token_ids(seq.logprobs))
+            texts = await prompts.token_texts(_token_ids(seq.logprobs), tenant=plan.tenant)
             logprobs = logprobs_body(endpoint, seq.logprobs, texts.__getitem__)
         choices.append(
             Choice(
@@ -230,7 +239,7 @@ async def events(
                 on_finish()
         logprobs = None
         if gen.sampling.logprobs is not None and delta.logprobs:
-            texts = await prompts.token_texts(_token_ids(delta.logprobs))
+            texts = await prompts.token_texts(_token_ids(delta.logprobs), tenant=plan.tenant)
             logprobs = logprobs_body(endpoint, delta.logprobs, texts.__getitem__, text_offset=offsets[seq.index])
             offsets[seq.index] += sum(len(texts[e.token_id]) for e in delta.logprobs)
         reason = None if output is None else finish_reason(output)

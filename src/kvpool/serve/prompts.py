@@ -1,38 +1,45 @@
-"""Prompts into token IDs, off the engine thread and off the event loop.
+"""Prompts into token IDs, off the engine thread and off the event loop, in turns between tenants.
 
 Rendering a chat template and tokenizing cost time in proportion to the text:
 done on the engine thread, one client's huge prompts would hold up every
 other request's steps; done on the event loop, every connection would wait.
 :class:`PromptTokenizer` does both on one thread of its own (one thread, so
 the tokenizer is never entered by two encodes at once), and the engine only
-receives token IDs.
+receives token IDs. The thread's queue takes turns between tenants
+(:class:`~kvpool.serve.tenant_worker.TenantWorker`), so one tenant's backlog
+never sits in front of another tenant's prompt.
 
-Before any of that, text whose length alone proves it cannot fit is refused
-(the bound is :func:`kvpool.prompts.max_prompt_chars`); how text becomes
-tokens is :mod:`kvpool.prompts`' rule, the one the router follows too.
+A text is refused before any of that when its length alone says it cannot
+fit: past :func:`kvpool.prompts.max_prompt_chars` (the context times a
+characters-per-token figure measured for the model at start, with headroom).
+A text under that bound but longer than :data:`PIECE_CHARS` is counted piece
+by piece (:func:`kvpool.prompts.text_pieces`), each piece one turn, and
+refused as soon as the count passes the context; only a text that may fit is
+then encoded whole. How text becomes tokens is :mod:`kvpool.prompts`' rule,
+the one the router follows too.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+import functools
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvpool import prompts as prompt_rule
 from kvpool.openai_http.protocol import APIError, GenerationRequest
+from kvpool.serve.tenant_worker import TenantWorker
 
 if TYPE_CHECKING:
     from kvpool.engine.llm_engine import LLMEngine
 
-__all__ = ["PromptTokenizer", "longest_token_chars", "prompt_chars"]
+__all__ = ["PIECE_CHARS", "PromptTokenizer", "longest_token_chars", "prompt_chars"]
 
 #: The tokenizer thread's name (tests look for it).
 THREAD_NAME = "kvpool-tokenizer"
 #: Token texts remembered for logprobs before the memory is cleared.
 _MAX_REMEMBERED = 65536
-
-T = TypeVar("T")
+#: A text longer than this (in characters) is counted in pieces of about this size, one turn each.
+PIECE_CHARS = 8192
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:
@@ -51,7 +58,7 @@ def prompt_chars(gen: GenerationRequest, source: str | tuple[int, ...] | None = 
 
 
 class PromptTokenizer:
-    """Turns checked requests into token IDs on a thread of its own.
+    """Turns checked requests into token IDs on a thread of its own, in turns between tenants.
 
     Args:
         engine: its tokenizer, chat template and ``max_model_len`` are used
@@ -62,23 +69,25 @@ class PromptTokenizer:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         self.max_model_len = engine.max_model_len
-        longest = longest_token_chars(engine.tokenizer) if engine.tokenizer is not None else None
-        #: Text longer than this (in characters) cannot fit ``max_model_len``; None: no bound known.
-        self.max_chars = prompt_rule.max_prompt_chars(self.max_model_len, longest)
-        self._executor: ThreadPoolExecutor | None = None
+        longest = None
+        #: The model's characters per token on a probe text (None without a tokenizer).
+        self.chars_per_token: float | None = None
+        if engine.tokenizer is not None:
+            longest = longest_token_chars(engine.tokenizer)
+            self.chars_per_token = prompt_rule.measured_chars_per_token(engine)
+        #: Text longer than this (in characters) is refused unread; None: no bound known.
+        self.max_chars = prompt_rule.max_prompt_chars(self.max_model_len, longest, self.chars_per_token)
+        self._worker = TenantWorker(THREAD_NAME)
         self._texts: dict[int, str] = {}
 
     def start(self) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        self._worker.start()
 
     def close(self) -> None:
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+        self._worker.close()
 
     def check_size(self, gen: GenerationRequest, source: str | tuple[int, ...] | None = None) -> None:
-        """Refuse (400) text that cannot fit ``max_model_len`` by its length alone; O(messages)."""
+        """Refuse (400) text too long to be read by its length alone; O(messages)."""
         if self.max_chars is None:
             return
         chars = prompt_chars(gen, source)
@@ -86,15 +95,18 @@ class PromptTokenizer:
             param = "prompt" if gen.messages is None else "messages"
             raise APIError(
                 400,
-                f"the prompt has {chars} characters; no text over {self.max_chars} characters fits the "
-                f"context of {self.max_model_len} tokens (the longest token has {self.max_chars // self.max_model_len})",
+                f"the prompt has {chars} characters; this server reads at most {self.max_chars} characters "
+                f"for its context of {self.max_model_len} tokens ({self.max_chars // self.max_model_len} a token)",
                 param=param,
                 code="context_length_exceeded",
             )
 
-    async def token_ids(self, gen: GenerationRequest, source: str | tuple[int, ...] | None = None) -> tuple[int, ...]:
+    async def token_ids(
+        self, gen: GenerationRequest, source: str | tuple[int, ...] | None = None, *, tenant: str | None = None
+    ) -> tuple[int, ...]:
         """One prompt of the request as token IDs: ``source`` (a completions prompt), or its messages
-        with the chat template applied; text that cannot fit is refused before it is tokenized.
+        with the chat template applied; text that cannot fit is refused before it is tokenized whole.
+        The work runs in ``tenant``'s turns.
 
         Raises:
             APIError: 400 for text too long to fit.
@@ -105,33 +117,56 @@ class PromptTokenizer:
         if isinstance(source, tuple):
             return source
         self.check_size(gen, source)
-        return await self._run(self._encode, gen, source)
+        chat = source is None
+        if source is None:
+            assert gen.messages is not None  # a request has text, token IDs or messages
+            text = await self._worker.run(tenant, prompt_rule.chat_text, self._engine, list(gen.messages))
+        else:
+            text = source
+        if len(text) > PIECE_CHARS:
+            await self._count(tenant, text, "messages" if chat else "prompt")
+        return tuple(
+            await self._worker.run(
+                tenant, functools.partial(prompt_rule.prompt_text_token_ids, self._engine, text, chat=chat)
+            )
+        )
 
-    async def decode(self, token_ids: Sequence[int]) -> str:
+    async def _count(self, tenant: str | None, text: str, param: str) -> None:
+        """Count ``text``'s tokens piece by piece (one turn each); refuse it once the count passes the context.
+
+        A piece's count may exceed its share of the whole by the token a cut
+        splits, so each piece counted allows one token of slack.
+        """
+        pieces = prompt_rule.text_pieces(text, PIECE_CHARS)
+        count = 0
+        for i, piece in enumerate(pieces):
+            count += await self._worker.run(tenant, self._piece_tokens, piece)
+            if count > self.max_model_len + i + 1:
+                raise APIError(
+                    400,
+                    f"the prompt has more than {count - i - 1} tokens (counted in its first {i + 1} of "
+                    f"{len(pieces)} pieces); the context holds {self.max_model_len}",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+
+    def _piece_tokens(self, piece: str) -> int:
+        return len(self._engine.encode(piece, add_special_tokens=False))
+
+    async def decode(self, token_ids: Sequence[int], *, tenant: str | None = None) -> str:
         """The text of ``token_ids`` (special tokens left out), decoded on the tokenizer thread."""
-        return await self._run(self._engine.decode, token_ids)
+        return await self._worker.run(tenant, self._engine.decode, token_ids)
 
-    async def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
+    async def token_texts(self, token_ids: Iterable[int], *, tenant: str | None = None) -> dict[int, str]:
         """Each token's own text (for logprobs), decoded on the tokenizer thread and remembered."""
         missing = sorted({t for t in token_ids if t not in self._texts})
         if missing:
-            texts = await self._run(self._decode_each, missing)
+            texts = await self._worker.run(tenant, self._decode_each, missing)
             if len(self._texts) > _MAX_REMEMBERED:
                 self._texts.clear()
             self._texts.update(texts)
         return self._texts
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        self.start()
-        assert self._executor is not None  # just started
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
     def _decode_each(self, token_ids: list[int]) -> dict[int, str]:
         tokenizer = self._engine.tokenizer
         return {t: tokenizer.decode([t], skip_special_tokens=False) for t in token_ids}
-
-    def _encode(self, gen: GenerationRequest, source: str | None) -> tuple[int, ...]:
-        if source is None:
-            assert gen.messages is not None  # a request has text, token IDs or messages
-            return tuple(prompt_rule.chat_token_ids(self._engine, list(gen.messages)))
-        return tuple(prompt_rule.text_token_ids(self._engine, source))

@@ -53,7 +53,10 @@ def _validate(model: type[BaseModel], body: object) -> Any:
 
 
 async def tokenize_body(
-    body: object, prompts: PromptTokenizer, check_model: Callable[[GenerationRequest], None]
+    body: object,
+    prompts: PromptTokenizer,
+    check_model: Callable[[GenerationRequest], None],
+    tenant: str | None = None,
 ) -> dict[str, Any]:
     request: _Tokenize = _validate(_Tokenize, body)
     if not request.add_special_tokens:
@@ -82,18 +85,21 @@ async def tokenize_body(
         )
     check_model(gen)
     try:
-        tokens = list(await prompts.token_ids(gen))
+        tokens = list(await prompts.token_ids(gen, tenant=tenant))
     except KVPoolError as exc:
         raise APIError(400, str(exc), param="prompt" if request.prompt is not None else "messages") from None
     strs = None
     if request.return_token_strs:
-        texts = await prompts.token_texts(tokens)
+        texts = await prompts.token_texts(tokens, tenant=tenant)
         strs = [texts[t] for t in tokens]
     return {"count": len(tokens), "max_model_len": prompts.max_model_len, "tokens": tokens, "token_strs": strs}
 
 
 async def detokenize_body(
-    body: object, prompts: PromptTokenizer, check_model: Callable[[GenerationRequest], None]
+    body: object,
+    prompts: PromptTokenizer,
+    check_model: Callable[[GenerationRequest], None],
+    tenant: str | None = None,
 ) -> dict[str, Any]:
     request: _Detokenize = _validate(_Detokenize, body)
     check_model(
@@ -102,7 +108,7 @@ async def detokenize_body(
         )
     )
     try:
-        text = await prompts.decode(request.tokens)
+        text = await prompts.decode(request.tokens, tenant=tenant)
     except KVPoolError as exc:
         raise APIError(400, str(exc), param="tokens") from None
     return {"prompt": text}
