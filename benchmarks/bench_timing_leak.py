@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,21 +48,18 @@ _TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary tokens of SmolLM2 (49152 in 
 # -- a kvpool serve process -------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+#: The line ``kvpool serve`` logs once it listens, with the port it bound.
+_LISTENING = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)/v1")
 
 
 @dataclass
 class ServeProcess:
-    """``kvpool serve`` started as a subprocess on a free port; its stderr is kept in a file."""
+    """``kvpool serve`` started as a subprocess on port 0 (the OS picks a free port as it binds, so no other
+    process can take it first); the port is read from its start-up line, and its output kept in a file."""
 
     args: Sequence[str]
     threads: int | None = None  # torch threads of the server (OMP_NUM_THREADS); None: torch's default
-    port: int = field(default_factory=free_port)
+    port: int = 0  # known once started
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -74,7 +72,8 @@ class ServeProcess:
 
         fd, name = tempfile.mkstemp(prefix="kvpool-serve-", suffix=".log")
         self.log_path = Path(name)
-        command = [sys.executable, "-c", "from kvpool.cli import main; main()", "serve", "--port", str(self.port)]
+        command = [sys.executable, "-c", "from kvpool.cli import main; main()", "serve", "--host", "127.0.0.1"]
+        command += ["--port", "0"]
         env = dict(os.environ)
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
@@ -84,8 +83,10 @@ class ServeProcess:
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"kvpool serve exited with {self.process.returncode}:\n{self.log()}")
+            if not self.port and (listening := _LISTENING.search(self.log())) is not None:
+                self.port = int(listening.group(1))
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if self.port and httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

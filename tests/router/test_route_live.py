@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.services import free_port, unavailable
+from tests.services import unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -64,6 +65,20 @@ class Process:
                 self.kill()
 
 
+def listening(process: Process, processes: list[Process]) -> str:
+    """The URL ``process`` (started with ``--port 0``) says it listens on, once it says so."""
+    found: list[str] = []
+
+    def said() -> bool:
+        match = re.search(r" on (http://127\.0\.0\.1:\d+)/v1", process.log.read_text(errors="replace"))
+        if match is not None:
+            found.append(match.group(1))
+        return match is not None
+
+    wait_until(said, f"{process.name} to listen", processes, 600)
+    return found[0]
+
+
 def wait_until(check: object, what: str, processes: list[Process], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -90,19 +105,19 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[
     secret = tmp / "secret"
     secret.write_text("a shared tenant secret of the fleet")
     urls, processes = [], []
-    for k in range(2):
-        port, events, replay = free_port(), free_port(), free_port()
-        args = ["serve", "--port", str(port), "--kv-cache-memory", "128MiB", "--max-model-len", "2048"]
-        args += ["--kv-events-endpoint", f"tcp://*:{events}", "--kv-events-replay-endpoint", f"tcp://*:{replay}"]
+    for k in range(2):  # every port is 0: each process binds one the OS picks, and says which
+        args = ["serve", "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory", "128MiB", "--max-model-len", "2048"]
+        args += ["--kv-events-endpoint", "bind:tcp://127.0.0.1:0"]
+        args += ["--kv-events-replay-endpoint", "bind:tcp://127.0.0.1:0"]
         args += ["--tenant-secret-file", str(secret)]
         processes.append(Process(f"replica {k}", args, tmp / f"replica{k}.log"))
-        urls.append(f"http://127.0.0.1:{port}")
-    port = free_port()
-    args = ["route", "--port", str(port), "--tenant-secret-file", str(secret), "--health-interval", "0.25"]
+    urls = [listening(p, processes) for p in processes]
+    args = ["route", "--host", "127.0.0.1", "--port", "0", "--tenant-secret-file", str(secret)]
+    args += ["--health-interval", "0.25"]
     for url in urls:
         args += ["--replica", url]
     processes.append(Process("router", args, tmp / "router.log"))
-    base = f"http://127.0.0.1:{port}"
+    base = listening(processes[-1], processes)
 
     def ready() -> bool:
         health = httpx.get(base + "/health", timeout=2).json()

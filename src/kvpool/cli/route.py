@@ -390,18 +390,15 @@ def _tokenizer(model: str) -> tuple[Any, str | None]:
 
 
 def _serve(router: Any, host: str, port: int, limits: Any) -> None:
-    import uvicorn
-
     from kvpool.router import build_app
-    from kvpool.serve.connections import uvicorn_config
+    from kvpool.serve.connections import serve_on, uvicorn_config
 
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S"))
     log = logging.getLogger("kvpool.route")  # the router's own log: replicas up and down, streams repaired
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    _log(f"routing on http://{host}:{port}/v1")
     config = uvicorn_config(
         build_app(router), host=host, port=port, limits=limits, log_level="warning", access_log=False
     )
-    uvicorn.Server(config).run()
+    serve_on(config, lambda url: _log(f"routing on {url}/v1"))

@@ -417,10 +417,8 @@ def _start_engine(options: dict[str, Any]) -> Any:
 def _run(engine: Any, config: Any, host: str, port: int, limits: Any, events: Any = None) -> None:
     import logging
 
-    import uvicorn
-
     from kvpool.serve import build_app
-    from kvpool.serve.connections import uvicorn_config
+    from kvpool.serve.connections import serve_on, uvicorn_config
 
     if config.log_requests or config.stats_interval is not None:  # the server's own lines, on stderr
         handler = logging.StreamHandler()
@@ -430,6 +428,5 @@ def _run(engine: Any, config: Any, host: str, port: int, limits: Any, events: An
         logger.setLevel(logging.INFO)
 
     app = build_app(engine, config, events=events)
-    _log(f"serving {config.model_name!r} on http://{host}:{port}/v1")
     settings = uvicorn_config(app, host=host, port=port, limits=limits, log_level="warning", access_log=False)
-    uvicorn.Server(settings).run()
+    serve_on(settings, lambda url: _log(f"serving {config.model_name!r} on {url}/v1"))

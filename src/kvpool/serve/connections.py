@@ -21,6 +21,8 @@ The operator routes' test of "on this machine" is :func:`kvpool.openai_http.is_l
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -127,3 +129,38 @@ def uvicorn_config(app: Any, *, host: str, port: int, limits: ConnectionLimits, 
         timeout_graceful_shutdown=limits.shutdown_timeout,
         **extra,
     )
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening; port 0 lets the OS choose a free port, race-free
+    (read it back with ``getsockname()``)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on host {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve_on(config: uvicorn.Config, announce: Callable[[str], None]) -> None:
+    """Run ``config``'s server until it stops, on a socket bound before it starts (``config.port`` 0: the OS
+    chooses); ``announce`` gets the address it listens on, with the real port, before the first request."""
+    import uvicorn
+
+    sock = listening_socket(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    announce(f"http://{shown}:{port}")
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
