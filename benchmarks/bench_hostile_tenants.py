@@ -12,7 +12,12 @@ usage. The run alternates two kinds of phase on one server:
   400,000 characters, 100,000 token IDs), connections that send half their headers and wait,
   streams dropped after the first token, and malformed bodies (JSON nested
   100,000 deep, invalid UTF-8, a truncated body, a prompt that is a mapping,
-  ``"n": true``).
+  ``"n": true``); and, to take the whole server: ``n`` up to 128 with
+  ``max_tokens`` omitted and ``ignore_eos`` (each sequence runs to the end of
+  the context), ``min_tokens`` of 10**30, hogs that keep requests of long
+  prompts running to the end of the context at an ``n`` the server admits
+  (together about twice what the pool holds, all the phase long), and several
+  connections at once of prompts just under the server's size bound.
 
 What must hold, and is reported:
 
@@ -35,6 +40,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import socket
 import sys
 import tempfile
@@ -51,6 +57,9 @@ from bench_serve_load import settle  # noqa: E402
 from bench_timing_leak import MODEL, serving  # noqa: E402
 
 HOSTILE_KEY = "key-mallory"
+#: Hogs running at once, and connections sending prompts just under the size bound at once.
+HOGS = 6
+NEAR_BOUND_CONNECTIONS = 3
 _TOPICS = (
     "inventory counts",
     "shipping delays",
@@ -93,6 +102,9 @@ class Tally:
     hostile_statuses: Counter[str] = field(default_factory=Counter)
     half_open_closed_by_server: int = 0
     half_open_sent: int = 0
+    max_running: int = 0  # seen in the hostile phases
+    max_waiting: int = 0
+    max_kv_usage: float = 0.0
 
 
 # -- the honest tenants ------------------------------------------------------------------------------
@@ -181,8 +193,60 @@ def _bodies() -> list[tuple[str, bytes]]:
         ("truncated", b'{"model": "x", "prompt": "abc'),
         ("prompt is a mapping", dumps({"model": MODEL, "prompt": {"a": 1}})),
         ("n: true", dumps({"model": MODEL, "prompt": "hi", "n": True})),
+        ("min_tokens 10**30", dumps({"model": MODEL, "prompt": "hi", "min_tokens": 10**30})),
+        ("repetition_penalty 1e-300", dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 1e-300})),
+    ]
+    out += [
+        (f"n {n}, no max_tokens, ignore_eos", dumps({"model": MODEL, "prompt": "Hi", "n": n, "ignore_eos": True}))
+        for n in (128, 64, 16)
     ]
     return out
+
+
+#: What a hog asks for: sequences of a long prompt of its own, each to the end of the context (what fits
+#: the server's per-request limit); a few hogs together ask for about twice the pool.
+HOG_N = 4
+HOG_PROMPT_TOKENS = 880
+
+
+async def _hog(http: Any, url: str, headers: dict[str, str], tally: Tally, which: int) -> None:
+    """Requests that run to the end of the context, one after another, until cancelled."""
+    rng = random.Random(1000 + which)
+    prompt = [rng.randrange(1000, 40000) for _ in range(HOG_PROMPT_TOKENS)]
+    body = {"model": MODEL, "prompt": prompt, "n": HOG_N, "ignore_eos": True}
+    while True:
+        try:
+            response = await http.post(f"{url}/v1/completions", json=body, headers=headers, timeout=None)
+            tally.hostile_statuses[f"hog n={HOG_N} to the end of the context: {response.status_code}"] += 1
+        except asyncio.CancelledError:
+            tally.hostile_statuses[f"hog n={HOG_N} to the end of the context: running at the phase's end"] += 1
+            raise
+        except Exception as exc:
+            tally.hostile_statuses[f"hog: {type(exc).__name__}"] += 1
+            await asyncio.sleep(0.1)
+
+
+async def _size_bound(http: Any, url: str, headers: dict[str, str]) -> int:
+    """The most characters the server reads for a prompt, as its refusal of a longer one says."""
+    body = {"model": MODEL, "prompt": "lighthouse " * 60_000, "max_tokens": 1}
+    response = await http.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    match = re.search(r"(?:reads at most|no text over) (\d+) characters", response.text)  # this round's, or before
+    if match is None:
+        raise RuntimeError(f"the server did not state its size bound: {response.status_code} {response.text[:200]}")
+    return int(match.group(1))
+
+
+async def _near_bound(http: Any, url: str, headers: dict[str, str], chars: int, tally: Tally) -> None:
+    """One connection sending prompts just under the size bound, one after another, until cancelled."""
+    text = ("lighthouse keeper " * (chars // 18 + 1))[: chars - 16]
+    body = {"model": MODEL, "prompt": text, "max_tokens": 4}
+    while True:
+        try:
+            response = await http.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
+            tally.hostile_statuses[f"prompt just under the size bound: {response.status_code}"] += 1
+        except Exception as exc:
+            tally.hostile_statuses[f"prompt just under the size bound: {type(exc).__name__}"] += 1
+            await asyncio.sleep(0.1)
 
 
 def _half_open(host: str, port: int) -> socket.socket:
@@ -213,6 +277,11 @@ async def _hostile(
     headers = {"Authorization": f"Bearer {HOSTILE_KEY}", "Content-Type": "application/json"}
     bodies = _bodies()
     held: list[socket.socket] = []
+    bound = await _size_bound(http, url, headers)
+    background = [asyncio.ensure_future(_hog(http, url, headers, tally, i)) for i in range(HOGS)]
+    background += [
+        asyncio.ensure_future(_near_bound(http, url, headers, bound, tally)) for _ in range(NEAR_BOUND_CONNECTIONS)
+    ]
     try:
         while not stop.is_set():
             for label, raw in bodies:
@@ -249,9 +318,19 @@ async def _hostile(
                 except OSError as exc:
                     tally.hostile_statuses[f"half-open connect: {type(exc).__name__}"] += 1
                     break
+            try:  # how full the server is: the hogs' sequences among the running and waiting
+                health = (await http.get(f"{url}/health", params={"verbose": "1"}, timeout=30)).json()
+                tally.max_running = max(tally.max_running, health["running"])
+                tally.max_waiting = max(tally.max_waiting, health["waiting"])
+                tally.max_kv_usage = max(tally.max_kv_usage, health["kv_cache_usage"])
+            except Exception as exc:
+                tally.hostile_statuses[f"health: {type(exc).__name__}"] += 1
             passes.set()
             await asyncio.sleep(0)
     finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         for sock in held:
             sock.close()
 
@@ -265,7 +344,7 @@ async def _phase(
     import httpx
 
     keys = list(honest_keys(honest))
-    limits = httpx.Limits(max_connections=4 * honest + 8)
+    limits = httpx.Limits(max_connections=4 * honest + 8 + HOGS + NEAR_BOUND_CONNECTIONS)
     async with httpx.AsyncClient(timeout=300, limits=limits) as http:
         stop, passed = asyncio.Event(), asyncio.Event()
         attacker = asyncio.ensure_future(_hostile(http, url, stop, tally, max_half_open, passed)) if hostile else None
@@ -274,9 +353,11 @@ async def _phase(
             *(_honest(http, url, keys[t], t, questions, max_tokens, phase, rnd, tally) for t in range(honest))
         )
         if attacker is not None:
-            await passed.wait()  # every kind of attack was made at least once in the phase
+            waiting = asyncio.ensure_future(passed.wait())  # every kind of attack made at least once in the phase
+            await asyncio.wait({attacker, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
             stop.set()
-            await attacker
+            await attacker  # raises what stopped the attacker early
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -337,6 +418,9 @@ def run(
         "hostile_requests": sum(tally.hostile_statuses.values()),
         "hostile_statuses": dict(sorted(tally.hostile_statuses.items())),
         "hostile_server_errors": server_errors,
+        "hostile_phase_max_running": tally.max_running,
+        "hostile_phase_max_waiting": tally.max_waiting,
+        "hostile_phase_max_kv_usage": tally.max_kv_usage,
         "half_open_sent": tally.half_open_sent,
         "half_open_closed_by_server": tally.half_open_closed_by_server,
         "blocks_owned_after": health["blocks_owned"],
