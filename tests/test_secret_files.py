@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from kvpool.errors import ConfigError
-from kvpool.secret_files import MAX_KEY_FILE_BYTES, MIN_SECRET_BYTES, check_secret, read_key_file, read_secret_file
+from kvpool.secret_files import (
+    MAX_KEY_FILE_BYTES,
+    MIN_SECRET_BYTES,
+    check_secret,
+    make_secret_command,
+    read_key_file,
+    read_secret_file,
+)
 from kvpool.tenancy import SaltPolicy, load_secret
 from kvpool.tiers import EntryCodec
 from tests.tiers.conftest import LAYOUT
@@ -55,6 +64,30 @@ def test_both_callers_refuse_a_short_secret_naming_the_file(reader, content, tmp
 def test_both_callers_name_a_missing_file(reader, tmp_path):
     with pytest.raises(ConfigError, match="cannot read the .* file .*nowhere"):
         reader(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("reader", [tier_secret, tenant_secret], ids=["tier", "tenant"])
+@pytest.mark.parametrize("content", [None, b"short\n"], ids=["missing", "short"])
+def test_the_error_gives_a_command_that_makes_a_good_secret_file(reader, content, tmp_path):
+    path = tmp_path / "my secret"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match="make one with: ") as info:
+        reader(path)
+    command = re.search(r"make one with: (.*)$", str(info.value)).group(1)
+    assert command == make_secret_command(path)
+    path.unlink(missing_ok=True)
+    subprocess.run(["bash", "-ec", command], check=True, timeout=60)  # as a reader would paste it
+    secret = reader(path)
+    assert len(secret) >= MIN_SECRET_BYTES
+
+
+def test_every_secret_file_made_so_is_new(tmp_path):
+    made = []
+    for name in ("a", "b"):
+        subprocess.run(["bash", "-ec", make_secret_command(tmp_path / name)], check=True, timeout=60)
+        made.append(read_secret_file(tmp_path / name, purpose="tenant secret"))
+    assert made[0] != made[1] and len(made[0]) == 64  # 32 random bytes, in hex
 
 
 def test_secrets_given_as_bytes_keep_the_same_minimum():

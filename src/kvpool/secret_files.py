@@ -11,17 +11,26 @@ Every key or secret file (these and the CURVE key files of :mod:`kvpool.kv_event
 read by :func:`read_key_file`: only a regular file (a link to one is followed), opened without
 blocking (a FIFO or a device at the path never hangs start-up) and read up to a bound.
 
-Errors are :class:`~kvpool.errors.ConfigError` naming the file (never the secret).
+Errors are :class:`~kvpool.errors.ConfigError` naming the file (never the secret); a secret file's
+errors also say how to make one (:func:`make_secret_command`).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 
 from kvpool.errors import ConfigError
 
-__all__ = ["MAX_KEY_FILE_BYTES", "MIN_SECRET_BYTES", "check_secret", "read_key_file", "read_secret_file"]
+__all__ = [
+    "MAX_KEY_FILE_BYTES",
+    "MIN_SECRET_BYTES",
+    "check_secret",
+    "make_secret_command",
+    "read_key_file",
+    "read_secret_file",
+]
 
 #: The shortest secret accepted, in bytes (16 bytes is the floor of guessing; HMAC-SHA256's block is 64).
 MIN_SECRET_BYTES = 16
@@ -87,15 +96,25 @@ def check_secret(secret: object, *, purpose: str) -> bytes:
     return secret
 
 
+def make_secret_command(path: str | os.PathLike[str]) -> str:
+    """A shell command that writes a good secret (32 random bytes, in hex) to the file at ``path``."""
+    return f'python -c "import secrets; print(secrets.token_hex(32))" > {shlex.quote(os.fspath(path))}'
+
+
 def read_secret_file(path: str | os.PathLike[str], *, purpose: str) -> bytes:
     """The secret in the file at ``path`` (trailing whitespace removed), checked by :func:`check_secret`.
 
-    ``purpose`` names the secret in errors, e.g. ``"tenant secret"`` or ``"KV tier secret"``.
+    ``purpose`` names the secret in errors, e.g. ``"tenant secret"`` or ``"KV tier secret"``; every
+    error also gives the command that makes a good secret file (:func:`make_secret_command`).
     """
     source = os.fspath(path)
-    secret = read_key_file(source, purpose=purpose).rstrip()
+    make = f"make one with: {make_secret_command(source)}"
+    try:
+        secret = read_key_file(source, purpose=purpose).rstrip()
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; {make}") from None
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(
-            f"the {purpose} file {source!r} holds {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES}"
+            f"the {purpose} file {source!r} holds {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES}; {make}"
         )
     return secret
