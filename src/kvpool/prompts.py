@@ -80,9 +80,14 @@ def text_token_ids(encoder: PromptEncoder, prompt: str) -> list[int]:
     return prompt_text_token_ids(encoder, prompt, chat=False)
 
 
-def prompt_text_token_ids(encoder: PromptEncoder, text: str, *, chat: bool) -> list[int]:
-    """A prompt's text as tokens: a rendered chat (``chat``) without special tokens, a completion with them."""
-    return encoder.encode(text, add_special_tokens=CHAT_ADDS_SPECIAL_TOKENS if chat else TEXT_ADDS_SPECIAL_TOKENS)
+def prompt_text_token_ids(
+    encoder: PromptEncoder, text: str, *, chat: bool, special_tokens: bool | None = None
+) -> list[int]:
+    """A prompt's text as tokens: a rendered chat (``chat``) without special tokens, a completion with them;
+    ``special_tokens`` True or False overrides that (vLLM's ``add_special_tokens`` on ``/tokenize``)."""
+    if special_tokens is None:
+        special_tokens = CHAT_ADDS_SPECIAL_TOKENS if chat else TEXT_ADDS_SPECIAL_TOKENS
+    return encoder.encode(text, add_special_tokens=special_tokens)
 
 
 def check_conversation(conversation: object) -> list[Mapping[str, str]]:

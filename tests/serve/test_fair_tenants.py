@@ -80,8 +80,12 @@ def test_n_times_the_rest_of_the_context_is_refused_with_the_figures(server: Liv
     limit = engine.max_request_tokens
     response = _post(server, {"model": MODEL, "prompt": "Hi", "n": 2, "max_tokens": 4}, key="key-mallory")
     assert response.status_code == 200
-    # n=4 (the queue's limit here) x the rest of the 256-token context: more than the pool's tokens
-    response = _post(server, {"model": MODEL, "prompt": "Hi", "n": 4, "ignore_eos": True}, key="key-mallory")
+    # n=4 (the queue's limit here) x the rest of the 256-token context: more than the pool's tokens. A chat
+    # without max_tokens runs to the end of the context (a completion stops at 16, as in vLLM).
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 4, "ignore_eos": True}
+    response = httpx.post(
+        f"{server.base_url}/chat/completions", json=chat, headers={"Authorization": "Bearer key-mallory"}, timeout=300
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "request_too_large" and error["param"] == "max_tokens"

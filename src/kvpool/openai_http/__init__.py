@@ -15,7 +15,7 @@ once. Importing this package imports no web framework: a request is anything wit
 
 from __future__ import annotations
 
-from kvpool.openai_http.access import is_loopback, require_operator, tenant_for
+from kvpool.openai_http.access import is_loopback, require_operator, tenant_for, tokenizer_turn
 from kvpool.openai_http.body import parse_json, read_body
 from kvpool.openai_http.errors import APIError, bad_request, error_body, error_type
 
@@ -29,4 +29,5 @@ __all__ = [
     "read_body",
     "require_operator",
     "tenant_for",
+    "tokenizer_turn",
 ]

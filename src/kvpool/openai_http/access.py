@@ -7,7 +7,7 @@ import ipaddress
 from kvpool.openai_http.errors import APIError
 from kvpool.tenancy import DEFAULT_TENANT, KeyRing, bearer_token
 
-__all__ = ["is_loopback", "require_operator", "tenant_for"]
+__all__ = ["is_loopback", "require_operator", "tenant_for", "tokenizer_turn"]
 
 
 def is_loopback(host: str | None) -> bool:
@@ -47,6 +47,22 @@ def tenant_for(keys: KeyRing | None, authorization: str | None) -> str:
     if tenant is None:
         raise APIError(401, "incorrect API key", type="authentication_error", code="invalid_api_key")
     return tenant
+
+
+def tokenizer_turn(keys: KeyRing | None, authorization: str | None) -> str | None:
+    """Whose turns on the tokenizer thread a ``/tokenize`` or ``/detokenize`` request takes; never refuses.
+
+    As in vLLM, whose ``--api-key`` guards only the ``/v1`` routes, these need no
+    key: they read no tenant's data (no cache, no request of anyone's), only the
+    model's tokenizer. A valid key's request takes its tenant's turns; every
+    request without one (no key, or a key that names nobody: it is not checked,
+    so nothing tells a valid key from a wrong one) shares a single turn (None), so
+    keyless callers together wait behind each tenant's next task, never in front
+    of its backlog. Without ``keys`` every request is the default tenant's.
+    """
+    if keys is None:
+        return DEFAULT_TENANT
+    return keys.name_for(bearer_token(authorization))
 
 
 def require_operator(client_host: str | None, admin_keys: KeyRing | None, authorization: str | None) -> None:

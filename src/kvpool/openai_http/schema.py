@@ -27,7 +27,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from kvpool.openai_http.errors import bad_request
 
-__all__ = ["MAX_CHOICES", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "UNSUPPORTED", "ChatBody", "CompletionBody"]
+__all__ = [
+    "COMPLETION_MAX_TOKENS",
+    "MAX_CHOICES",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "UNSUPPORTED",
+    "ChatBody",
+    "CompletionBody",
+]
 
 #: Sequences one request may ask for (``n`` times the number of prompts).
 MAX_CHOICES = 128
@@ -36,6 +44,9 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 #: The largest logprobs count (vLLM's default cap).
 MAX_LOGPROBS = 20
+#: ``/v1/completions``' ``max_tokens`` when it is left out or null (OpenAI's and vLLM's 16); chat has no
+#: such default and runs to the end of the context.
+COMPLETION_MAX_TOKENS = 16
 _MAX_SEED = 2**63
 
 
@@ -180,8 +191,15 @@ class CompletionBody(_Body):
     """``POST /v1/completions``."""
 
     prompt: Any = Field(default=None, validate_default=True)
+    max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _default_max_tokens(cls, max_tokens: Any) -> Any:
+        """Null is the default, as left out: :data:`COMPLETION_MAX_TOKENS`."""
+        return COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
 
     @field_validator("prompt", mode="after")
     @classmethod

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError, KVPoolError, RequestTooLarge
-from kvpool.openai_http import is_loopback, parse_json, read_body, require_operator, tenant_for
+from kvpool.openai_http import is_loopback, parse_json, read_body, require_operator, tenant_for, tokenizer_turn
 from kvpool.openai_http.errors import APIError, error_body, error_type
 from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_generation
 from kvpool.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, StepHook
@@ -177,6 +177,10 @@ class _Server:
 
     def tenant(self, request: Request) -> str:
         return tenant_for(self.config.api_keys, request.headers.get("authorization"))
+
+    def tokenizer_turn(self, request: Request) -> str | None:
+        """``/tokenize`` and ``/detokenize``: no key needed, as in vLLM (:func:`kvpool.openai_http.tokenizer_turn`)."""
+        return tokenizer_turn(self.config.api_keys, request.headers.get("authorization"))
 
     def require_operator(self, request: Request) -> None:
         """The loopback interface, or an admin key: what sees every tenant's figures."""
@@ -440,14 +444,14 @@ def build_app(
     async def tokenize(request: Request) -> Response:
         from kvpool.serve.tokenize import tokenize_body
 
-        tenant = server.tenant(request)
+        tenant = server.tokenizer_turn(request)
         body = await tokenize_body(await server.read_json(request), server.prompts, server.check_model, tenant)
         return JSONResponse(body)
 
     async def detokenize(request: Request) -> Response:
         from kvpool.serve.tokenize import detokenize_body
 
-        tenant = server.tenant(request)
+        tenant = server.tokenizer_turn(request)
         body = await detokenize_body(await server.read_json(request), server.prompts, server.check_model, tenant)
         return JSONResponse(body)
 

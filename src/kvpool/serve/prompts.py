@@ -102,11 +102,17 @@ class PromptTokenizer:
             )
 
     async def token_ids(
-        self, gen: GenerationRequest, source: str | tuple[int, ...] | None = None, *, tenant: str | None = None
+        self,
+        gen: GenerationRequest,
+        source: str | tuple[int, ...] | None = None,
+        *,
+        tenant: str | None = None,
+        special_tokens: bool | None = None,
     ) -> tuple[int, ...]:
         """One prompt of the request as token IDs: ``source`` (a completions prompt), or its messages
         with the chat template applied; text that cannot fit is refused before it is tokenized whole.
-        The work runs in ``tenant``'s turns.
+        The work runs in ``tenant``'s turns. ``special_tokens`` True or False overrides whether the
+        tokenizer's special tokens are added (:func:`kvpool.prompts.prompt_text_token_ids`).
 
         Raises:
             APIError: 400 for text too long to fit.
@@ -127,7 +133,10 @@ class PromptTokenizer:
             await self._count(tenant, text, "messages" if chat else "prompt")
         return tuple(
             await self._worker.run(
-                tenant, functools.partial(prompt_rule.prompt_text_token_ids, self._engine, text, chat=chat)
+                tenant,
+                functools.partial(
+                    prompt_rule.prompt_text_token_ids, self._engine, text, chat=chat, special_tokens=special_tokens
+                ),
             )
         )
 

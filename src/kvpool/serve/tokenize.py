@@ -5,7 +5,13 @@ template, as a chat request would be) and answers ``{count, max_model_len,
 tokens, token_strs}``; ``/detokenize`` takes ``tokens`` and answers
 ``{prompt}``. Both run on the tokenizer thread, with the same checks as a
 generation request (strict types, lone surrogates, the size bound before
-tokenizing).
+tokenizing), and in turns between tenants; as in vLLM they need no API key
+(:func:`kvpool.openai_http.tokenizer_turn`: keyless requests share one turn).
+
+``add_special_tokens`` is vLLM's: for a ``prompt`` it defaults to true (the
+tokenizer's special tokens, such as BOS, are added, as a completion's are) and
+false encodes the text alone; for ``messages`` it defaults to false (the chat
+template wrote them) and true adds the tokenizer's on top of the template's.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class _Tokenize(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: vLLM's default, true for a prompt and false for messages
     return_token_strs: bool = False
 
 
@@ -59,8 +65,6 @@ async def tokenize_body(
     tenant: str | None = None,
 ) -> dict[str, Any]:
     request: _Tokenize = _validate(_Tokenize, body)
-    if not request.add_special_tokens:
-        raise bad_request("'add_special_tokens': false is not supported by this server", "add_special_tokens")
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
     if request.prompt is not None:
@@ -85,7 +89,7 @@ async def tokenize_body(
         )
     check_model(gen)
     try:
-        tokens = list(await prompts.token_ids(gen, tenant=tenant))
+        tokens = list(await prompts.token_ids(gen, tenant=tenant, special_tokens=request.add_special_tokens))
     except KVPoolError as exc:
         raise APIError(400, str(exc), param="prompt" if request.prompt is not None else "messages") from None
     strs = None
