@@ -15,9 +15,13 @@ block:
   ``kvpool`` command must exist, and CI must run the test line verbatim.
 * ``test command`` (bash): not run (it is this suite); it must be the set-up
   block's test command, which CI runs.
-* ``two replicas`` (bash): not run (it starts servers). Each line's options are
-  parsed by its click command, as on the command line, without invoking it; the
-  router's replicas are the two servers' ports, whose event endpoints differ.
+* ``two replicas`` (bash): its first line, which makes the tenant secret file,
+  runs as written (in a temporary folder) and the file it makes is accepted; the
+  servers are not started (fixed ports). Each other line's options are parsed by
+  its click command, as on the command line, without invoking it; the router's
+  replicas are the two servers' ports, whose event endpoints differ, and all
+  three read the secret file the first line made. docs/routing.md shows the
+  same block, character for character.
 
 The ``kvpool`` commands in the command table are run through the CLI where
 they need no model or trace file (``plan``); the others must exist and take
@@ -43,6 +47,7 @@ import io
 import os
 import re
 import shlex
+import subprocess
 import tokenize
 import tomllib
 from dataclasses import dataclass
@@ -77,7 +82,10 @@ RULES = (
     Rule("set-up", "bash", r"^pip install ", "not run; extras, model pin, commands and CI checked"),
     Rule("test command", "bash", r"\Apython -m pytest -q\n?\Z", "not run; must be the command CI runs"),
     Rule(
-        "two replicas", "bash", r"\Akvpool serve ", "not run (servers); every command's options parse, and they agree"
+        "two replicas",
+        "bash",
+        r"^kvpool route ",
+        "the secret file is made as written; the servers are not started, every command's options parse, and they agree",
     ),
 )
 
@@ -283,9 +291,25 @@ def test_the_table_plan_command_runs():
 # -- the two-replica example ---------------------------------------------------------------
 
 
+def test_the_two_replica_example_makes_its_secret_file_first(tmp_path):
+    from kvpool.tenancy import load_secret
+
+    first = block_for("two replicas").code.splitlines()[0]
+    assert first.startswith("python ") and first.endswith("> secret"), first
+    subprocess.run(["bash", "-ec", first], cwd=tmp_path, check=True, timeout=60)  # as pasted
+    secret, generated = load_secret(tmp_path / "secret")
+    assert not generated and len(secret) >= 32
+
+
+def test_docs_routing_shows_the_same_two_replica_block():
+    routing = (ROOT / "docs" / "routing.md").read_text()
+    assert any(b.lang == "bash" and b.code == block_for("two replicas").code for b in fenced_blocks(routing))
+
+
 def test_the_two_replica_commands_parse_and_agree():
     cli = _cli()
-    lines = _commands(block_for("two replicas"))
+    lines = [words for words in _commands(block_for("two replicas")) if words[0] == "kvpool"]
+    assert len(lines) == len(_commands(block_for("two replicas"))) - 1  # all but the secret file's line
     assert [words[:2] for words in lines] == [["kvpool", "serve"], ["kvpool", "serve"], ["kvpool", "route"]]
     parsed = []
     for words in lines:
@@ -295,4 +319,4 @@ def test_the_two_replica_commands_parse_and_agree():
     first, second, router = parsed
     assert router["replicas"] == (f"http://127.0.0.1:{first['port']}", f"http://127.0.0.1:{second['port']}")
     assert first["kv_events_endpoint"] != second["kv_events_endpoint"]
-    assert first["tenant_secret_file"] == second["tenant_secret_file"] == router["tenant_secret_file"]
+    assert first["tenant_secret_file"] == second["tenant_secret_file"] == router["tenant_secret_file"] == "secret"
