@@ -60,6 +60,17 @@ HOSTILE_KEY = "key-mallory"
 #: Hogs running at once, and connections sending prompts just under the size bound at once.
 HOGS = 6
 NEAR_BOUND_CONNECTIONS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Attack:
+    """How hard the hostile tenant pushes: hogs and near-bound connections at once, half-open connections."""
+
+    hogs: int = HOGS
+    near_bound: int = NEAR_BOUND_CONNECTIONS
+    max_half_open: int = 16
+
+
 _TOPICS = (
     "inventory counts",
     "shipping delays",
@@ -196,11 +207,27 @@ def _bodies() -> list[tuple[str, bytes]]:
         ("min_tokens 10**30", dumps({"model": MODEL, "prompt": "hi", "min_tokens": 10**30})),
         ("repetition_penalty 1e-300", dumps({"model": MODEL, "prompt": "hi", "repetition_penalty": 1e-300})),
     ]
-    out += [
-        (f"n {n}, no max_tokens, ignore_eos", dumps({"model": MODEL, "prompt": "Hi", "n": n, "ignore_eos": True}))
-        for n in (128, 64, 16)
-    ]
     return out
+
+
+#: Requests that would take the whole server: every sequence runs to the end of the context. Sent at once,
+#: at the start of a hostile phase, beside the honest tenants' requests.
+TAKERS = tuple(
+    (f"n {n}, no max_tokens, ignore_eos", {"model": MODEL, "prompt": "Hi", "n": n, "ignore_eos": True})
+    for n in (128, 64, 16)
+)
+
+
+async def _taker(http: Any, url: str, headers: dict[str, str], tally: Tally, label: str, body: Any) -> None:
+    """One request that would take the server, waited for until the phase ends."""
+    try:
+        response = await http.post(f"{url}/v1/completions", json=body, headers=headers, timeout=None)
+        tally.hostile_statuses[f"{label}: {response.status_code}"] += 1
+    except asyncio.CancelledError:
+        tally.hostile_statuses[f"{label}: running at the phase's end"] += 1
+        raise
+    except Exception as exc:
+        tally.hostile_statuses[f"{label}: {type(exc).__name__}"] += 1
 
 
 #: What a hog asks for: sequences of a long prompt of its own, each to the end of the context (what fits
@@ -267,9 +294,9 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 
 async def _hostile(
-    http: Any, url: str, stop: asyncio.Event, tally: Tally, max_half_open: int, passes: asyncio.Event
+    http: Any, url: str, stop: asyncio.Event, tally: Tally, attack: Attack, passes: asyncio.Event
 ) -> None:
-    """Attack until ``stop``: one of each kind per pass, half-open connections kept up to ``max_half_open``.
+    """Attack until ``stop``: one of each kind per pass, half-open connections kept up to the attack's bound.
 
     ``passes`` is set once a first whole pass is done: a phase lasts at least that long.
     """
@@ -278,9 +305,10 @@ async def _hostile(
     bodies = _bodies()
     held: list[socket.socket] = []
     bound = await _size_bound(http, url, headers)
-    background = [asyncio.ensure_future(_hog(http, url, headers, tally, i)) for i in range(HOGS)]
+    background = [asyncio.ensure_future(_taker(http, url, headers, tally, *taker)) for taker in TAKERS]
+    background += [asyncio.ensure_future(_hog(http, url, headers, tally, i)) for i in range(attack.hogs)]
     background += [
-        asyncio.ensure_future(_near_bound(http, url, headers, bound, tally)) for _ in range(NEAR_BOUND_CONNECTIONS)
+        asyncio.ensure_future(_near_bound(http, url, headers, bound, tally)) for _ in range(attack.near_bound)
     ]
     try:
         while not stop.is_set():
@@ -311,7 +339,7 @@ async def _hostile(
                 else:
                     still.append(sock)
             held = still
-            while len(held) < max_half_open:
+            while len(held) < attack.max_half_open:
                 try:
                     held.append(_half_open(host, int(port)))
                     tally.half_open_sent += 1
@@ -339,15 +367,15 @@ async def _hostile(
 
 
 async def _phase(
-    url: str, honest: int, questions: int, max_tokens: int, hostile: bool, rnd: int, tally: Tally, max_half_open: int
+    url: str, honest: int, questions: int, max_tokens: int, hostile: bool, rnd: int, tally: Tally, attack: Attack
 ) -> None:
     import httpx
 
     keys = list(honest_keys(honest))
-    limits = httpx.Limits(max_connections=4 * honest + 8 + HOGS + NEAR_BOUND_CONNECTIONS)
+    limits = httpx.Limits(max_connections=4 * honest + 8 + len(TAKERS) + attack.hogs + attack.near_bound)
     async with httpx.AsyncClient(timeout=300, limits=limits) as http:
         stop, passed = asyncio.Event(), asyncio.Event()
-        attacker = asyncio.ensure_future(_hostile(http, url, stop, tally, max_half_open, passed)) if hostile else None
+        attacker = asyncio.ensure_future(_hostile(http, url, stop, tally, attack, passed)) if hostile else None
         phase = "hostile" if hostile else "quiet"
         await asyncio.gather(
             *(_honest(http, url, keys[t], t, questions, max_tokens, phase, rnd, tally) for t in range(honest))
@@ -367,14 +395,15 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def run(
-    url: str, *, honest: int, rounds: int, questions: int, max_tokens: int, max_half_open: int = 16
+    url: str, *, honest: int, rounds: int, questions: int, max_tokens: int, attack: Attack | None = None
 ) -> dict[str, Any]:
     """Alternate quiet and hostile phases ``rounds`` times on the server at ``url``; the figures."""
+    attack = Attack() if attack is None else attack
     tally = Tally()
     began = time.monotonic()
     for rnd in range(rounds):
         for hostile in (False, True):
-            asyncio.run(_phase(url, honest, questions, max_tokens, hostile, rnd, tally, max_half_open))
+            asyncio.run(_phase(url, honest, questions, max_tokens, hostile, rnd, tally, attack))
             print(
                 f"  round {rnd + 1}/{rounds} {'hostile' if hostile else 'quiet'}: {len(tally.answers)} honest answers, "
                 f"{len(tally.honest_failures)} failed, {sum(tally.hostile_statuses.values())} hostile requests",
