@@ -221,7 +221,7 @@ def _error(response: httpx.Response, status: int) -> dict[str, Any]:
         ("/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 513}, "max_tokens", "context of 512"),
         ("/completions", {"model": MODEL, "prompt": ["hi", ""]}, "prompt[1]", "empty"),
         ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "'logprobs': true"),
-        ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
         ("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content", "text parts"),
         ("/completions", {"model": MODEL, "prompt": [1, 99999999]}, "prompt", "not a token ID"),
         ("/completions", {"model": MODEL, "prompt": "\ud800"}, "prompt", "surrogate"),

@@ -5,12 +5,14 @@ record: the request's :class:`~kvpool.engine.sampling.SamplingParams` and
 generator, the :class:`~kvpool.engine.sampling.RowContext` its penalties and
 ``min_tokens`` mask need, the log-probabilities gathered so far, and its
 text: the incremental detokenizer and, when it has stop strings, their
-:class:`~kvpool.engine.stop_strings.StopStrings` matcher.
+:class:`~kvpool.engine.stop_strings.StopStrings` matcher; and, for a
+structured output, its :class:`~kvpool.engine.structured.GrammarMatcher`.
 
 What its ``text`` holds, as vLLM shows it: the text of every output token,
 except the text of the stop token or EOS that ended it (kept with
 ``include_stop_str_in_output``), cut before a stop string that ended it (or
-after it, with ``include_stop_str_in_output``).
+after it, with ``include_stop_str_in_output``). A request its complete grammar
+ended keeps all of its text: its last token is part of the document.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from kvpool.engine.outputs import IncrementalDetokenizer, TokenLogprobs
 from kvpool.engine.sampling import RowContext, SamplingParams, make_generator
 from kvpool.engine.stop_strings import StopStrings
+from kvpool.engine.structured import GrammarMatcher
 from kvpool.request import Request
 
 __all__ = ["LiveRequest"]
@@ -31,12 +34,29 @@ __all__ = ["LiveRequest"]
 class LiveRequest:
     """One queued or running request's engine state (see the module docstring)."""
 
-    __slots__ = ("params", "generator", "prompt", "logprobs", "_end_token_ids", "_tokenizer", "_detok", "_stops")
+    __slots__ = (
+        "params",
+        "generator",
+        "prompt",
+        "logprobs",
+        "grammar",
+        "_end_token_ids",
+        "_tokenizer",
+        "_detok",
+        "_stops",
+    )
 
     def __init__(
-        self, params: SamplingParams, prompt: str | None, tokenizer: Any, end_token_ids: Sequence[int]
+        self,
+        params: SamplingParams,
+        prompt: str | None,
+        tokenizer: Any,
+        end_token_ids: Sequence[int],
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.params = params
+        #: The request's place in its structured output's grammar, or None.
+        self.grammar = grammar
         self.generator: torch.Generator | None = make_generator(params, "cpu")
         self.prompt = prompt
         #: One entry per output token, when the request asked for log-probabilities.
@@ -54,12 +74,13 @@ class LiveRequest:
     def row_context(self, request: Request) -> RowContext | None:
         """What the sampler's penalties and min_tokens mask need, or None when the row needs neither."""
         p = self.params
-        if not p.has_penalties and p.min_tokens <= request.num_output_tokens:
+        if self.grammar is None and not p.has_penalties and p.min_tokens <= request.num_output_tokens:
             return None
         return RowContext(
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             end_token_ids=self._end_token_ids,
+            allowed_tokens=None if self.grammar is None else self.grammar.allowed(),
         )
 
     def take(self, token: int, logprobs: TokenLogprobs | None, num_output_tokens: int, *, ended: bool) -> str:
@@ -76,6 +97,11 @@ class LiveRequest:
         if self._stops is None:
             return piece
         return self._stops.add(piece, num_output_tokens)
+
+    @property
+    def grammar_done(self) -> bool:
+        """True once the request's grammar is complete (its output is a whole document)."""
+        return self.grammar is not None and self.grammar.done
 
     @property
     def stop_string(self) -> str | None:

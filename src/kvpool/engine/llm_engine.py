@@ -16,7 +16,10 @@ Each :meth:`LLMEngine.step`:
    tokens and EOS past ``min_tokens``, ``max_tokens``, ``max_model_len``) and
    frees finished requests' blocks, which stay in the prefix cache until
    evicted; the engine then ends a request whose text reached one of its stop
-   strings (:class:`~kvpool.engine.live_request.LiveRequest`).
+   strings (:class:`~kvpool.engine.live_request.LiveRequest`), or whose
+   structured output's grammar is complete (:mod:`~kvpool.engine.structured`:
+   its matcher is made when the request is added, masks the row before it is
+   sampled and advances with each token; a schema it cannot compile is refused).
 
 ``max_tokens=None`` is resolved when a request is added: the rest of the
 context, ``max_model_len`` minus the prompt. Requests with one prompt added
@@ -70,6 +73,7 @@ from kvpool.engine.model_store import DEFAULT_MODEL
 from kvpool.engine.outputs import RequestDelta, RequestOutput, TokenLogprobs
 from kvpool.engine.sampling import SampledToken, SamplingFailure, SamplingParams, sample_rows
 from kvpool.engine.startup import EngineOptions, EngineSetup, start_engine
+from kvpool.engine.structured import GrammarCompiler, GrammarMatcher
 from kvpool.errors import (
     ConfigError,
     InvalidTokenError,
@@ -127,6 +131,7 @@ class _Prepared:
     stop: StopConditions
     params: SamplingParams
     prompt: str | None
+    grammar: GrammarMatcher | None = None
 
 
 class LLMEngine:
@@ -203,6 +208,7 @@ class LLMEngine:
             else (self.manager.num_blocks - 1) * self.manager.block_size
         )
         self._live: dict[str, LiveRequest] = {}
+        self._grammars = GrammarCompiler(setup.tokenizer, setup.runner.vocab_size, setup.eos_token_ids)
         self._next_id = 0  # automatic request IDs are str(n), n counting up from here
 
     # -- properties ----------------------------------------------------------------
@@ -362,7 +368,7 @@ class LLMEngine:
         for one in prepared:  # every check has passed: queuing cannot fail
             self.scheduler.add_request(one.request, one.stop, tenant=tenant)
             self._live[one.request.request_id] = LiveRequest(
-                one.params, one.prompt, self.setup.tokenizer, self.setup.eos_token_ids
+                one.params, one.prompt, self.setup.tokenizer, self.setup.eos_token_ids, one.grammar
             )
         self._next_id = next_id
         return ids
@@ -467,7 +473,13 @@ class LLMEngine:
             min_tokens=params.min_tokens,
         )
         self.scheduler.check_request(request, stop, tenant=tenant)  # room under max_model_len, in the pool, a free ID
-        return _Prepared(request=request, stop=stop, params=params, prompt=text)
+        grammar = None
+        if params.structured is not None:
+            try:
+                grammar = self._grammars.matcher(params.structured)
+            except KVPoolError as exc:
+                raise type(exc)(f"request {request_id!r}: {exc}") from None
+        return _Prepared(request=request, stop=stop, params=params, prompt=text, grammar=grammar)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its blocks go back to the pool.
@@ -543,7 +555,8 @@ class LLMEngine:
         ended = metrics is not None and metrics.finish_reason in (FinishReason.STOP, FinishReason.EOS)
         request = self.scheduler.request(rid)
         piece = state.take(token, sampled.logprobs, request.num_output_tokens, ended=ended)
-        if metrics is None and state.stop_string is not None:  # the text reached a stop string
+        if metrics is None and (state.stop_string is not None or state.grammar_done):
+            # the text reached a stop string, or the output is a whole document of its grammar
             self.scheduler.abort(rid, reason=FinishReason.STOP)
             metrics = self.scheduler.metrics(rid)
         logprobs = None if sampled.logprobs is None else (sampled.logprobs,)
@@ -567,9 +580,13 @@ class LLMEngine:
         contexts = [s.row_context(self.scheduler.request(rid)) for rid, s in zip(ids, live)]
         picks = sample_rows(logits, [s.params for s in live], [s.generator for s in live], contexts)
         sampled: dict[str, SampledToken] = {}
-        for rid, token in zip(ids, picks):
+        for rid, state, token in zip(ids, live, picks):
             if isinstance(token, SamplingFailure):
                 failed[rid] = f"its next token cannot be sampled: {token.reason}"
+                continue
+            refused = None if state.grammar is None else state.grammar.accept(token.token_id)
+            if refused is not None:
+                failed[rid] = f"its token {token.token_id} does not follow its grammar: {refused}"
             else:
                 sampled[rid] = token
         return sampled
@@ -609,11 +626,12 @@ class LLMEngine:
         state = self._live.pop(request_id)
         output_ids = tuple(request.output_token_ids)
         reason = cast(FinishReason, metrics.finish_reason)  # a finished request has its reason
-        # STOP by a token: the token is the reason; by a stop string: the string.
+        # STOP by a token: the token is the reason; by a stop string: the string; by a complete grammar: none.
+        by_text = state.stop_string is not None or (reason is FinishReason.STOP and state.grammar_done)
         stop_reason: int | str | None = state.stop_string
-        if reason is FinishReason.STOP and stop_reason is None and output_ids:
+        if reason is FinishReason.STOP and not by_text and output_ids:
             stop_reason = output_ids[-1]
-        ended = reason is FinishReason.EOS or (reason is FinishReason.STOP and state.stop_string is None)
+        ended = reason is FinishReason.EOS or (reason is FinishReason.STOP and not by_text)
         logprobs: tuple[TokenLogprobs, ...] | None = None if state.logprobs is None else tuple(state.logprobs)
         finished_at = metrics.finish_time
         return RequestOutput(

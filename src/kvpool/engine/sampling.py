@@ -1,6 +1,8 @@
 """Sampling parameters and the sampler that turns logits into next tokens.
 
-A row is first masked and penalised where its request asks (``min_tokens``
+A row is first masked and penalised where its request asks (a structured
+output's grammar keeps the tokens it does not allow at ``-inf``, before
+anything else reads the row, its log-probabilities too, as in vLLM; ``min_tokens``
 keeps EOS and the stop tokens at ``-inf``; presence, frequency and repetition
 penalties follow :mod:`~kvpool.engine.penalties`), in vLLM's order.
 Greedy decoding is then an argmax and needs no randomness. A temperature below
@@ -34,6 +36,7 @@ from kvpool.checks import check_int
 from kvpool.engine.logprobs import token_logprobs
 from kvpool.engine.outputs import TokenLogprobs
 from kvpool.engine.penalties import apply_penalties
+from kvpool.engine.structured import StructuredOutput
 from kvpool.errors import ConfigError, InvalidTokenError
 from kvpool.hashing import to_token_array
 
@@ -140,6 +143,9 @@ class SamplingParams:
             text) at the end of ``text``.
         logprobs: None for no log-probabilities; k in [0, 20] for the sampled
             token's log-probability and the k most likely tokens', each step.
+        structured: None, or the grammar the output must follow (JSON, a JSON
+            Schema: :class:`~kvpool.engine.structured.StructuredOutput`); the
+            request ends with ``stop`` once its grammar is complete.
     """
 
     max_tokens: int | None = 16
@@ -157,6 +163,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -189,6 +196,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ConfigError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ConfigError(f"structured must be None or a StructuredOutput, got {self.structured!r}")
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -219,11 +228,14 @@ class RowContext:
         output_token_ids: The tokens generated so far.
         end_token_ids: The tokens masked (logit ``-inf``) while fewer than
             ``min_tokens`` tokens were generated: EOS and the stop tokens.
+        allowed_tokens: ``[V]`` bool, True for each token the request's grammar
+            allows next (the others are masked first); None when unconstrained.
     """
 
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     end_token_ids: Sequence[int] = ()
+    allowed_tokens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -325,7 +337,9 @@ def sample_rows(
 ) -> list[SampledToken | SamplingFailure]:
     """Pick one token per row, with its log-probabilities where asked; a row that cannot be sampled fails alone.
 
-    Each row goes through, in vLLM's order: the ``min_tokens`` mask (EOS and
+    Each row goes through, in vLLM's order: its grammar's mask (the tokens its
+    ``allowed_tokens`` leaves out at ``-inf``, as though the model gave them so:
+    the log-probabilities see it too), the ``min_tokens`` mask (EOS and
     stop tokens at ``-inf`` while too few tokens were generated), the
     penalties (:mod:`~kvpool.engine.penalties`), then either an argmax
     (greedy) or temperature, min-p, top-k, top-p and one draw from the row's
@@ -363,6 +377,7 @@ def sample_rows(
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy and generator is None:
             raise ConfigError(f"row {row} samples with temperature {p.temperature} but has no generator")
+    logits = _grammar_masked(logits, rows)
     # Rows left as the model gave them share one batched argmax and problem check.
     has_nan = torch.isnan(logits).any(dim=-1).tolist()
     no_token = (logits == float("-inf")).all(dim=-1).tolist()
@@ -391,6 +406,19 @@ def sample_rows(
         else:
             out.append(SampledToken(token_id=choice, logprobs=token_logprobs(logits[i], choice, p.logprobs)))
     return out
+
+
+def _grammar_masked(logits: torch.Tensor, rows: Sequence[RowContext | None]) -> torch.Tensor:
+    """``logits`` with each constrained row's disallowed tokens at ``-inf`` (a copy; the same tensor if none is)."""
+    constrained = [(i, c.allowed_tokens) for i, c in enumerate(rows) if c is not None and c.allowed_tokens is not None]
+    if not constrained:
+        return logits
+    masked = logits.clone()
+    for i, allowed in constrained:
+        if allowed.shape != (logits.shape[-1],):
+            raise ConfigError(f"row {i}: allowed_tokens has shape {tuple(allowed.shape)}, not [{logits.shape[-1]}]")
+        masked[i].masked_fill_(~allowed.to(device=logits.device, dtype=torch.bool), float("-inf"))
+    return masked
 
 
 def sample_tokens(

@@ -13,6 +13,7 @@ when the server builds them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -47,7 +48,9 @@ class Sampling:
 
     ``max_tokens`` None is the rest of the context; ``top_k`` 0 is off (vLLM's
     -1 arrives as 0); ``logprobs`` None asks for none, k for the sampled
-    token's logprob and the k most likely.
+    token's logprob and the k most likely. ``structured`` is ``response_format``
+    other than ``text``: its type (``json_object``, ``json_schema``) and, for a
+    schema, the schema as JSON text.
     """
 
     max_tokens: int | None = None
@@ -65,6 +68,7 @@ class Sampling:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: tuple[str, str | None] | None = None
 
     def engine_fields(self) -> dict[str, Any]:
         """The fields as ``SamplingParams`` keyword arguments."""
@@ -137,6 +141,7 @@ def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> Sampli
     }
     top_k = body.top_k
     return Sampling(
+        structured=_structured(body.response_format),
         max_tokens=max_tokens,
         top_k=0 if top_k in (None, -1) else top_k,
         stop=body.stop or (),
@@ -144,6 +149,15 @@ def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> Sampli
         logprobs=logprobs,
         **given,
     )
+
+
+def _structured(response_format: Any) -> tuple[str, str | None] | None:
+    """``response_format`` as :attr:`Sampling.structured`: None for text, else its type and schema (JSON text)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return ("json_object", None)
+    return ("json_schema", json.dumps(response_format.json_schema.schema_, ensure_ascii=False))
 
 
 def _common(body: Any) -> dict[str, Any]:

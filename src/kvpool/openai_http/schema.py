@@ -35,6 +35,7 @@ __all__ = [
     "UNSUPPORTED",
     "ChatBody",
     "CompletionBody",
+    "ResponseFormat",
 ]
 
 #: Sequences one request may ask for (``n`` times the number of prompts).
@@ -75,7 +76,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": _off,
     "function_call": lambda v: v in (None, "none"),
     "tool_choice": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "use_beam_search": _off,
     "length_penalty": lambda v: v in (None, 1, 1.0),
     "prompt_logprobs": lambda v: v is None,
@@ -132,6 +132,7 @@ class _Body(BaseModel):
     stream_options: _StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1), _utf8_field("cache_salt")] | None = None
     user: Annotated[str, _utf8_field("user")] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -176,6 +177,40 @@ class _Body(BaseModel):
         if limit is not None and self.min_tokens > limit:
             raise bad_request(
                 f"'min_tokens' ({self.min_tokens}) must not exceed the maximum tokens ({limit})", "min_tokens"
+            )
+        return self
+
+
+class _JSONSchema(BaseModel):
+    """``response_format.json_schema``: OpenAI's (and vLLM's) shape; the schema is checked by the engine."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64), _utf8_field("response_format.json_schema.name")]
+    description: str | None = None
+    # "schema" would shadow pydantic's BaseModel.schema
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (the default), ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JSONSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise bad_request(
+                "'response_format.json_schema' is required with type 'json_schema'", "response_format.json_schema"
+            )
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise bad_request(
+                f"'response_format.json_schema' is only allowed with type 'json_schema', not {self.type!r}",
+                "response_format.json_schema",
             )
         return self
 

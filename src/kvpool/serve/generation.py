@@ -47,14 +47,18 @@ def sampling_params(gen: GenerationRequest, sequence: int) -> Any:
     """The engine's ``SamplingParams`` for sequence ``sequence`` of a prompt.
 
     An option the engine's ``SamplingParams`` does not have is refused (400)
-    unless its value changes nothing: accepted options are never dropped.
+    unless its value changes nothing: accepted options are never dropped. A
+    ``response_format`` the engine cannot serve (a schema it cannot compile, no
+    grammar library) is a 400 naming it.
     """
     from kvpool.engine.sampling import SamplingParams
 
     known = {f.name for f in dataclasses.fields(SamplingParams)}
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for name, value in gen.sampling.engine_fields().items():
-        if name in known:
+        if name == "structured":
+            kwargs[name] = _structured(value)
+        elif name in known:
             kwargs[name] = value
         elif value != getattr(NEUTRAL, name):
             raise APIError(400, f"'{name}' is not supported by this server's engine", param=name, code="unsupported")
@@ -64,6 +68,21 @@ def sampling_params(gen: GenerationRequest, sequence: int) -> Any:
         return SamplingParams(**kwargs)
     except KVPoolError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
+
+
+def _structured(spec: tuple[str, str | None] | None) -> Any:
+    """The engine's ``StructuredOutput`` of a request's ``response_format``, or None (400 naming it if refused)."""
+    if spec is None:
+        return None
+    from kvpool.engine.structured import StructuredOutput
+
+    kind, schema = spec
+    try:
+        return StructuredOutput(kind, schema)
+    except KVPoolError as exc:
+        raise APIError(
+            400, f"'response_format' cannot be served: {exc}", param="response_format", code="invalid_value"
+        ) from None
 
 
 @dataclass(slots=True)
