@@ -3,8 +3,8 @@
 Each ```bash, ```sh and ```python block is run, unless an HTML comment on the line right
 before its opening fence says otherwise. The comment holds ``;``-separated marks:
 
-* ``<!-- excerpt: WHY -->``: not run; ``WHY`` (required) says what it needs that a test
-  cannot have (vLLM, another machine's address, ...).
+* ``<!-- excerpt: WHY -->``: not run; ``WHY`` (required; the rest of the comment) says
+  what it needs that a test cannot have (vLLM, another machine's address, ...).
 * ``<!-- checked: tests/FILE.py -->``: run or checked by that test file instead (which
   must exist and name the document).
 * ``<!-- slow -->``: run, in a test marked ``slow`` (CI runs those too): it takes minutes.
@@ -56,6 +56,9 @@ class DocBlock:
 
 
 def parse_marks(comment: str) -> dict[str, str]:
+    name, _, reason = comment.strip().partition(":")
+    if name.strip() == "excerpt":  # the rest is the reason, whatever it holds
+        return {"excerpt": reason.strip()}
     marks = {}
     for part in comment.split(";"):
         name, _, argument = part.strip().partition(":")
@@ -97,15 +100,32 @@ def test_every_block_is_found_and_its_marks_are_known():
             assert Path(block.document).name in test_file.read_text(), f"{test_file} never names {block.document}"
 
 
+# The first words of a command: a block starting so is a shell block, and says so.
+_COMMAND = re.compile(r"\A(kvpool|python|pip|vllm|curl|redis-server|[A-Z_]+=\S*) ")
+
+
+def test_every_command_block_says_it_is_one():
+    for path in DOCUMENTS:
+        text = path.read_text()
+        for match in _FENCE.finditer(text):
+            if not match.group(1).strip():
+                line = text.count("\n", 0, match.start()) + 1
+                first = match.group(2).lstrip()
+                assert not _COMMAND.match(first), (
+                    f"{path.relative_to(ROOT)}:{line}: a command in a ``` block without a language; make it "
+                    "```bash (run, or marked as an excerpt)"
+                )
+
+
 def test_the_marks_are_read_from_the_line_before_the_fence(tmp_path):
     doc = tmp_path / "x.md"
     doc.write_text(
-        "<!-- excerpt: needs vLLM -->\n```bash\nvllm serve M\n```\n\ntext\n```sh\necho hi\n```\n"
+        "<!-- excerpt: needs vLLM; and more -->\n```bash\nvllm serve M\n```\n\ntext\n```sh\necho hi\n```\n"
         "<!-- slow; needs: numpy ../shared/x -->\n```python\nprint(1)\n```\n```\nplain\n```\n"
     )
     blocks = doc_blocks(doc, root=tmp_path)
     assert [(b.line, b.language, b.marks) for b in blocks] == [
-        (2, "bash", {"excerpt": "needs vLLM"}),
+        (2, "bash", {"excerpt": "needs vLLM; and more"}),
         (7, "sh", {}),
         (11, "python", {"slow": "", "needs": "numpy ../shared/x"}),
     ]

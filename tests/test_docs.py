@@ -56,7 +56,7 @@ def test_hybrid_says_what_prefix_cacheable_is():
 
 
 def _planner_commands() -> list[list[str]]:
-    (block,) = re.findall(r"^```\n(kvpool plan.*?)^```", PLANNER, re.M | re.S)
+    (block,) = re.findall(r"^```bash\n(kvpool plan.*?)^```", PLANNER, re.M | re.S)
     return [shlex.split(line) for line in block.splitlines()]
 
 
