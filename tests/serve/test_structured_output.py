@@ -1,6 +1,7 @@
-"""``response_format`` on ``kvpool serve``: a JSON schema answered end to end, and the refusals naming it.
+"""``response_format`` on ``kvpool serve``: a JSON schema answered end to end, and the refusals naming it;
+``tools`` refused with the reason (SmolLM2's chat template has no place for them).
 
-Needs llguidance (the ``structured`` extra): skipped without it, failed under ``CI=true``.
+The structured tests need llguidance (the ``structured`` extra): skipped without it, failed under ``CI=true``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ CITY = {
 }
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def _llguidance() -> None:
     if importlib.util.find_spec("llguidance") is None:
         unavailable("llguidance is not installed (pip install 'kvpool[structured]')")
@@ -68,6 +69,7 @@ def _chat(server: LiveServer, response_format: Any, **extra: Any) -> httpx.Respo
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("_llguidance")
 def test_a_json_schema_chat_request_answers_a_document_of_the_schema(server: LiveServer) -> None:
     response = _chat(server, {"type": "json_schema", "json_schema": {"name": "place", "schema": CITY, "strict": True}})
     assert response.status_code == 200, response.text
@@ -78,6 +80,7 @@ def test_a_json_schema_chat_request_answers_a_document_of_the_schema(server: Liv
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("_llguidance")
 def test_a_streamed_json_object_request_answers_an_object(server: LiveServer) -> None:
     pieces, reasons = [], []
     with httpx.stream(
@@ -102,6 +105,7 @@ def test_a_streamed_json_object_request_answers_an_object(server: LiveServer) ->
     assert reasons[-1] == "stop"
 
 
+@pytest.mark.usefixtures("_llguidance")
 @pytest.mark.parametrize(
     ("response_format", "param", "words"),
     [
@@ -126,6 +130,32 @@ def test_a_response_format_that_cannot_be_served_is_a_400_naming_it(
     assert error["param"] == param and words in error["message"], error
 
 
+@pytest.mark.usefixtures("_llguidance")
 def test_text_is_the_default_format(server: LiveServer) -> None:
     response = _chat(server, {"type": "text"}, max_tokens=4)
     assert response.status_code == 200, response.text
+
+
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tools_are_refused_naming_the_templates_lack(server: LiveServer) -> None:
+    assert server.app.state.server.loop.engine.chat_template_supports_tools is False  # SmolLM2's template
+    response = _chat(server, None, tools=[TOOL])
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "chat template does not support tools" in error["message"], error
+    # No tools, or an empty list, is a plain chat request.
+    assert _chat(server, None, tools=[], max_tokens=2).status_code == 200
+
+
+def test_tools_with_a_template_that_takes_them_are_refused_until_tool_calls_are_parsed() -> None:
+    from kvpool.openai_http.protocol import APIError, Endpoint, parse_generation
+    from kvpool.serve.generation import check_tools
+
+    gen = parse_generation(Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]})
+    assert gen.tools == (TOOL,)
+    with pytest.raises(APIError, match="tool calls are not parsed") as caught:
+        check_tools(gen, True)
+    assert caught.value.status == 400 and caught.value.param == "tools"
+    check_tools(parse_generation(Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}]}), False)

@@ -281,6 +281,13 @@ class LLMEngine:
             raise InvalidTokenError(f"{what}[{i}] = {tokens[i]} is not a token ID of this model, in [0, {vocab})")
         return tokens
 
+    @property
+    def chat_template_supports_tools(self) -> bool:
+        """Whether the model's chat template can write tools into a prompt (it reads a ``tools`` variable)."""
+        tokenizer = self.setup.tokenizer
+        template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+        return isinstance(template, str) and "tools" in template
+
     def render_chat(self, conversation: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
         """The conversation as the model's chat template writes it (encode it as :mod:`kvpool.prompts` says)."""
         if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, Sequence):

@@ -98,6 +98,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    #: Chat's ``tools``, as given (the server refuses them: see ``kvpool.serve.generation.check_tools``).
+    tools: tuple[dict[str, Any], ...] = ()
 
     @property
     def prompt(self) -> str | tuple[int, ...] | None:
@@ -194,6 +196,7 @@ def _chat(body: Any) -> GenerationRequest:
         prompts=(),
         messages=messages,
         sampling=_sampling(body, max_tokens, logprobs),
+        tools=tuple(body.tools or ()),
         **_common(body),
     )
 

@@ -140,6 +140,8 @@ class _Body(BaseModel):
         if not isinstance(data, dict):
             raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", "body")
         for name, harmless in UNSUPPORTED.items():
+            if name in cls.model_fields:  # this body reads it (chat's tools): checked as its field
+                continue
             if name in data and not harmless(data[name]):
                 raise bad_request(
                     f"'{name}' is not supported by this server (got {data[name]!r})", name, "unsupported_parameter"
@@ -328,6 +330,8 @@ class ChatBody(_Body):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Literal[True] = True
     echo: Literal[False] = False
+    #: Read so that the server can say why it refuses them (:func:`kvpool.serve.generation.check_tools`).
+    tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatBody:

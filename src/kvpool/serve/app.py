@@ -29,7 +29,7 @@ from kvpool.openai_http import is_loopback, parse_json, read_body, require_opera
 from kvpool.openai_http.errors import APIError, error_body, error_type
 from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_generation
 from kvpool.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, StepHook
-from kvpool.serve.generation import Plan, collect, events, plan_jobs, whole_body
+from kvpool.serve.generation import Plan, check_tools, collect, events, plan_jobs, whole_body
 from kvpool.serve.metrics import DEFAULT_PREFIX, ServerMetrics
 from kvpool.serve.prompts import PromptTokenizer
 from kvpool.serve.stats_log import StatsLog
@@ -210,6 +210,7 @@ class _Server:
     async def plan(self, tenant: str, gen: GenerationRequest, response_id: str) -> Plan:
         """The request's engine requests: fields checked, then every prompt tokenized on the tokenizer thread."""
         self.check_model(gen)
+        check_tools(gen, self.loop.engine.chat_template_supports_tools)
         max_tokens = gen.sampling.max_tokens
         if max_tokens is not None and max_tokens > self.max_model_len:
             raise APIError(

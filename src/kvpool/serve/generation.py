@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from kvpool.engine.outputs import RequestDelta, RequestOutput
     from kvpool.serve.prompts import PromptTokenizer
 
-__all__ = ["Plan", "finish_reason", "plan_jobs"]
+__all__ = ["Plan", "check_tools", "finish_reason", "plan_jobs"]
 
 _FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop", "aborted": "abort", "error": "error"}
 _MAX_SEED = 2**63
@@ -83,6 +83,27 @@ def _structured(spec: tuple[str, str | None] | None) -> Any:
         raise APIError(
             400, f"'response_format' cannot be served: {exc}", param="response_format", code="invalid_value"
         ) from None
+
+
+def check_tools(gen: GenerationRequest, template_supports_tools: bool) -> None:
+    """Refuse (400 naming ``tools``) a request that gives tools: a model whose chat template has no place
+    for them cannot be told of them, and tool calls are not parsed out of any model's answer yet."""
+    if not gen.tools:
+        return
+    if not template_supports_tools:
+        raise APIError(
+            400,
+            "'tools' cannot be served: the model's chat template does not support tools",
+            param="tools",
+            code="unsupported_parameter",
+        )
+    raise APIError(
+        400,
+        "'tools' is not supported by this server yet: the model's chat template takes tools, but tool calls "
+        "are not parsed from its answers",
+        param="tools",
+        code="unsupported_parameter",
+    )
 
 
 @dataclass(slots=True)
