@@ -228,8 +228,8 @@ def run(
     elapsed = time.monotonic() - began
     health = settle(url)
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    queries = _metric(metrics, "kvpool:prefix_cache_queries_total")
-    hits = _metric(metrics, "kvpool:prefix_cache_hits_total")
+    queries = _metric(metrics, "vllm:prefix_cache_queries_total")
+    hits = _metric(metrics, "vllm:prefix_cache_hits_total")
     return {
         "clients": clients,
         "seconds": elapsed,

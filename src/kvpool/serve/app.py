@@ -64,7 +64,7 @@ class ServeConfig:
         max_body_bytes: the largest request body read; a larger one is 413.
         max_waiting: requests that may wait for admission, per tenant; one more is 429.
         retry_after: seconds a 429 asks the client to wait.
-        metrics_prefix: the metric names' prefix (``kvpool:``; ``vllm:`` for vLLM's dashboards).
+        metrics_prefix: the metric names' prefix (``vllm:``, vLLM's; ``kvpool:`` for names of kvpool's own).
         kv_events: returns the ``GET /kv-events`` body (a JSON-able value);
             None answers that route with 404.
         log_requests: log a line per request when admitted and when finished.
@@ -164,7 +164,7 @@ class _Server:
 
     def __init__(self, engine: LLMEngine, config: ServeConfig, hooks: tuple[StepHook, ...]) -> None:
         self.config = config
-        self.metrics = ServerMetrics(config.model_name, config.metrics_prefix)
+        self.metrics = ServerMetrics(config.model_name, config.metrics_prefix, engine=engine)
         self.stats = StatsLog()
         self.loop = EngineLoop(
             engine, max_waiting=config.max_waiting, hooks=(self.metrics.after_step, self.stats.after_step, *hooks)
@@ -240,9 +240,11 @@ class _Server:
         return await plan_jobs(gen, response_id, salt, self.prompts, tenant)
 
     async def admit(self, plan: Plan) -> asyncio.Queue[Any]:
+        self.metrics.expect(plan.jobs, plan.gen.n)  # before the engine thread can finish them
         try:
             counts, stream = await self.loop.submit_all(plan.jobs)
         except QueueFull as exc:
+            self.metrics.not_admitted(plan.jobs, queue_full=True)
             raise APIError(
                 429,
                 str(exc),
@@ -251,10 +253,13 @@ class _Server:
                 headers={"Retry-After": str(self.config.retry_after)},
             ) from None
         except EngineStopped as exc:
+            self.metrics.not_admitted(plan.jobs)
             raise APIError(503, str(exc), type="server_error", code="unavailable") from None
         except RequestTooLarge as exc:
+            self.metrics.not_admitted(plan.jobs)
             raise APIError(400, str(exc), param=exc.param, code="request_too_large") from None
         except KVPoolError as exc:
+            self.metrics.not_admitted(plan.jobs)
             raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from None
         plan.admitted(counts)
         if self.config.log_requests:
