@@ -57,7 +57,7 @@ def test_serve_process_single_tenant_unisolated_with_kv_events() -> None:
                 if not stored:
                     time.sleep(0.1)
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
-        assert 'kvpool:prompt_tokens_total{model_name="smollm2-135m",engine="0"} 40.0' in metrics
+        assert 'kvpool:prompt_tokens_total{engine="0",model_name="smollm2-135m"} 40.0' in metrics
 
 
 @pytest.mark.parametrize(
