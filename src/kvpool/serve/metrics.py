@@ -90,7 +90,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ConfigError
-from kvpool.scheduler import FinishReason
+from kvpool.serve.generation import finish_reason
 
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
@@ -100,7 +100,7 @@ if TYPE_CHECKING:
     from kvpool.engine.outputs import RequestDelta, RequestOutput
     from kvpool.serve.engine_loop import Job
 
-__all__ = ["DEFAULT_PREFIX", "ServerMetrics", "check_prefix", "finished_reason", "request_token_buckets"]
+__all__ = ["DEFAULT_PREFIX", "ServerMetrics", "check_prefix", "request_token_buckets"]
 
 DEFAULT_PREFIX = "vllm:"
 
@@ -171,7 +171,7 @@ _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1
 _N_BUCKETS = (1, 2, 5, 10, 20)
 _PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 
-#: vLLM's finish reasons, each with a series from the start.
+#: vLLM's finish reasons, each with a series from the start (kvpool's: serve.generation.finish_reason).
 _REASONS = ("stop", "length", "abort", "error", "repetition")
 _ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 #: kvpool's cache sources (``RequestOutput.cached_tokens_by_tier``) under vLLM's names; another goes to the last.
@@ -190,11 +190,6 @@ def check_prefix(prefix: str) -> str:
     if not ok:
         raise ConfigError(f"a metrics prefix is letters, digits, '_' and ':' (e.g. 'vllm:'), got {prefix!r}")
     return prefix
-
-
-def finished_reason(reason: FinishReason) -> str:
-    """vLLM's ``finished_reason`` label for a request that ended for ``reason``: EOS is ``stop``, as in vLLM."""
-    return {FinishReason.EOS: "stop", FinishReason.ABORTED: "abort"}.get(reason, reason.value)
 
 
 def request_token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -460,7 +455,7 @@ class ServerMetrics:
         prompt = output.num_prompt_tokens
         generated = output.num_output_tokens
         self.prompt_tokens.inc(prompt)
-        self._success[finished_reason(output.finish_reason)].inc()
+        self._success[finish_reason(output)].inc()  # vLLM's and OpenAI's: EOS is stop
         external = min(prompt, sum(n for tier, n in output.cached_tokens_by_tier.items() if tier != "gpu"))
         local = min(prompt - external, max(0, output.num_cached_tokens - external))
         self._prompt_by_source["local_compute"].inc(prompt - external - local)
