@@ -21,10 +21,12 @@ interpreter's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -173,10 +175,25 @@ def run_block(block: DocBlock, tmp_path: Path, timeout: float) -> None:
         command = ["bash", "-e", "-o", "pipefail", str(script)]
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, (
-        f"{block.name}: the ```{block.language} block exited with {done.returncode}\n"
-        f"--- block\n{block.code}--- stdout (end)\n{done.stdout[-3000:]}\n--- stderr (end)\n{done.stderr[-3000:]}"
+    # its own process group, ended whole however the test ends: a block's commands never outlive it
+    proc = subprocess.Popen(
+        command,
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, (
+        f"{block.name}: the ```{block.language} block exited with {proc.returncode}\n"
+        f"--- block\n{block.code}--- stdout (end)\n{stdout[-3000:]}\n--- stderr (end)\n{stderr[-3000:]}"
     )
 
 
