@@ -42,6 +42,7 @@ __all__ = [
     "check_flag",
     "check_int",
     "parse_size",
+    "parse_token_count",
 ]
 
 #: Shortest ``max_model_len`` a serving loop accepts: one prompt token and one output token.
@@ -109,3 +110,44 @@ def parse_size(text: str | int, *, field: str = "size") -> int:
     except InvalidOperation:
         raise ConfigError(f"{field} {text!r} is not a size") from None
     return int(value * _UNITS[unit])
+
+
+_COUNT_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kKmMgGtT])")
+_DECIMAL_SUFFIXES = {"k": KB, "m": MB, "g": GB, "t": TB}
+_BINARY_SUFFIXES = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}
+
+
+def parse_token_count(text: str | int, *, field: str = "count", minimum: int = 1) -> int:
+    """Parse a token count as vLLM reads ``--max-model-len``: ``"4096"``, or a number with a suffix.
+
+    A lower-case suffix is a power of 10 and may follow a decimal (``"4k"`` is 4,000, ``"25.6k"``
+    25,600, ``"1m"`` 1,000,000); an upper-case one a power of 2 and only after a whole number
+    (``"4K"`` is 4,096, ``"1M"`` 1,048,576); ``g``/``G`` and ``t``/``T`` likewise. Raises
+    :class:`ConfigError` naming ``field`` and the text for anything else or a count below ``minimum``.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        return check_int(field, text, minimum=minimum)
+    if not isinstance(text, str):
+        raise ConfigError(f"{field} must be a token count such as 4096, 4k or 4K, got {text!r}")
+    given = text.strip()
+    match = _COUNT_RE.fullmatch(given)
+    if match is None:
+        if not given.isascii() or not given.isdigit():
+            raise ConfigError(
+                f"{field} {text!r} is not a token count; write e.g. 4096, 4k (4,000), 25.6k or 4K (4,096)"
+            )
+        count = int(given)
+    else:
+        number, suffix = match.groups()
+        if suffix in _BINARY_SUFFIXES:
+            if "." in number:
+                raise ConfigError(
+                    f"{field} {text!r}: a decimal does not go with the binary suffix {suffix!r}; "
+                    f"did you mean {number}{suffix.lower()}?"
+                )
+            count = int(number) * _BINARY_SUFFIXES[suffix]
+        else:
+            count = int(Fraction(Decimal(number)) * _DECIMAL_SUFFIXES[suffix])
+    if count < minimum:
+        raise ConfigError(f"{field} must be at least {minimum}, got {text!r}")
+    return count

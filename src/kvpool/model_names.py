@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,10 +135,18 @@ def local_model_folder(name_or_path: str | os.PathLike[str]) -> Path:
         return path
     if path.exists():
         raise ConfigError(f"model folder {str(path)!r} has no config.json")
-    raise ConfigError(
-        f"unknown model {key!r}: not a known name ({', '.join(known_models())}) "
-        f"and not a local folder with a config.json"
-    )
+    known = ", ".join(known_models())
+    if _HUB_ID.fullmatch(key):
+        raise ConfigError(
+            f"unknown model {key!r}: it looks like a Hugging Face Hub ID, and kvpool downloads nothing from a hub; "
+            f"a local folder works: fetch it (e.g. `huggingface-cli download {key} --local-dir DIR`) and pass "
+            f"DIR, or use a known name ({known})"
+        )
+    raise ConfigError(f"unknown model {key!r}: not a known name ({known}) and not a local folder with a config.json")
+
+
+# What a Hugging Face Hub model ID looks like: ``owner/name`` (letters, digits, ``-``, ``_``, ``.``).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def model_folder(

@@ -39,6 +39,7 @@ from kvpool.fair_share import check_weight
 from kvpool.secret_files import MIN_SECRET_BYTES, check_secret, read_secret_file
 
 __all__ = [
+    "API_KEY_FILE_EXAMPLE",
     "DEFAULT_TENANT",
     "MIN_SECRET_BYTES",
     "KeyRing",
@@ -49,6 +50,8 @@ __all__ = [
 
 #: The tenant of every request on a server without an API key file.
 DEFAULT_TENANT = "default"
+#: What an API key file holds, as its errors show it.
+API_KEY_FILE_EXAMPLE = '{"sk-alice-key": "alice", "sk-bob-key": {"tenant": "bob", "weight": 2}}'
 _GENERATED_SECRET_BYTES = 32
 
 
@@ -138,7 +141,16 @@ class KeyRing:
         except OSError as exc:
             raise ConfigError(f"cannot read the API key file {source!r}: {exc.strerror or exc}") from None
         except (ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"the API key file {source!r} is not JSON: {exc}") from None
+            raise ConfigError(
+                f"the API key file {source!r} is not JSON ({exc}); it must hold one JSON object of API key -> "
+                f"tenant, e.g. {API_KEY_FILE_EXAMPLE} (a file of one key per line is not this format: "
+                f"give each key a tenant, or pass a single key with --api-key)"
+            ) from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"the API key file {source!r} holds a JSON {type(data).__name__}; it must map API keys to tenant "
+                f"names as one JSON object, e.g. {API_KEY_FILE_EXAMPLE}"
+            )
         return cls.from_mapping(data, source=f"the API key file {source!r}")
 
     @classmethod

@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from kvpool.cli.params import THREADS, fail, require_extra
+from kvpool.cli.params import THREADS, TOKEN_COUNT, fail, require_extra
 from kvpool.errors import KVPoolError
 from kvpool.hashing import HashAlgo
 from kvpool.tiers.spec import WritePolicy
@@ -35,7 +35,7 @@ _DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that
 #: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
 _ENGINE_FLAGS = (
     "model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo", "kv_tiers", "kv_tier_secret_file",
-    "kv_tier_unauthenticated", "kv_tier_namespace", "kv_tier_write", "threads",
+    "kv_tier_unauthenticated", "kv_tier_namespace", "kv_tier_write", "threads", "dtype", "tensor_parallel_size",
 )  # fmt: skip
 
 #: The sources ``--json`` always reports, in this order (the pool, then the tier kinds).
@@ -63,7 +63,19 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
             help="KV cache size (e.g. 512MiB, 2GB), or 'auto' to measure the memory left.",
         ),
         click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block."),
-        click.option("--max-model-len", type=int, default=None, help="Tokens per request [default: the model's context]."),
+        click.option(
+            "--max-model-len", type=TOKEN_COUNT, default=None,
+            help="Tokens per request, as vLLM reads it: 4096, 4k (4,000) or 4K (4,096) [default: the model's context].",
+        ),
+        click.option(
+            "--dtype", default=None,
+            help="Weight and cache dtype: auto, float32 (float), bfloat16, float16 (half) "
+            "[default: auto, float32 on the CPU and the model's serving dtype on CUDA].",
+        ),
+        click.option(
+            "--tensor-parallel-size", "tensor_parallel_size", type=int, default=1, show_default=True,
+            help="Devices to split the model over (vLLM's flag): kvpool runs a model on one, so only 1.",
+        ),
         click.option("--cache-salt", default=None, help="Requests with different salts never share cached blocks."),
         click.option("--device", default=None, help="cpu or cuda [default: cuda when available]."),
         click.option(

@@ -31,7 +31,9 @@ __all__ = [
     "NON_NEGATIVE_FLOAT",
     "NON_NEGATIVE_INT",
     "POSITIVE_INT",
+    "TOKEN_COUNT",
     "FiniteFloatRange",
+    "TokenCountType",
     "fail",
     "require_extra",
 ]
@@ -71,7 +73,25 @@ class ThreadsType(click.ParamType):  # type: ignore[type-arg]  # generic only fr
         return count
 
 
+class TokenCountType(click.ParamType):  # type: ignore[type-arg]  # generic only from click 8.2; >= 8.1 is allowed
+    """A token count as vLLM writes one: 4096, 4k, 4K (:func:`kvpool.checks.parse_token_count`)."""
+
+    name = "N|Nk|NK"
+
+    def __init__(self, minimum: int = 1) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from kvpool.checks import parse_token_count
+
+        try:
+            return parse_token_count(value, field="the count", minimum=self.minimum)
+        except KVPoolError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 THREADS = ThreadsType()
+TOKEN_COUNT = TokenCountType()
 POSITIVE_INT = click.IntRange(min=1)
 NON_NEGATIVE_INT = click.IntRange(min=0)
 NON_NEGATIVE_FLOAT = FiniteFloatRange(min=0)

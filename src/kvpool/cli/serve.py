@@ -10,6 +10,7 @@ at start on stderr.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,10 @@ import click
 from kvpool.cli import generate as generate_command
 from kvpool.cli.params import POSITIVE_INT, reports_errors, require_extra
 
-__all__ = ["serve"]
+__all__ = ["VLLM_API_KEY_ENV", "serve"]
+
+#: vLLM's environment variable for its API key: read when no ``--api-key`` is given.
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 
 _log = generate_command._log
 
@@ -118,7 +122,8 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     "--api-key",
     "api_key",
     multiple=True,
-    help="An API key clients must send (repeatable; vLLM's flag): one tenant. Beside --api-key-file's tenants.",
+    help="An API key clients must send (repeatable; vLLM's flag): one tenant. Beside --api-key-file's tenants. "
+    f"Without it, ${VLLM_API_KEY_ENV} is the key when set, as in vLLM.",
 )
 @click.option("--max-num-seqs", type=POSITIVE_INT, default=None, help="Requests running at once at most.")
 @click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=None, help="Tokens one step computes at most.")
@@ -195,6 +200,9 @@ def serve(
         if kw["model"] not in (model_arg, generate_command._DEFAULT_MODEL):
             raise click.UsageError(f"the model is given twice: {model_arg!r} and --model {kw['model']!r}")
         kw["model"] = model_arg
+    if not api_key and os.environ.get(VLLM_API_KEY_ENV):
+        api_key = (os.environ[VLLM_API_KEY_ENV],)
+        _log(f"API key from ${VLLM_API_KEY_ENV} (no --api-key given)")
     api_keys = _key_ring(api_key_file, api_key)
     from kvpool.serve.connections import ConnectionLimits
 

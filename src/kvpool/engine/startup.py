@@ -137,6 +137,9 @@ class EngineOptions:
         tenant_weights: each tenant's weight in the fair share of the batch,
             the pool and a step (:mod:`kvpool.fair_share`); tenants not named
             weigh 1.
+        tensor_parallel_size: devices the model is split over; the engine
+            runs on one, so only 1 is accepted (vLLM's option, so that its
+            launch lines run).
     """
 
     model: str | os.PathLike[str]
@@ -159,6 +162,7 @@ class EngineOptions:
     threads: int | str | None = None
     max_request_tokens: int | None = None
     tenant_weights: TenantWeights = field(default_factory=TenantWeights)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -190,6 +194,11 @@ class EngineOptions:
         parse_threads(self.threads)
         if self.max_request_tokens is not None:
             check_int("max_request_tokens", self.max_request_tokens)
+        if check_int("tensor_parallel_size", self.tensor_parallel_size) != 1:
+            raise ConfigError(
+                f"tensor_parallel_size {self.tensor_parallel_size} is not supported: kvpool's engine runs a model "
+                "on one device, so only 1 is accepted (run one server per device and `kvpool route` across them)"
+            )
         if not isinstance(self.tenant_weights, TenantWeights):
             object.__setattr__(self, "tenant_weights", TenantWeights(self.tenant_weights))
         secret = self.kv_tier_secret_file
