@@ -16,7 +16,7 @@ pytestmark = pytest.mark.engine
 
 CAPACITY = re.compile(r"KV cache size: [\d,]+ tokens; maximum concurrency for 64 tokens per request: \d+\.\d\dx$")
 REQUEST = re.compile(
-    r"request (\S+): (\d+) prompt tokens \((\d+) cached\), (\d+) computed, (\d+) output tokens; "
+    r"request (\S+): (\d+) prompt tokens \((\d+) cached, (\d+) computed\), (\d+) output tokens; "
     r"time to first token \d+ ms; [\d.]+ tokens/s; finished: (length|eos|stop)"
 )
 ENGINE = ["--block-size", "4", "--kv-cache-memory", "64KiB", "--max-model-len", "64"]
@@ -47,6 +47,7 @@ def test_generate_logs_startup_streams_text_and_logs_each_request(folder):
     assert "chat template" in err  # the tiny tokenizer has one
     first, second = request_lines(err)
     assert first[1] == second[1] and int(first[2]) == 0
+    assert int(first[3]) == int(first[1])  # "computed" counts prompt tokens: all of the first's, no decode
     assert int(second[2]) > 0  # the repeat found the first request's blocks
     assert int(second[3]) == int(first[3]) - int(second[2])  # and computed only the rest
     # What was streamed is what the offline API produces for the same request.

@@ -60,7 +60,8 @@ def test_a_second_process_gets_the_first_ones_blocks_from_redis(folder, redis_se
     assert from_redis // BLOCK >= 0.9 * full_prompt_blocks(first)
     assert second["num_cached_tokens"] == from_redis
     assert second["num_computed_tokens"] == first["num_computed_tokens"] - from_redis
-    assert f"({from_redis} cached: {from_redis} redis)" in err  # the log line says it in words
+    computed = second["num_prompt_tokens"] - from_redis
+    assert f"({from_redis} cached: {from_redis} redis; {computed} computed)" in err  # the log line says it in words
     assert "KV tier cpu:" in err and "KV tier redis:" in err
     for key in ("text", "num_prompt_tokens", "num_cached_tokens", "cached_tokens_by_tier", "time_to_first_token"):
         assert key in second

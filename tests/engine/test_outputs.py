@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvpool.engine.outputs import IncrementalDetokenizer, RequestOutput, request_log_line
+import dataclasses
+
+from kvpool.engine.outputs import IncrementalDetokenizer, RequestOutput, prompt_tokens_computed, request_log_line
 from kvpool.scheduler import FinishReason
 
 
@@ -50,6 +52,10 @@ def test_request_log_line():
     )
     assert out.tokens_per_second == 8.0
     assert request_log_line(out) == (
-        "request 7: 40 prompt tokens (32 cached), 11 computed, 4 output tokens; "
+        "request 7: 40 prompt tokens (32 cached, 8 computed), 4 output tokens; "
         "time to first token 50 ms; 8.0 tokens/s; finished: eos"
     )
+    # the prompt's computed tokens are the fed ones less the decode steps' (every output token but the last)
+    assert prompt_tokens_computed(out) == 40 - 32
+    tiered = dataclasses.replace(out, cached_tokens_by_tier={"gpu": 16, "cpu": 16})
+    assert "(32 cached: 16 gpu, 16 cpu; 8 computed), 4 output tokens" in request_log_line(tiered)

@@ -13,7 +13,14 @@ from typing import Any
 from kvpool.errors import RequestFailed
 from kvpool.scheduler import FinishReason
 
-__all__ = ["IncrementalDetokenizer", "RequestDelta", "RequestOutput", "TokenLogprobs", "request_log_line"]
+__all__ = [
+    "IncrementalDetokenizer",
+    "RequestDelta",
+    "RequestOutput",
+    "TokenLogprobs",
+    "prompt_tokens_computed",
+    "request_log_line",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,13 +169,29 @@ def _by_tier(output: RequestOutput) -> str:
     return ": " + ", ".join(f"{n} {tier}" for tier, n in shares.items())
 
 
+def prompt_tokens_computed(output: RequestOutput) -> int:
+    """Tokens the model ran as prompt (prefill) for ``output``, recomputation after a preemption included.
+
+    Of the tokens fed to the model (``num_computed_tokens``) the decode steps fed
+    every output token but the last; the rest were prefill.
+    """
+    return max(0, output.num_computed_tokens - max(0, output.num_output_tokens - 1))
+
+
 def request_log_line(output: RequestOutput) -> str:
-    """One line of figures per finished request, for a serving log."""
+    """One line of figures per finished request, for a serving log.
+
+    ``40 prompt tokens (32 cached, 8 computed), 4 output tokens``: of the prompt,
+    how many came from the cache and how many the model ran
+    (:func:`prompt_tokens_computed`: after a preemption, recomputation makes this
+    more than the rest of the prompt), then the tokens generated.
+    """
     ttft = "-" if output.time_to_first_token is None else f"{output.time_to_first_token * 1000:.0f} ms"
     rate = output.tokens_per_second
+    tiers = _by_tier(output)
     return (
-        f"request {output.request_id}: {output.num_prompt_tokens} prompt tokens "
-        f"({output.num_cached_tokens} cached{_by_tier(output)}), {output.num_computed_tokens} computed, "
+        f"request {output.request_id}: {output.num_prompt_tokens} prompt tokens ({output.num_cached_tokens} "
+        f"cached{tiers}{'; ' if tiers else ', '}{prompt_tokens_computed(output)} computed), "
         f"{output.num_output_tokens} output tokens; time to first token {ttft}; "
         f"{'-' if rate is None else f'{rate:.1f}'} tokens/s; finished: {output.finish_reason.value}"
         + (f"; preempted {output.num_preemptions}x" if output.num_preemptions else "")
