@@ -117,3 +117,22 @@ def test_a_hub_id_is_told_that_a_local_folder_works_and_the_known_names(tmp_path
     assert "Hub" not in str(caught.value) and "not a known name" in str(caught.value)
     result = CliRunner().invoke(cli, ["generate", "hi", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"])
     assert result.exit_code == 2 and "local folder works" in result.output, result.output
+
+
+def test_counts_in_start_up_lines_take_the_right_plural() -> None:
+    from types import SimpleNamespace
+
+    from kvpool.checks import counted
+    from kvpool.cli.route import _mode_line
+
+    assert [counted(n, "tenant") for n in (0, 1, 2)] == ["0 tenants", "1 tenant", "2 tenants"]
+    assert counted(1, "replica") == "1 replica" and counted(3, "index", "indices") == "3 indices"
+    prefix = SimpleNamespace(value="prefix")
+    plain = SimpleNamespace(discover=False, events=None, name="a")
+    publishing = SimpleNamespace(discover=False, events=object(), name="b")
+    precise = _mode_line("prefix", prefix, SimpleNamespace(value="precise"), [publishing, plain], None)
+    assert "; 1 replica publishes no events and is weighed by load only" in precise
+    two = _mode_line("prefix", prefix, SimpleNamespace(value="precise"), [plain, plain], None)
+    assert "; 2 replicas publish no events and are weighed by load only" in two
+    auto = _mode_line("prefix", prefix, SimpleNamespace(value="auto"), [publishing, plain], None)
+    assert "precise for 1 replica with KV events, approximate for the 1 without" in auto

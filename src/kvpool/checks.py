@@ -41,6 +41,7 @@ __all__ = [
     "TiB",
     "check_flag",
     "check_int",
+    "counted",
     "parse_size",
     "parse_token_count",
 ]
@@ -151,3 +152,11 @@ def parse_token_count(text: str | int, *, field: str = "count", minimum: int = 1
     if count < minimum:
         raise ConfigError(f"{field} must be at least {minimum}, got {text!r}")
     return count
+
+
+def counted(count: int, noun: str, nouns: str | None = None) -> str:
+    """``count`` and its noun as a message writes them: ``"1 tenant"``, ``"2 tenants"``, ``"0 tenants"``.
+
+    ``nouns`` is the plural when it is not ``noun`` + ``"s"``.
+    """
+    return f"{count} {noun if count == 1 else (nouns or noun + 's')}"

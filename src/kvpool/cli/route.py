@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from kvpool.checks import counted
 from kvpool.cli.generate import _log
 from kvpool.cli.params import FiniteFloatRange, reports_errors, require_extra
 from kvpool.model_names import DEFAULT_MODEL as _DEFAULT_MODEL
@@ -283,7 +284,7 @@ def route(
             "no --tenant-secret-file: the router cannot derive the kvpool replicas' cache salts "
             "(give it their secret file, or --no-tenant-isolation if they run so)"
         )
-    _log(f"{len(urls)} replicas: {', '.join(_describe(spec) for spec in specs)}")
+    _log(f"{counted(len(urls), 'replica')}: {', '.join(_describe(spec) for spec in specs)}")
     _log("block index: " + (f"Redis at {index_redis}" if index_redis else "in this process"))
     (_log if why_not is None else _warn)(_mode_line(routing, rule, mode, specs, why_not))
     options = RouteOptions(
@@ -354,13 +355,14 @@ def _mode_line(routing: str, rule: Any, mode: Any, specs: list[Any], why_not: st
     if mode.value == "approximate":
         return "prefix mode: approximate (--routing approximate: the router remembers where it sent each prefix)"
     if mode.value == "precise":
-        note = "" if not without else f"; {len(without)} replicas publish no events and are weighed by load only"
+        verbs = "publishes no events and is" if len(without) == 1 else "publish no events and are"
+        note = "" if not without else f"; {counted(len(without), 'replica')} {verbs} weighed by load only"
         return f"prefix mode: precise (--routing {routing}: from the replicas' KV events{note})"
     if not with_events:
         return "prefix mode: approximate (auto: no replica publishes KV events, so the router remembers prefixes)"
     if without:
         return (
-            f"prefix mode: precise for {len(with_events)} replicas with KV events, approximate for the "
+            f"prefix mode: precise for {counted(len(with_events), 'replica')} with KV events, approximate for the "
             f"{len(without)} without (auto)"
         )
     return (

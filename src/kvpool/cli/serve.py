@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from kvpool.checks import counted
 from kvpool.cli import generate as generate_command
 from kvpool.cli.params import POSITIVE_INT, reports_errors, require_extra
 
@@ -251,7 +252,7 @@ def serve(
         if api_keys is None:
             _log("single-tenant: no --api-key-file, so every request is one tenant's and needs no API key")
         else:
-            _log(f"{len(api_keys.names)} tenants, {len(api_keys)} API keys")
+            _log(f"{counted(len(api_keys.names), 'tenant')}, {counted(len(api_keys), 'API key')}")
         if no_tenant_isolation:
             _log(
                 "WARNING: --no-tenant-isolation: all tenants share one prefix cache; a tenant can tell from "
@@ -402,7 +403,7 @@ def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any
         if publisher.curve is None:
             _log("KV events are plain TCP: whoever reaches the endpoints reads them (--kv-events-secret-key: CURVE)")
         else:
-            _log(f"KV events need CURVE: {len(publisher.curve.clients)} client keys may subscribe")
+            _log(f"KV events need CURVE: {counted(len(publisher.curve.clients), 'client key')} may subscribe")
         if publisher.content is EventContent.HASHES:
             _log("KV events carry block hashes only: no token IDs, LoRA names or cache salts")
         elif config.salts.isolates_tenants:

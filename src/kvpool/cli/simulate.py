@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvpool.checks import counted
 from kvpool.cli.params import (
     NON_NEGATIVE_FLOAT,
     NON_NEGATIVE_INT,
@@ -83,7 +84,7 @@ def _load_line(result: SimulationResult) -> str:
     rates = f"{offered:,.0f} prefill tokens/s offered (after cache hits), {servable}"
     if result.overloaded:
         return (
-            f"OVERLOADED: {rates} by {result.replicas} replica(s) at most; the queue grows while this lasts, "
+            f"OVERLOADED: {rates} by {counted(result.replicas, 'replica')} at most; the queue grows while this lasts, "
             "and time to first token measures the backlog, not the model"
         )
     return rates
@@ -434,7 +435,7 @@ def _print_sizing(report: StudyReport) -> None:
 
 def _print_routing(results: dict[Routing, SimulationResult]) -> None:
     replicas = next(iter(results.values())).replicas
-    click.echo(f"routing over {replicas} replicas")
+    click.echo(f"routing over {counted(replicas, 'replica')}")
     click.echo(f"  {'rule':<14}{'hit rate':>10}{'TTFT p50':>11}{'p90':>10}{'p99':>10}{'req imb.':>10}{'work imb.':>11}")
     for rule, r in results.items():
         click.echo(
@@ -460,7 +461,7 @@ def _plots(
 ) -> None:
     from kvpool.sim.plots import plot_timeline
 
-    title = f"{label}, {result.replicas} replica(s)" if result.replicas > 1 else label
+    title = f"{label}, {counted(result.replicas, 'replica')}" if result.replicas > 1 else label
     targets = [p for p in (plot_dir / "usage.png" if plot_dir is not None else None, plot_path) if p is not None]
     for path in targets:
         plot_timeline(result.usage_timeline, result.queue_timeline, result.ttft_points, path, title=title)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
+from kvpool.checks import counted
 from kvpool.router.index import WHOLE, BlockIndex, ExternalHash, Group, Medium, RedisIndex
 
 __all__ = ["GuardedIndex", "guarded"]
@@ -109,10 +110,10 @@ class GuardedIndex:
         assert self._down_since is not None
         lost, self._lost = self._lost, set()
         log.warning(
-            "the block index answers again after %.1f s; %d calls failed in all; %d replicas' entries are rebuilt",
+            "the block index answers again after %.1f s; %s failed in all; %s entries are rebuilt",
             now - self._down_since,
-            self.failures,
-            len(lost),
+            counted(self.failures, "call"),
+            "1 replica's" if len(lost) == 1 else f"{len(lost)} replicas'",
         )
         self._down_since = None
         if self.on_recovered is not None and lost:
