@@ -81,6 +81,20 @@ def test_chat_ends_at_end_of_input(folder):
     assert len(request_lines(result.stderr)) == 1
 
 
+def test_chat_replies_run_to_the_context_while_generate_stops_at_64(folder):
+    """vLLM's chat has no max_tokens default: a reply runs to EOS or the end of the context."""
+    longer = [*ENGINE, "--max-model-len", "160", "--kv-cache-memory", "1MiB"]
+    result = invoke("chat", "--model", folder, *longer, stdin="w1\n")
+    assert result.exit_code == 0, result.output
+    [(_, prompt, _, _, output, finish)] = request_lines(result.stderr)
+    assert finish == "eos" or (finish == "length" and int(prompt) + int(output) == 160), result.stderr
+    assert int(output) > 64 or finish == "eos"
+    result = invoke("generate", "w1", "--model", folder, *longer)
+    assert result.exit_code == 0, result.output
+    [line] = request_lines(result.stderr)
+    assert int(line[4]) <= 64 and (int(line[4]) == 64 or line[5] == "eos")
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

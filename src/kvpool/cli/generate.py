@@ -38,6 +38,9 @@ _ENGINE_FLAGS = (
     "kv_tier_unauthenticated", "kv_tier_namespace", "kv_tier_write", "threads", "dtype", "tensor_parallel_size",
 )  # fmt: skip
 
+#: ``generate``'s ``--max-tokens`` when it is not given (``chat`` has none: a reply runs to EOS or the context).
+GENERATE_MAX_TOKENS = 64
+
 #: The sources ``--json`` always reports, in this order (the pool, then the tier kinds).
 TIER_NAMES = ("gpu", "cpu", "disk", "redis")
 
@@ -53,7 +56,11 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--model", "model", metavar="NAME_OR_PATH", default=_DEFAULT_MODEL, show_default=True,
             help="A known model name or a local Hugging Face model folder.",
         ),
-        click.option("--max-tokens", type=int, default=64, show_default=True, help="Most tokens to generate per reply."),
+        click.option(
+            "--max-tokens", type=int, default=None,
+            help=f"Most tokens to generate per reply [default: {GENERATE_MAX_TOKENS} for generate; chat replies run "
+            "to their end (EOS) or the end of the context, as vLLM's chat does].",
+        ),
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy."),
         click.option("--top-p", type=float, default=None, help="Nucleus sampling mass in (0, 1]."),
         click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens."),
@@ -127,7 +134,10 @@ def _setup(command: str, kw: dict[str, Any]) -> tuple[Any, Any]:
     from kvpool.engine.llm_engine import LLMEngine
     from kvpool.engine.sampling import SamplingParams
 
-    sampling: dict[str, Any] = {"max_tokens": kw["max_tokens"], "temperature": kw["temperature"]}
+    max_tokens = kw["max_tokens"]
+    if max_tokens is None and command == "generate":
+        max_tokens = GENERATE_MAX_TOKENS
+    sampling: dict[str, Any] = {"max_tokens": max_tokens, "temperature": kw["temperature"]}
     for name in ("top_p", "top_k", "seed"):
         if kw[name] is not None:
             sampling[name] = kw[name]
