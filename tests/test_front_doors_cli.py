@@ -136,3 +136,18 @@ def test_counts_in_start_up_lines_take_the_right_plural() -> None:
     assert "; 2 replicas publish no events and are weighed by load only" in two
     auto = _mode_line("prefix", prefix, SimpleNamespace(value="auto"), [publishing, plain], None)
     assert "precise for 1 replica with KV events, approximate for the 1 without" in auto
+
+
+def test_plan_and_simulate_take_the_model_as_config_or_model() -> None:
+    runner = CliRunner()
+    config = runner.invoke(cli, ["plan", "--config", "llama-3.1-8b", "--gpu-memory", "80GB"])
+    model = runner.invoke(cli, ["plan", "--model", "llama-3.1-8b", "--gpu-memory", "80GB"])
+    assert config.exit_code == 0 and model.exit_code == 0, model.output
+    assert model.output == config.output
+    base = ["simulate", "synthetic:multi_turn", "--requests", "5", "--kv-memory", "64MiB", "--json"]
+    by_model = runner.invoke(cli, [*base, "--model", "smollm2-135m"])
+    by_config = runner.invoke(cli, [*base, "--config", "smollm2-135m"])
+    assert by_model.exit_code == 0 and by_config.exit_code == 0, by_config.output
+    sized, same = json.loads(by_model.output)["simulation"], json.loads(by_config.output)["simulation"]
+    sized.pop("wall_seconds"), same.pop("wall_seconds")
+    assert same == sized and sized["num_blocks"] == 182  # 64 MiB of SmolLM2-135M's KV, in blocks

@@ -102,9 +102,11 @@ def _list_configs() -> str:
 @click.command("plan")
 @click.option(
     "--config",
+    "--model",
     "config_name",
     metavar="NAME_OR_PATH",
-    help="Shipped config name (see --list), config.json or its folder.",
+    help="Shipped config name (see --list), config.json or its folder (--model is the same option, as simulate "
+    "spells it).",
 )
 @click.option("--gpu-memory", metavar="SIZE", help="Memory of one GPU: 80GB (10^9 B), 80GiB (2^30 B) or bytes.")
 @click.option(

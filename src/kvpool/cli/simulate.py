@@ -165,7 +165,13 @@ def _progress(show: bool) -> Any:
 @click.argument("trace")
 @click.option("--kv-blocks", type=POSITIVE_INT, help="Usable KV blocks (the pool gets one more, the null block).")
 @click.option("--kv-memory", help="KV memory, e.g. 40GiB or 40GB; needs --model.")
-@click.option("--model", help="Shipped config name or config.json path, to size blocks from --kv-memory.")
+@click.option(
+    "--model",
+    "--config",
+    "model",
+    help="Shipped config name or config.json path, to size blocks from --kv-memory (--config is the same option, "
+    "as plan spells it).",
+)
 @click.option("--block-size", type=POSITIVE_INT, default=16, show_default=True)
 @click.option("--policy", default="lru", show_default=True, help="Eviction policy (lru is vLLM's order).")
 @click.option("--sequential", is_flag=True, help="One request at a time in file order, freed before the next.")
