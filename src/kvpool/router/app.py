@@ -91,8 +91,11 @@ __all__ = ["RouteOptions", "Router", "build_app"]
 
 log = logging.getLogger("kvpool.route")
 
-# Response headers that describe one hop, not the answer.
-_HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"})
+# Response headers that describe one hop, not the answer; ``date`` and ``server`` are the replica's server's,
+# and the router's own server writes its own (copied, a client would get each twice).
+_HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
+)
 #: The tokens of one "block" in the routing rule's exchange rate: ``load_cost`` such blocks
 #: cached are worth one request in flight, whatever block size the replicas use.
 LOAD_COST_TOKENS = 16
