@@ -160,6 +160,18 @@ def _stand_in_root(tmp_path: Path) -> Path:
     return root
 
 
+# Runs argv[2:] and exits with its status; ends its whole process group once fd argv[1] reads EOF.
+_WATCHDOG = """
+import os, signal, subprocess, sys, threading
+child = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL)
+def watch():
+    os.read(int(sys.argv[1]), 1)  # returns when the test's end of the pipe closes
+    os.killpg(0, signal.SIGKILL)
+threading.Thread(target=watch, daemon=True).start()
+sys.exit(child.wait())
+"""
+
+
 def run_block(block: DocBlock, tmp_path: Path, timeout: float) -> None:
     modules, paths = _missing(block)
     if modules and os.environ.get("CI") == "true":
@@ -175,19 +187,24 @@ def run_block(block: DocBlock, tmp_path: Path, timeout: float) -> None:
         command = ["bash", "-e", "-o", "pipefail", str(script)]
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    # its own process group, ended whole however the test ends: a block's commands never outlive it
+    # The block runs in a process group of its own under a watchdog that ends the whole group when
+    # the pipe from this test closes: when the test ends, and also when this process is killed.
+    keep_alive, held = os.pipe()
     proc = subprocess.Popen(
-        command,
+        [sys.executable, "-c", _WATCHDOG, str(keep_alive), *command],
         cwd=root,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        pass_fds=(keep_alive,),
     )
+    os.close(keep_alive)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     finally:
+        os.close(held)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
