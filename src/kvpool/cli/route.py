@@ -406,4 +406,4 @@ def _serve(router: Any, host: str, port: int, limits: Any) -> None:
     config = uvicorn_config(
         build_app(router), host=host, port=port, limits=limits, log_level="warning", access_log=False
     )
-    serve_on(config, lambda url: _log(f"routing on {url}/v1"))
+    serve_on(config, lambda url: _log(f"routing on {url}/v1"), lambda url: _log(f"stopped routing on {url}/v1"))

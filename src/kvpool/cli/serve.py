@@ -443,4 +443,8 @@ def _run(engine: Any, config: Any, host: str, port: int, limits: Any, events: An
 
     app = build_app(engine, config, events=events)
     settings = uvicorn_config(app, host=host, port=port, limits=limits, log_level="warning", access_log=False)
-    serve_on(settings, lambda url: _log(f"serving {config.model_name!r} on {url}/v1"))
+    serve_on(
+        settings,
+        lambda url: _log(f"serving {config.model_name!r} on {url}/v1"),
+        lambda url: _log(f"stopped serving {config.model_name!r} on {url}/v1"),
+    )

@@ -21,7 +21,9 @@ The operator routes' test of "on this machine" is :func:`kvpool.openai_http.is_l
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -151,16 +153,35 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_on(config: uvicorn.Config, announce: Callable[[str], None]) -> None:
+def serve_on(
+    config: uvicorn.Config, announce: Callable[[str], None], stopped: Callable[[str], None] | None = None
+) -> None:
     """Run ``config``'s server until it stops, on a socket bound before it starts (``config.port`` 0: the OS
-    chooses); ``announce`` gets the address it listens on, with the real port, before the first request."""
+    chooses); ``announce`` gets the address it listens on, with the real port, before the first request, and
+    ``stopped`` the same address once the server has stopped (its connections closed, the socket too)."""
     import uvicorn
 
     sock = listening_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    announce(f"http://{shown}:{port}")
+    url = f"http://{shown}:{port}"
+    # uvicorn shuts down on SIGTERM, then raises the signal again; its default action would end the process
+    # there, before ``stopped``. As an exit instead, the ``finally`` runs and the status is the same, 143. It
+    # is set before the announcement, so a signal sent once the address is known always finds it.
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        restore = signal.SIG_DFL if previous is None else previous
     try:
+        announce(url)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)
+        if stopped is not None:
+            stopped(url)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
