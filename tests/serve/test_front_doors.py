@@ -164,3 +164,30 @@ def test_a_keyless_tokenize_is_still_bounded(server: LiveServer) -> None:
     assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded"
     model = _post(server, "/tokenize", {"model": "other", "prompt": "Hi"})
     assert model.status_code == 404
+
+
+@pytest.mark.slow
+def test_a_vllm_launch_line_serves_and_says_when_it_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_timing_leak import ServeProcess
+
+    monkeypatch.setenv("VLLM_API_KEY", "sk-from-env")
+    args = ["--dtype", "float32", "--tensor-parallel-size", "1", "--max-model-len", "1k", "--kv-cache-memory", "64MiB"]
+    server = ServeProcess(args, threads=1).start()
+    try:
+        models = httpx.get(f"{server.url}/v1/models", timeout=30)
+        assert models.status_code == 401  # the key from the environment guards /v1
+        models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer sk-from-env"}, timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["max_model_len"] == 1000
+        assert httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi"}, timeout=30).status_code == 200
+        server.stop()
+        log = server.log()
+        assert "API key from $VLLM_API_KEY" in log and "1 tenant, 1 API key" in log, log
+        assert f"stopped serving 'smollm2-135m' on {server.url}/v1" in log, log
+    finally:
+        server.stop()
+        if server.log_path is not None:
+            server.log_path.unlink(missing_ok=True)
