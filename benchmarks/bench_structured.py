@@ -64,11 +64,6 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
-def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    shifts = torch.arange(32, dtype=torch.int32)
-    return ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:vocab].bool()
-
-
 def bench_llguidance(tokenizer: Any, tokens: list[int], vocab: int, repeat: int) -> dict[str, str]:
     import llguidance
     import llguidance.hf
@@ -91,15 +86,15 @@ def bench_llguidance(tokenizer: Any, tokens: list[int], vocab: int, repeat: int)
         ]
     )
     masks, applies, advances = [], [], []
-    bitmask = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
     for _ in range(repeat):
         matcher = compile_schema()
         for token in tokens:
             logits = torch.randn(vocab)
             t0 = time.perf_counter()
-            matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
+            # as kvpool.engine.structured.GrammarMatcher.allowed does: one byte per token
+            allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) != 0
             t1 = time.perf_counter()
-            logits.masked_fill_(~_unpack(bitmask, vocab), float("-inf"))
+            logits.masked_fill_(~allowed, float("-inf"))
             t2 = time.perf_counter()
             assert logits[token] != float("-inf"), token
             ok = matcher.consume_token(token)

@@ -10,6 +10,8 @@ the torch-backed names below is first used.
 * :class:`ModelRunner` (:mod:`.model_runner`): one forward pass per batch of chunks.
 * :mod:`.model_store`: :func:`resolve_model`, :func:`load_model`.
 * :mod:`.sampling`: :class:`SamplingParams`, :func:`make_generator`, :func:`sample_tokens`.
+* :class:`StructuredOutput` (:mod:`.structured`): JSON or a JSON Schema the output must follow
+  (the ``structured`` extra).
 * :mod:`.memory`: the KV cache budget (measured on CUDA, estimated on the CPU).
 * :mod:`.startup`: loading, profiling and the one-time KV cache allocation.
 * :class:`LLMEngine` (:mod:`.llm_engine`): the step loop (scheduler, runner, sampler).
@@ -38,6 +40,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SequenceChunk",
+    "StructuredOutput",
     "TokenLogprobs",
     "allocate_kv_caches",
     "load_model",
@@ -66,6 +69,7 @@ _LAZY = {
     "SamplingParams": "sampling",
     "make_generator": "sampling",
     "sample_tokens": "sampling",
+    "StructuredOutput": "structured",
 }
 
 
