@@ -210,18 +210,24 @@ def _bodies() -> list[tuple[str, bytes]]:
     return out
 
 
-#: Requests that would take the whole server: every sequence runs to the end of the context. Sent at once,
+_HI = [{"role": "user", "content": "Hi"}]
+#: Requests that would take the whole server: every sequence runs to the end of the context (a chat without
+#: max_tokens does; a completion without it stops at 16, as in vLLM, or ran to the end before). Sent at once,
 #: at the start of a hostile phase, beside the honest tenants' requests.
-TAKERS = tuple(
-    (f"n {n}, no max_tokens, ignore_eos", {"model": MODEL, "prompt": "Hi", "n": n, "ignore_eos": True})
-    for n in (128, 64, 16)
+TAKERS = (
+    ("completion n 128, no max_tokens, ignore_eos", {"model": MODEL, "prompt": "Hi", "n": 128, "ignore_eos": True}),
+    *(
+        (f"chat n {n}, no max_tokens, ignore_eos", {"model": MODEL, "messages": _HI, "n": n, "ignore_eos": True})
+        for n in (128, 64, 16)
+    ),
 )
 
 
 async def _taker(http: Any, url: str, headers: dict[str, str], tally: Tally, label: str, body: Any) -> None:
     """One request that would take the server, waited for until the phase ends."""
     try:
-        response = await http.post(f"{url}/v1/completions", json=body, headers=headers, timeout=None)
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        response = await http.post(f"{url}{path}", json=body, headers=headers, timeout=None)
         tally.hostile_statuses[f"{label}: {response.status_code}"] += 1
     except asyncio.CancelledError:
         tally.hostile_statuses[f"{label}: running at the phase's end"] += 1
@@ -234,13 +240,14 @@ async def _taker(http: Any, url: str, headers: dict[str, str], tally: Tally, lab
 #: the server's per-request limit); a few hogs together ask for about twice the pool.
 HOG_N = 4
 HOG_PROMPT_TOKENS = 880
+HOG_MAX_TOKENS = 1024 - HOG_PROMPT_TOKENS - 1  # to the end of the server's context
 
 
 async def _hog(http: Any, url: str, headers: dict[str, str], tally: Tally, which: int) -> None:
     """Requests that run to the end of the context, one after another, until cancelled."""
     rng = random.Random(1000 + which)
     prompt = [rng.randrange(1000, 40000) for _ in range(HOG_PROMPT_TOKENS)]
-    body = {"model": MODEL, "prompt": prompt, "n": HOG_N, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": prompt, "n": HOG_N, "max_tokens": HOG_MAX_TOKENS, "ignore_eos": True}
     while True:
         try:
             response = await http.post(f"{url}/v1/completions", json=body, headers=headers, timeout=None)
