@@ -77,8 +77,9 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     "--max-request-tokens",
     type=POSITIVE_INT,
     default=None,
-    help="Output tokens one request may ask for: n times max_tokens (the rest of the context where it is "
-    "omitted), and apart its min_tokens; more is a 400. Default: the KV pool's tokens.",
+    help="Output tokens one request may ask for: n times max_tokens (where it is omitted, 16 on /v1/completions "
+    "and the rest of the context on chat, as in vLLM), and apart its min_tokens; more is a 400. Default: the KV "
+    "pool's tokens.",
 )
 @click.option(
     "--metrics-prefix",
