@@ -151,3 +151,10 @@ def test_plan_and_simulate_take_the_model_as_config_or_model() -> None:
     sized, same = json.loads(by_model.output)["simulation"], json.loads(by_config.output)["simulation"]
     sized.pop("wall_seconds"), same.pop("wall_seconds")
     assert same == sized and sized["num_blocks"] == 182  # 64 MiB of SmolLM2-135M's KV, in blocks
+
+
+def test_plan_reads_max_model_len_as_vllm_does() -> None:
+    runner = CliRunner()
+    plain = runner.invoke(cli, ["plan", "--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--max-model-len", "4096"])
+    suffixed = runner.invoke(cli, ["plan", "--config", "llama-3.1-8b", "--gpu-memory", "80GB", "--max-model-len", "4K"])
+    assert plain.exit_code == 0 and suffixed.output == plain.output and "max_model_len: 4,096 tokens" in plain.output

@@ -7,7 +7,7 @@ from collections import Counter
 
 import click
 
-from kvpool.cli.params import fail
+from kvpool.cli.params import TOKEN_COUNT, fail
 from kvpool.errors import KVPoolError
 from kvpool.model_config import load_model_config, shipped_config_names, text_config_view
 from kvpool.model_layers import layer_kinds
@@ -120,7 +120,12 @@ def _list_configs() -> str:
 @click.option(
     "--kv-cache-dtype", default="auto", show_default=True, help="auto (the model dtype), bf16, fp16, fp32 or fp8."
 )
-@click.option("--max-model-len", type=int, default=None, help="Tokens per request [default: max_position_embeddings].")
+@click.option(
+    "--max-model-len",
+    type=TOKEN_COUNT,
+    default=None,
+    help="Tokens per request, as vLLM reads it: 4096, 4k or 4K [default: max_position_embeddings].",
+)
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
 @click.option(
     "--weights-memory", metavar="SIZE", default=None, help="All weights, split over --tp GPUs [default: estimated]."
