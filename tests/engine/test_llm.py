@@ -365,3 +365,28 @@ def test_two_groups_share_one_tensor_per_slot_and_match_generate(kind, kinds, ti
     [hit] = llm.generate(shared + [10, 11], greedy(6))
     assert hit.num_cached_tokens > 0
     assert list(hit.output_token_ids) == reference_tokens(model, shared + [10, 11], 6)
+
+
+def test_a_batch_may_be_bounded_by_the_tokens_it_asks_for(tiny):
+    """max_output_tokens bounds one call (a server's request): refused whole, naming the figures; an
+    offline batch has no bound by default."""
+    from kvpool.errors import RequestTooLarge
+
+    folder, _ = tiny("llama")
+    llm = make_llm(folder, max_model_len=64)
+    engine = llm.engine
+    prompts = [random_prompt(8, seed=90 + i) for i in range(3)]
+    with pytest.raises(RequestTooLarge, match="3 sequences x 20 tokens = 60") as refused:
+        engine.add_requests(prompts, [SamplingParams(max_tokens=20)] * 3, max_output_tokens=59)
+    assert refused.value.param == "max_tokens"
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(RequestTooLarge, match="min_tokens") as refused:  # max_tokens: the rest, 56 tokens
+        engine.add_requests(prompts[:1], [SamplingParams(max_tokens=None, min_tokens=1000)], max_output_tokens=60)
+    assert refused.value.param == "min_tokens"
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(RequestTooLarge, match="rest of the context"):
+        engine.add_requests(prompts[:1], [SamplingParams(max_tokens=None)], max_output_tokens=10)
+    ids = engine.add_requests(prompts, [SamplingParams(max_tokens=20)] * 3, max_output_tokens=60)
+    assert len(ids) == 3
+    for rid in ids:
+        engine.abort(rid)

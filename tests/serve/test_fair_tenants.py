@@ -80,7 +80,7 @@ def _idle_after(server: LiveServer) -> Iterator[None]:
 
 def test_n_times_the_rest_of_the_context_is_refused_with_the_figures(server: LiveServer, engine: Any) -> None:
     """The high defect of issue 25: n=128, no max_tokens, ignore_eos. Refused at once, naming the values."""
-    limit = engine.max_request_tokens
+    limit = engine.pool_tokens
     response = _post(server, {"model": MODEL, "prompt": "Hi", "n": 2, "max_tokens": 4}, key="key-mallory")
     assert response.status_code == 200
     # n=4 (the queue's limit here) x the rest of the 256-token context: more than the pool's tokens. A chat

@@ -21,8 +21,14 @@ from kvpool.serve.tenant_worker import TenantWorker
 def test_a_tenants_backlog_waits_behind_one_task_of_each_other_tenant() -> None:
     worker = TenantWorker("test-turns")
     order: list[str] = []
-    gate = threading.Event()
-    worker.submit("mallory", gate.wait, 30)  # holds the thread while the queues fill
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        gate.wait(600)
+
+    worker.submit("mallory", hold)  # holds the thread while the queues fill
+    assert holding.wait(600)  # the worker took mallory's first task: her queue is empty again
     futures = [worker.submit("mallory", order.append, f"m{i}") for i in range(10)]
     futures.append(worker.submit("alice", order.append, "a0"))
     futures.append(worker.submit("bob", order.append, "b0"))

@@ -240,7 +240,6 @@ def serve(
         options["max_num_seqs"] = max_num_seqs
     if max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = max_num_batched_tokens
-    options["max_request_tokens"] = max_request_tokens
     if api_keys is not None:
         options["tenant_weights"] = dict(api_keys.weights)
     if gpu_memory_utilization is not None:
@@ -272,6 +271,7 @@ def serve(
             admin_keys=admin_keys,
             max_body_bytes=max_body_bytes,
             max_waiting=max_waiting,
+            max_request_tokens=max_request_tokens,
             metrics_prefix=metrics_prefix,
             log_requests=enable_log_requests,
             stats_interval=None if disable_log_stats else 10.0,

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvpool.checks import check_int
 from kvpool.engine.containment import dependants, forward_contained
 from kvpool.engine.kv_transfer import KVTiers, build_kv_tiers
 from kvpool.engine.live_request import LiveRequest
@@ -201,12 +202,6 @@ class LLMEngine:
             ),
             connector=None if self.kv_tiers is None else self.kv_tiers.connector,
         )
-        #: The most output tokens (and, apart, ``min_tokens``) one :meth:`add_requests` call may ask for.
-        self.max_request_tokens: int = (
-            chosen.max_request_tokens
-            if chosen.max_request_tokens is not None
-            else (self.manager.num_blocks - 1) * self.manager.block_size
-        )
         self._live: dict[str, LiveRequest] = {}
         self._grammars = GrammarCompiler(setup.tokenizer, setup.runner.vocab_size, setup.eos_token_ids)
         self._next_id = 0  # automatic request IDs are str(n), n counting up from here
@@ -334,6 +329,7 @@ class LLMEngine:
         cache_salts: Sequence[str | None] | None = None,
         add_special_tokens: bool = True,
         tenant: str | None = None,
+        max_output_tokens: int | None = None,
     ) -> list[str]:
         """Check every request, then queue them all; returns their IDs in prompt order.
 
@@ -353,10 +349,15 @@ class LLMEngine:
                 the one unnamed tenant.
 
         Raises:
-            RequestTooLarge: together they may produce more than
-                :attr:`max_request_tokens` tokens (each at its ``max_tokens``,
-                or the rest of the context without one), or their
-                ``min_tokens`` add up to more.
+            max_output_tokens: the most tokens these requests together may
+                produce (a server's bound on one API request: its prompts
+                times ``n``), each counted at its ``max_tokens`` or, without
+                one, at the rest of the context; their ``min_tokens`` are
+                bounded the same way. None: no bound (what an offline batch
+                wants; :attr:`pool_tokens` is the bound that fits the pool).
+
+        Raises:
+            RequestTooLarge: the requests ask for more than ``max_output_tokens``.
             KVPoolError: any request is bad; then none is queued and no
                 automatic ID is used up.
         """
@@ -371,7 +372,9 @@ class LLMEngine:
             self._prepare(prompt, sp, rid, salt, add_special_tokens, tenant)
             for prompt, sp, rid, salt in zip(prompts, params, ids, salts)
         ]
-        self._check_request_size(prepared)
+        if max_output_tokens is not None:
+            check_int("max_output_tokens", max_output_tokens)
+            _check_request_size(prepared, max_output_tokens)
         for one in prepared:  # every check has passed: queuing cannot fail
             self.scheduler.add_request(one.request, one.stop, tenant=tenant)
             self._live[one.request.request_id] = LiveRequest(
@@ -380,29 +383,10 @@ class LLMEngine:
         self._next_id = next_id
         return ids
 
-    def _check_request_size(self, prepared: Sequence[_Prepared]) -> None:
-        """Refuse a batch that may produce more than :attr:`max_request_tokens` tokens (or ask that many
-        ``min_tokens``): what one request may ask is bounded by what the server holds."""
-        limit = self.max_request_tokens
-        for field, total in (
-            ("max_tokens", sum(p.stop.max_tokens for p in prepared)),
-            ("min_tokens", sum(p.stop.min_tokens for p in prepared)),
-        ):
-            if total <= limit:
-                continue
-            each = {p.stop.max_tokens if field == "max_tokens" else p.stop.min_tokens for p in prepared}
-            what = (
-                f"{len(prepared)} sequences x {each.pop()} tokens = {total}"
-                if len(each) == 1 and len(prepared) > 1
-                else f"{total} tokens"
-            )
-            omitted = field == "max_tokens" and any(p.params.max_tokens is None for p in prepared)
-            raise RequestTooLarge(
-                f"the request may produce {what} ({field}"
-                + (", the rest of the context where it is not given" if omitted else "")
-                + f"); one request may ask for at most {limit} (max_request_tokens)",
-                field,
-            )
+    @property
+    def pool_tokens(self) -> int:
+        """The tokens the KV pool holds at once (its usable blocks): the bound of a request that fits the pool."""
+        return (self.manager.num_blocks - 1) * self.manager.block_size
 
     def _choose_ids(self, wanted: list[str | None]) -> tuple[list[str], int]:
         """Given IDs checked, None replaced by fresh numbers; and the counter after them."""
@@ -684,3 +668,26 @@ class LLMEngine:
                 if delta.output is not None and delta.request_id in wanted:
                     done[delta.request_id] = delta.output
         return done
+
+
+def _check_request_size(prepared: Sequence[_Prepared], limit: int) -> None:
+    """Refuse requests that together may produce more than ``limit`` tokens, or ask that many ``min_tokens``."""
+    for field, total in (
+        ("max_tokens", sum(p.stop.max_tokens for p in prepared)),
+        ("min_tokens", sum(p.stop.min_tokens for p in prepared)),
+    ):
+        if total <= limit:
+            continue
+        each = {p.stop.max_tokens if field == "max_tokens" else p.stop.min_tokens for p in prepared}
+        what = (
+            f"{len(prepared)} sequences x {each.pop()} tokens = {total}"
+            if len(each) == 1 and len(prepared) > 1
+            else f"{total} tokens"
+        )
+        omitted = field == "max_tokens" and any(p.params.max_tokens is None for p in prepared)
+        raise RequestTooLarge(
+            f"the request may produce {what} ({field}"
+            + (", the rest of the context where it is not given" if omitted else "")
+            + f"); one request may ask for at most {limit} (the server's max_request_tokens)",
+            field,
+        )

@@ -128,12 +128,6 @@ class EngineOptions:
         threads: CPU threads of a step: a count, ``"auto"`` (follow the cores
             other processes leave free, re-measured between steps; see
             :mod:`kvpool.engine.threads`), or None to leave torch's setting.
-        max_request_tokens: the most output tokens one call of
-            :meth:`~kvpool.engine.LLMEngine.add_requests` (one API request: its
-            prompts times ``n``) may ask for, each sequence counted at its
-            ``max_tokens`` or, without one, at the rest of the context; its
-            ``min_tokens`` are bounded the same way. None means the pool's
-            tokens: what the KV cache holds at once.
         tenant_weights: each tenant's weight in the fair share of the batch,
             the pool and a step (:mod:`kvpool.fair_share`); tenants not named
             weigh 1.
@@ -160,7 +154,6 @@ class EngineOptions:
     kv_tier_namespace: str | None = None
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
     threads: int | str | None = None
-    max_request_tokens: int | None = None
     tenant_weights: TenantWeights = field(default_factory=TenantWeights)
     tensor_parallel_size: int = 1
 
@@ -192,8 +185,6 @@ class EngineOptions:
         object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
         object.__setattr__(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
         parse_threads(self.threads)
-        if self.max_request_tokens is not None:
-            check_int("max_request_tokens", self.max_request_tokens)
         if check_int("tensor_parallel_size", self.tensor_parallel_size) != 1:
             raise ConfigError(
                 f"tensor_parallel_size {self.tensor_parallel_size} is not supported: kvpool's engine runs a model "

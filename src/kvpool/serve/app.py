@@ -63,6 +63,10 @@ class ServeConfig:
             ``/kv-events`` to clients not on the loopback interface.
         max_body_bytes: the largest request body read; a larger one is 413.
         max_waiting: requests that may wait for admission, per tenant; one more is 429.
+        max_request_tokens: the most tokens one request may ask for: ``n``
+            times its prompts times ``max_tokens`` (the rest of the context
+            where a chat leaves it out), and apart its ``min_tokens``; more
+            is 400 ``request_too_large``. None: the KV pool's tokens.
         retry_after: seconds a 429 asks the client to wait.
         metrics_prefix: the metric names' prefix (``vllm:``, vLLM's; ``kvpool:`` for names of kvpool's own).
         kv_events: returns the ``GET /kv-events`` body (a JSON-able value);
@@ -78,6 +82,7 @@ class ServeConfig:
     admin_keys: KeyRing | None = None
     max_body_bytes: int = 1 << 20
     max_waiting: int = 256
+    max_request_tokens: int | None = None
     retry_after: int = 1
     metrics_prefix: str = DEFAULT_PREFIX
     kv_events: Callable[[], object] | None = None
@@ -167,7 +172,10 @@ class _Server:
         self.metrics = ServerMetrics(config.model_name, config.metrics_prefix, engine=engine)
         self.stats = StatsLog()
         self.loop = EngineLoop(
-            engine, max_waiting=config.max_waiting, hooks=(self.metrics.after_step, self.stats.after_step, *hooks)
+            engine,
+            max_waiting=config.max_waiting,
+            max_request_tokens=config.max_request_tokens,
+            hooks=(self.metrics.after_step, self.stats.after_step, *hooks),
         )
         self.max_model_len = engine.max_model_len
         self.prompts = PromptTokenizer(engine)  # prompts are tokenized on its thread, never the engine's

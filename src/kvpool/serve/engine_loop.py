@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvpool.checks import check_int
 from kvpool.errors import RequestStateError, ServiceError
 
 if TYPE_CHECKING:
@@ -102,12 +103,26 @@ class EngineLoop:
         max_waiting: requests the scheduler may hold waiting for one tenant;
             one more of that tenant is refused with :class:`QueueFull` (so one
             tenant's backlog never fills another's queue).
+        max_request_tokens: the most tokens one submission (one API request:
+            its prompts times ``n``) may ask for; None: the engine's pool
+            tokens (see :meth:`LLMEngine.add_requests`' ``max_output_tokens``).
         hooks: called on the engine thread after each step (metrics, events).
     """
 
-    def __init__(self, engine: LLMEngine, *, max_waiting: int, hooks: Sequence[StepHook] = ()) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting: int,
+        max_request_tokens: int | None = None,
+        hooks: Sequence[StepHook] = (),
+    ) -> None:
+        if max_request_tokens is not None:
+            check_int("max_request_tokens", max_request_tokens)
         self.engine = engine
         self.max_waiting = max_waiting
+        #: What one submission may ask for (:meth:`LLMEngine.add_requests`' ``max_output_tokens``).
+        self.max_request_tokens = engine.pool_tokens if max_request_tokens is None else max_request_tokens
         self._hooks = tuple(hooks)
         self._inbox: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[Any]] = {}  # engine thread only
@@ -217,6 +232,7 @@ class EngineLoop:
                 request_ids=[job.request_id for job in jobs],
                 cache_salts=[job.cache_salt for job in jobs],
                 tenant=tenant,
+                max_output_tokens=self.max_request_tokens,
             )
         except Exception as exc:
             self._send(_resolve, admitted, exc)
