@@ -27,6 +27,7 @@ LAYERS = {
     "events": 3,
     "kv_events": 4,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
     "model_config": 3,
+    "openai_http": 3,  # the OpenAI HTTP surface serve and route share: requests, auth, body limits, error bodies
     "request": 5,
     "linked_blocks": 5,
     "recurrent_state": 5,
@@ -46,12 +47,11 @@ LAYERS = {
     "tiers": 12,  # tier kinds, specs, stores, entries and the tier hierarchy connector (torch-free)
     "engine": 13,
     "sim": 13,
-    "openai_http": 14,  # the OpenAI HTTP surface serve and route share: requests, auth, body limits, error bodies
-    "serve": 15,  # the OpenAI-compatible HTTP server over the engine
-    "router": 16,  # kvpool route: the prefix-aware front door over serve replicas (torch-free)
-    "cli": 17,
-    "integrations": 17,  # kvpool inside other servers (vLLM's KV connector); each imports its server only itself
-    "__init__": 18,  # the package facade re-exports the core
+    "serve": 14,  # the OpenAI-compatible HTTP server over the engine
+    "router": 14,  # kvpool route: the prefix-aware front door over replicas (torch-free; a sibling of serve)
+    "cli": 15,
+    "integrations": 15,  # kvpool inside other servers (vLLM's KV connector); each imports its server only itself
+    "__init__": 16,  # the package facade re-exports the core
 }
 TORCH_FREE_BELOW = 13
 
@@ -71,6 +71,10 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
+def _is_module(name: str) -> bool:
+    return (SRC / f"{name}.py").exists() or (SRC / name / "__init__.py").exists()
+
+
 def kvpool_imports(path: Path) -> list[tuple[str, int]]:
     """Every import that runs (at module level or inside functions)."""
     tree = ast.parse(path.read_text())
@@ -79,7 +83,11 @@ def kvpool_imports(path: Path) -> list[tuple[str, int]]:
     for node in ast.walk(tree):
         if getattr(node, "lineno", None) in skipped:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.module == "kvpool" and node.level == 0:
+            # ``from kvpool import prompts`` imports the module kvpool.prompts; ``from kvpool import
+            # KVCacheManager`` runs the package facade
+            names = [f"kvpool.{alias.name}" if _is_module(alias.name) else "kvpool.__init__" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
         elif isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -163,3 +171,87 @@ def test_there_is_no_import_cycle_at_all():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+# Layers numbered above what their imports need, and why: a layer groups a concept with its
+# neighbours, never just sits high. Anything else must sit directly above its highest import.
+ABOVE_WHAT_IMPORTS_NEED = {
+    "stats": "counters the manager reports; beside hashing and specs, the core's plain records",
+    "routing": "the replica choice beside tenancy: both rules the router and the simulator ask",
+    "prompts": "the prompt rule beside tenancy: both rules every front door asks",
+    "block": "the block record beside events: the pool's records",
+    "request": "a request's tokens and keys beside linked_blocks: what the pool's tables hold",
+    "linked_blocks": "free-list mechanics, one layer under the free queue and the eviction policies",
+    "recurrent_state": "a Mamba layer's state beside request: sized before the layer rules use it",
+    "prefix_index": "the index beside the free queue: the two halves of the pool",
+    "invariants": "the bookkeeping checker, directly under the manager that calls it",
+    "connector": "the KV connector interface beside the manager: the two faces a scheduler talks to",
+    "router": "kvpool route beside kvpool serve: the two front doors, neither importing the other",
+    "integrations": "kvpool inside other servers, at the top beside the commands",
+    "__init__": "the package facade, above everything it may re-export",
+}
+
+
+def _needed_layers() -> dict[str, int]:
+    needed: dict[str, int] = {}
+    for path in MODULES:
+        mine = component(path)
+        for name, _ in kvpool_imports(path):
+            if name.startswith("kvpool.") and (theirs := name.split(".")[1]) != mine:
+                needed[mine] = max(needed.get(mine, 0), LAYERS[theirs] + 1)
+    return needed
+
+
+def test_a_layer_sits_directly_above_its_highest_import_unless_grouped():
+    needed = _needed_layers()
+    slack = {name: (layer, needed.get(name, 0)) for name, layer in LAYERS.items() if layer > needed.get(name, 0)}
+    assert set(slack) - set(ABOVE_WHAT_IMPORTS_NEED) == set(), {
+        name: f"layer {layer}, its imports need only {need}"
+        for name, (layer, need) in slack.items()
+        if name not in ABOVE_WHAT_IMPORTS_NEED
+    }
+    assert set(ABOVE_WHAT_IMPORTS_NEED) <= set(slack), set(ABOVE_WHAT_IMPORTS_NEED) - set(slack)
+
+
+def test_from_kvpool_import_counts_as_importing_that_module(tmp_path):
+    """``from kvpool import prompts`` is an import of kvpool.prompts; ``from kvpool import X`` of the facade."""
+    found = {name for name, _ in kvpool_imports(SRC / "serve" / "tokenizer_thread.py")}
+    assert "kvpool.prompts" in found
+    facade = tmp_path / "facade.py"
+    facade.write_text("from kvpool import KVCacheManager\n")
+    assert [name for name, _ in kvpool_imports(facade)] == ["kvpool.__init__"]
+
+
+def test_the_version_is_the_distributions():
+    from importlib.metadata import version
+
+    from kvpool.build_info import VERSION
+
+    assert VERSION == version("kvpool")
+
+
+def _defined_classes() -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    for path in MODULES:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
+    return where
+
+
+def test_no_class_name_is_defined_twice():
+    """A name says which room it is in: two classes of one name are two rooms' words for different things."""
+    twice = {name: paths for name, paths in _defined_classes().items() if len(paths) > 1}
+    assert twice == {}
+
+
+# Module names that say what a room holds only with their folder beside them: one of each.
+ONE_OF_EACH = ("app.py", "prompts.py", "spec.py", "specs.py")
+
+
+def test_module_names_that_need_their_folder_are_not_repeated():
+    for stem in ONE_OF_EACH:
+        found = [str(p.relative_to(SRC)) for p in MODULES if p.name == stem]
+        assert len(found) <= 1, found
+    specs = [str(p.relative_to(SRC)) for p in MODULES if p.name in {"spec.py", "specs.py"}]
+    assert len(specs) <= 1, specs

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 from kvpool.model_config import load_model_config
 
 ROOT = Path(__file__).resolve().parents[1]

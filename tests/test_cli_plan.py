@@ -10,7 +10,7 @@ import pytest
 click = pytest.importorskip("click")
 from click.testing import CliRunner  # noqa: E402
 
-from kvpool.cli.app import cli  # noqa: E402
+from kvpool.cli.commands import cli  # noqa: E402
 from kvpool.model_config import load_model_config, shipped_config_names  # noqa: E402
 
 EXACT_40GIB = [

@@ -20,7 +20,7 @@ from kvpool.connector import (
 from kvpool.events import BlockRemoved, BlockStored
 from kvpool.scheduler import Scheduler, SchedulerConfig, StopConditions
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
-from kvpool.tiers.spec import WritePolicy
+from kvpool.tiers.kinds import WritePolicy
 
 BS = 4
 

@@ -64,7 +64,7 @@ def test_planner_doc_commands_run():
     pytest.importorskip("click")
     from click.testing import CliRunner
 
-    from kvpool.cli.app import cli
+    from kvpool.cli.commands import cli
 
     commands = _planner_commands()
     assert len(commands) == 3

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvpool.checks import parse_token_count
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 from kvpool.cli.params import TOKEN_COUNT
 from kvpool.errors import ConfigError
 from kvpool.tenancy import API_KEY_FILE_EXAMPLE, KeyRing

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from click.testing import CliRunner  # noqa: E402
 
 from kvpool import BlockHasher, BlockStored  # noqa: E402
-from kvpool.cli.app import cli  # noqa: E402
+from kvpool.cli.commands import cli  # noqa: E402
 from kvpool.engine.llm import LLM  # noqa: E402
 from kvpool.engine.sampling import SamplingParams  # noqa: E402
 from kvpool.kv_events import KVEventPublisher, KVEventSubscriber  # noqa: E402

@@ -106,9 +106,9 @@ def engine() -> Iterator[Any]:
 
 @pytest.mark.parametrize("piece_chars", [0, 1 << 20])
 def test_the_engine_and_the_router_make_the_same_tokens(engine: Any, piece_chars: int) -> None:
-    from kvpool.router.prompts import PromptTokenizer
+    from kvpool.router.prompt_hashes import PromptHasher
 
-    router = PromptTokenizer(FOLDER, piece_chars=piece_chars)
+    router = PromptHasher(FOLDER, piece_chars=piece_chars)
     for _ in range(2):  # the second round, by pieces, comes from the router's piece cache
         for chat in CHATS:
             assert router.chat_tokens(chat) == chat_token_ids(engine, chat), chat

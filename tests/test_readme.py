@@ -247,7 +247,7 @@ def test_the_tests_section_runs_the_set_up_test_command():
 
 def _cli():
     pytest.importorskip("click")
-    from kvpool.cli.app import cli
+    from kvpool.cli.commands import cli
 
     return cli
 

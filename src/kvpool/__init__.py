@@ -8,6 +8,7 @@ chain over full blocks so that finding a cached prefix is a dict lookup.
 The core (this package's top level) needs only the standard library.
 """
 
+from kvpool.build_info import VERSION
 from kvpool.build_info import build as _build
 from kvpool.errors import (
     CapacityError,
@@ -24,7 +25,7 @@ from kvpool.manager import HitBlocks, KVCacheManager
 from kvpool.request import Request
 from kvpool.stats import PrefixCacheStats
 
-__version__ = "0.1.0"
+__version__ = VERSION
 #: Which build runs: ``"pure"`` (interpreted, the reference), ``"compiled"`` (the core
 #: compiled with mypyc: ``KVPOOL_COMPILE=1 pip install .``) or ``"mixed"`` (a partial build).
 BUILD = _build()

@@ -13,7 +13,10 @@ import importlib.machinery
 import importlib.util
 from typing import Final, Literal
 
-__all__ = ["COMPILED_MODULES", "Build", "build", "compiled_modules"]
+__all__ = ["COMPILED_MODULES", "VERSION", "Build", "build", "compiled_modules"]
+
+#: kvpool's version (``kvpool.__version__``, ``GET /version``).
+VERSION: Final = "0.1.0"
 
 #: The bookkeeping core, compiled by the compiled build. Every other module is
 #: always interpreted (BENCHMARKS.md, "A compiled core", says why for each left out).

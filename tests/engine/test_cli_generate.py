@@ -7,7 +7,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 from kvpool.engine.llm import LLM
 from kvpool.engine.sampling import SamplingParams
 from tests.engine.tiny_models import build_model, save_model

@@ -10,7 +10,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 from tests.engine.tiny_models import build_model, save_model
 
 pytestmark = pytest.mark.engine
@@ -32,7 +32,7 @@ def generate(folder: str, *tiers: str, extra: tuple[str, ...] = ()) -> tuple[dic
         args += ["--kv-tier", tier]
     if any(not tier.startswith("cpu:") for tier in tiers):
         args.append("--kv-tier-unauthenticated")  # these tests share unsigned entries; the rule: test_tier_trust.py
-    code = "import sys; from kvpool.cli.app import cli; sys.exit(cli())"
+    code = "import sys; from kvpool.cli.commands import cli; sys.exit(cli())"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env, check=False

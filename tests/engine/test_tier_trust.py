@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 from kvpool.engine.startup import EngineOptions
 from kvpool.errors import ConfigError
 

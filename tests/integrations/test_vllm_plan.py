@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvpool.errors import ConfigError
-from kvpool.integrations.vllm.plan import BlockLoad, BlockSave, ConnectorOptions, ScheduledChunk, TierPlanner
+from kvpool.integrations.vllm.plan import (
+    ConnectorOptions,
+    TierPlanner,
+    VllmBlockLoad,
+    VllmBlockSave,
+    VllmScheduledChunk,
+)
 from kvpool.tiers import ByteTier, CpuTarget, DiskTarget, HostTier
 
 BS = 4  # tokens per block
@@ -62,8 +68,8 @@ class FailingStore(DictStore):
         raise ConnectionError("redis is down")
 
 
-def new_chunk(rid: str, block_ids: Sequence[int], computed: int, scheduled: int) -> ScheduledChunk:
-    return ScheduledChunk(
+def new_chunk(rid: str, block_ids: Sequence[int], computed: int, scheduled: int) -> VllmScheduledChunk:
+    return VllmScheduledChunk(
         request_id=rid,
         block_ids=tuple(block_ids),
         replace=True,
@@ -181,8 +187,8 @@ def test_loaded_blocks_are_loaded_into_their_block_ids_and_promoted_to_the_cpu_t
     plan = planner.build([new_chunk("a", [10, 11, 12, 13], computed=8, scheduled=6)])
     h = request.block_hashes
     assert plan.loads == (
-        BlockLoad(tier="redis", key=h[0], block_id=10),
-        BlockLoad(tier="redis", key=h[1], block_id=11),
+        VllmBlockLoad(tier="redis", key=h[0], block_id=10),
+        VllmBlockLoad(tier="redis", key=h[1], block_id=11),
     )
     # promotions to the tier above, then the computed full block 2 to every tier
     assert [(s.key, s.block_id, s.tiers) for s in plan.saves] == [
@@ -204,9 +210,13 @@ def test_a_block_is_saved_once_as_it_fills_decode_included():
     assert [s.block_id for s in first.saves] == [5]
     request.tokens += [6, 7]  # two decode steps fill block 1
     request.block_hashes = chain(request.tokens)
-    step = ScheduledChunk(request_id="a", block_ids=(), replace=False, num_computed_tokens=6, num_scheduled_tokens=1)
+    step = VllmScheduledChunk(
+        request_id="a", block_ids=(), replace=False, num_computed_tokens=6, num_scheduled_tokens=1
+    )
     assert planner.build([step]).saves == ()  # block 1 holds 7 tokens after this step
-    step = ScheduledChunk(request_id="a", block_ids=(), replace=False, num_computed_tokens=7, num_scheduled_tokens=1)
+    step = VllmScheduledChunk(
+        request_id="a", block_ids=(), replace=False, num_computed_tokens=7, num_scheduled_tokens=1
+    )
     assert [(s.key, s.block_id) for s in planner.build([step]).saves] == [(request.block_hashes[1], 6)]
 
 
@@ -228,7 +238,9 @@ def test_a_failed_load_is_saved_again_when_vllm_recomputes_it():
     plan = planner.build([new_chunk("a", [7, 8, 9, 10], computed=12, scheduled=1)])
     assert len(plan.loads) == 3 and plan.saves == ()
     # block 8 was refused: vLLM reschedules the request from token 4 and computes blocks 1 and 2 again
-    again = ScheduledChunk(request_id="a", block_ids=(), replace=False, num_computed_tokens=4, num_scheduled_tokens=9)
+    again = VllmScheduledChunk(
+        request_id="a", block_ids=(), replace=False, num_computed_tokens=4, num_scheduled_tokens=9
+    )
     assert [s.block_id for s in planner.build([again]).saves] == [8, 9]
 
 
@@ -237,7 +249,7 @@ def test_a_resumed_request_replaces_its_block_ids():
     planner = TierPlanner([ByteTier(DictStore("redis"))], BS)
     planner.add(request)
     planner.build([new_chunk("a", [1, 2, 3], computed=0, scheduled=4)])
-    resumed = ScheduledChunk(
+    resumed = VllmScheduledChunk(
         request_id="a", block_ids=(20, 21, 22), replace=True, num_computed_tokens=0, num_scheduled_tokens=9
     )
     assert [s.block_id for s in planner.build([resumed]).saves] == [20, 21]
@@ -259,7 +271,7 @@ def test_a_full_host_tier_skips_the_cpu_save_and_keeps_the_others():
     planner.add(request)
     plan = planner.build([new_chunk("a", [1, 2, 3, 4], computed=0, scheduled=13)])
     assert [s.tiers for s in plan.saves] == [("cpu", "redis"), ("redis",), ("redis",)]
-    assert isinstance(plan.saves[0], BlockSave) and plan.saves[0].slot == 1
+    assert isinstance(plan.saves[0], VllmBlockSave) and plan.saves[0].slot == 1
 
 
 def test_finished_requests_are_forgotten():

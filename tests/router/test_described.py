@@ -11,8 +11,8 @@ import pytest
 from kvpool.errors import ConfigError
 from kvpool.router import MemoryIndex, RouteOptions, Router
 from kvpool.router.index import Group
+from kvpool.router.replica_config import load_config, parse_replica
 from kvpool.router.replicas import HashForm
-from kvpool.router.specs import load_config, parse_replica
 from kvpool.router.stats import HashVerdict
 from kvpool.router.usage import UsageScanner, cached_tokens_of
 from kvpool.tenancy import SaltPolicy

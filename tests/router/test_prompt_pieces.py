@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.errors import ConfigError
 from kvpool.router import MemoryIndex, RouteOptions, Router
-from kvpool.router.prompts import CHECKED_CHATS, PieceCache, PromptTokenizer, missing_packages
+from kvpool.router.prompt_hashes import CHECKED_CHATS, PieceCache, PromptHasher, missing_packages
 from kvpool.tenancy import SaltPolicy
 from tests.router.fakes import ByteTokenizer, FakeReplica, RouterThread, wait_for
 
@@ -73,15 +73,15 @@ def chat(rng: random.Random, turns: int) -> list[dict[str, str]]:
 
 
 def whole(folder: Path, messages: Sequence[dict[str, str]]) -> list[int]:
-    tokenizer = PromptTokenizer(folder, piece_chars=0)
+    tokenizer = PromptHasher(folder, piece_chars=0)
     return tokenizer.chat_tokens(messages)
 
 
 @needs_extra
 def test_chats_by_pieces_are_the_whole_encoding(tmp_path: Path) -> None:
     folder = model_folder(tmp_path)
-    tokenizer = PromptTokenizer(folder)
-    reference = PromptTokenizer(folder, piece_chars=0)
+    tokenizer = PromptHasher(folder)
+    reference = PromptHasher(folder, piece_chars=0)
     rng = random.Random(1)
     for _ in range(3 * CHECKED_CHATS):  # past the chats checked both ways: the pieces alone decide
         messages = chat(rng, rng.randrange(0, 4))
@@ -94,7 +94,7 @@ def test_chats_by_pieces_are_the_whole_encoding(tmp_path: Path) -> None:
 
 @needs_extra
 def test_a_follow_up_encodes_only_its_new_pieces(tmp_path: Path) -> None:
-    tokenizer = PromptTokenizer(model_folder(tmp_path))
+    tokenizer = PromptHasher(model_folder(tmp_path))
     tokenizer.load()
     encoded: list[str] = []
     real = tokenizer._tokenizer
@@ -117,7 +117,7 @@ def test_a_follow_up_encodes_only_its_new_pieces(tmp_path: Path) -> None:
 
 @needs_extra
 def test_an_added_token_that_takes_whitespace_means_whole_encodings(tmp_path: Path) -> None:
-    tokenizer = PromptTokenizer(model_folder(tmp_path, lstrip=True))
+    tokenizer = PromptHasher(model_folder(tmp_path, lstrip=True))
     messages = chat(random.Random(2), 2)
     tokens = tokenizer.chat_tokens(messages)
     assert not tokenizer.by_pieces
@@ -128,7 +128,7 @@ def test_an_added_token_that_takes_whitespace_means_whole_encodings(tmp_path: Pa
 def test_pieces_that_differ_from_the_whole_turn_the_cache_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import re
 
-    tokenizer = PromptTokenizer(model_folder(tmp_path))
+    tokenizer = PromptHasher(model_folder(tmp_path))
     tokenizer.load()
     tokenizer._cut = re.compile(f"({re.escape('<|im_start|>')}|{re.escape('<|im_end|>')}|a)")  # a cut inside words
     tokenizer._added = {**tokenizer._added, "a": 0}
@@ -161,7 +161,7 @@ def test_a_piece_cache_size_that_is_not_a_positive_integer_is_named(bad: object)
 def test_a_piece_chars_that_is_not_a_count_is_named(tmp_path: Path, bad: object) -> None:
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError, match=repr(bad).replace(".", r"\.")):
-        PromptTokenizer(tmp_path, piece_chars=bad)  # type: ignore[arg-type]  # the wrong type is the point
+        PromptHasher(tmp_path, piece_chars=bad)  # type: ignore[arg-type]  # the wrong type is the point
 
 
 class ThreadNoting(ByteTokenizer):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvpool.openai_http.protocol import Endpoint, parse_generation
+from kvpool.openai_http.protocol import GenerationEndpoint, parse_generation
 from kvpool.router import MemoryIndex, RouteOptions, Router
-from kvpool.router.specs import parse_replica
+from kvpool.router.replica_config import parse_replica
 from kvpool.tenancy import DEFAULT_TENANT, SaltPolicy
 from tests.router.fakes import ByteTokenizer
 
@@ -23,7 +23,7 @@ def precise_router(block_size: int) -> Router:
 
 
 def keys_of(router: Router, text: str):  # type: ignore[no-untyped-def]  # PromptKeys
-    request = parse_generation(Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": text}]})
+    request = parse_generation(GenerationEndpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": text}]})
     return router.prompt_keys(request, DEFAULT_TENANT)
 
 

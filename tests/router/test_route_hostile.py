@@ -267,7 +267,7 @@ def test_bad_timeouts_are_refused_by_name() -> None:
 def test_the_command_refuses_bad_connection_and_timeout_flags() -> None:
     from click.testing import CliRunner
 
-    from kvpool.cli.app import cli
+    from kvpool.cli.commands import cli
 
     for flag, value in (
         ("--upstream-timeout", "0"),

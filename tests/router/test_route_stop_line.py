@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-CODE = "import sys; from kvpool.cli.app import cli; sys.exit(cli.main({args!r}, prog_name='kvpool'))"
+CODE = "import sys; from kvpool.cli.commands import cli; sys.exit(cli.main({args!r}, prog_name='kvpool'))"
 
 
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, None)])

@@ -238,7 +238,7 @@ def test_a_replica_url_password_goes_to_the_replica_and_is_shown_nowhere(caplog:
 def test_the_command_refuses_a_bad_replica_in_one_line_naming_it(text: str, named: str) -> None:
     from click.testing import CliRunner
 
-    from kvpool.cli.app import cli
+    from kvpool.cli.commands import cli
 
     result = CliRunner().invoke(cli, ["route", "--no-tenant-isolation", "--replica", text])
     assert result.exit_code == 2, result.output
@@ -250,7 +250,7 @@ def test_the_command_refuses_a_bad_replica_in_one_line_naming_it(text: str, name
 def test_the_same_replica_twice_is_refused_by_the_command_and_the_options() -> None:
     from click.testing import CliRunner
 
-    from kvpool.cli.app import cli
+    from kvpool.cli.commands import cli
 
     args = ["route", "--no-tenant-isolation", "--replica", "http://127.0.0.1:8001", "--replica", "http://LOCALHOST:9"]
     args += ["--replica", "http://127.0.0.1:8001/"]
@@ -277,7 +277,7 @@ def test_a_deeply_nested_config_file_is_one_line_naming_the_file(tmp_path: objec
 
     from click.testing import CliRunner
 
-    from kvpool.cli.app import cli
+    from kvpool.cli.commands import cli
 
     assert isinstance(tmp_path, Path)
     deep = tmp_path / "deep.toml"

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.router import MemoryIndex, RouteOptions, Router
-from kvpool.router.prompts import PromptTokenizer, missing_packages
-from kvpool.router.specs import parse_replica
+from kvpool.router.prompt_hashes import PromptHasher, missing_packages
+from kvpool.router.replica_config import parse_replica
 from kvpool.router.stats import HashVerdict
 from kvpool.tenancy import SaltPolicy
 from tests.router.fakes import RouterThread, wait_for
@@ -72,7 +72,7 @@ def chat(router: RouterThread, messages: list[dict[str, str]]) -> dict[str, obje
 def test_kvpool_route_in_front_of_two_vllm_replicas(fleet: list[vllm_fleet.VLLMReplica]) -> None:
     specs = tuple(parse_replica(r.spec) for r in fleet)
     options = RouteOptions(
-        replicas=specs, tokenizer=PromptTokenizer(MODEL), keys=None, salts=SaltPolicy.shared(), health_interval=0.2
+        replicas=specs, tokenizer=PromptHasher(MODEL), keys=None, salts=SaltPolicy.shared(), health_interval=0.2
     )
     router = RouterThread(Router(options, MemoryIndex()))
     core = router.router
@@ -142,9 +142,9 @@ def test_kvpool_route_in_front_of_two_vllm_replicas(fleet: list[vllm_fleet.VLLMR
 
 
 def _parsed(messages: list[dict[str, str]]) -> object:
-    from kvpool.openai_http.protocol import Endpoint, parse_generation
+    from kvpool.openai_http.protocol import GenerationEndpoint, parse_generation
 
-    return parse_generation(Endpoint.CHAT, {"model": "m", "messages": messages})
+    return parse_generation(GenerationEndpoint.CHAT, {"model": "m", "messages": messages})
 
 
 def _all_indexed(core: Router, messages: list[dict[str, str]], url: str) -> bool:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import ConfigError
-from kvpool.router.specs import ReplicaSpec, build_spec, parse_replica
+from kvpool.router.replica_config import ReplicaSpec, build_spec, parse_replica
 
 KEYS = ["events", "replay", "block-size", "block_size", "hash", "seed", "block-hash", "num-blocks", "bogus"]
 PASSWORD = "Zq9pa55"  # in every URL below that has credentials: never in an error

@@ -18,8 +18,8 @@ from kvpool.hashing import BlockHasher
 from kvpool.kv_events.wire import decode_batch
 from kvpool.router.feed import apply_events
 from kvpool.router.index import MemoryIndex
+from kvpool.router.replica_config import parse_replica
 from kvpool.router.replicas import HashForm
-from kvpool.router.specs import parse_replica
 
 RECORD = json.loads((Path(__file__).parents[1] / "fixtures" / "vllm_events_cpu" / "stream.json").read_text())
 URL = "http://vllm:8000"
@@ -52,12 +52,12 @@ def test_a_described_replica_hashes_as_the_recording_says() -> None:
 
 
 def test_the_routers_tokens_find_what_vllm_reported_cached() -> None:
-    from kvpool.router.prompts import PromptTokenizer, missing_packages
+    from kvpool.router.prompt_hashes import PromptHasher, missing_packages
 
     folder = Path.home() / ".cache" / "kvpool" / "models" / RECORD["model"]
     if missing_packages() or not (folder / "tokenizer.json").is_file():
         pytest.skip(f"needs the route extra and the converted model at {folder}")
-    tokenizer = PromptTokenizer(folder)
+    tokenizer = PromptHasher(folder)
     hasher = BlockHasher(128, "sha256", "vllm-none-hash")
     index = indexed()
     for request in RECORD["requests"]:

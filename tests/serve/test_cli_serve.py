@@ -11,7 +11,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 

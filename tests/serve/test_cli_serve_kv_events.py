@@ -10,7 +10,7 @@ from click.testing import CliRunner
 pytest.importorskip("zmq")
 import zmq.auth  # noqa: E402
 
-from kvpool.cli.app import cli  # noqa: E402
+from kvpool.cli.commands import cli  # noqa: E402
 from kvpool.cli.serve import _events_setup  # noqa: E402
 from kvpool.kv_events import CurveServer, EventContent  # noqa: E402
 

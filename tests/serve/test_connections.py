@@ -20,8 +20,8 @@ from starlette.routing import Route
 
 from kvpool.errors import ConfigError
 from kvpool.openai_http import is_loopback
-from kvpool.serve.app import _is_loopback
 from kvpool.serve.connections import ConnectionLimits, uvicorn_config
+from kvpool.serve.openai_server import _is_loopback
 from tests.serve.conftest import bound_port
 
 DEADLINE = 30.0  # generous: the machine may be loaded; the assertions wait for events, not for this

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kvpool.serve import ServeConfig, build_app
-from kvpool.serve.prompts import THREAD_NAME
+from kvpool.serve.tokenizer_thread import THREAD_NAME
 from kvpool.tenancy import SaltPolicy
 from tests.serve.conftest import LiveServer
 

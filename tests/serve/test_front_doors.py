@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from kvpool.openai_http import tokenizer_turn
-from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_generation
+from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, parse_generation
 from kvpool.openai_http.schema import COMPLETION_MAX_TOKENS
-from kvpool.serve.prompts import PromptTokenizer
 from kvpool.serve.tokenize import tokenize_body
+from kvpool.serve.tokenizer_thread import TokenizerThread
 from kvpool.tenancy import DEFAULT_TENANT, KeyRing, SaltPolicy
 from tests.serve.conftest import LiveServer
 
@@ -27,11 +27,11 @@ KEYS = KeyRing.from_mapping({"sk-alice": "alice"})
 
 def test_completions_default_to_16_tokens_and_null_means_16_while_chat_runs_to_the_context() -> None:
     assert COMPLETION_MAX_TOKENS == 16
-    left_out = parse_generation(Endpoint.COMPLETIONS, {"prompt": "Hi"})
-    null = parse_generation(Endpoint.COMPLETIONS, {"prompt": "Hi", "max_tokens": None})
-    given = parse_generation(Endpoint.COMPLETIONS, {"prompt": "Hi", "max_tokens": 100})
+    left_out = parse_generation(GenerationEndpoint.COMPLETIONS, {"prompt": "Hi"})
+    null = parse_generation(GenerationEndpoint.COMPLETIONS, {"prompt": "Hi", "max_tokens": None})
+    given = parse_generation(GenerationEndpoint.COMPLETIONS, {"prompt": "Hi", "max_tokens": 100})
     assert (left_out.sampling.max_tokens, null.sampling.max_tokens, given.sampling.max_tokens) == (16, 16, 100)
-    chat = parse_generation(Endpoint.CHAT, {"messages": [{"role": "user", "content": "Hi"}]})
+    chat = parse_generation(GenerationEndpoint.CHAT, {"messages": [{"role": "user", "content": "Hi"}]})
     assert chat.sampling.max_tokens is None  # the rest of the context
 
 
@@ -60,7 +60,7 @@ class _BosEngine:
 
 
 def _tokenize(body: dict[str, Any]) -> list[int]:
-    prompts = PromptTokenizer(_BosEngine())  # type: ignore[arg-type]
+    prompts = TokenizerThread(_BosEngine())  # type: ignore[arg-type]
     prompts.start()
 
     def any_model(gen: GenerationRequest) -> None:

@@ -13,7 +13,7 @@ from unittest import mock
 import httpx
 import pytest
 
-from kvpool.serve.app import ServeConfig, build_app
+from kvpool.serve.openai_server import ServeConfig, build_app
 from kvpool.tenancy import SaltPolicy
 
 

@@ -154,12 +154,12 @@ def test_tools_are_refused_naming_the_templates_lack(server: LiveServer) -> None
 
 
 def test_tools_with_a_template_that_takes_them_are_refused_until_tool_calls_are_parsed() -> None:
-    from kvpool.openai_http.protocol import APIError, Endpoint, parse_generation
+    from kvpool.openai_http.protocol import APIError, GenerationEndpoint, parse_generation
     from kvpool.serve.generation import check_tools
 
-    gen = parse_generation(Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]})
+    gen = parse_generation(GenerationEndpoint.CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]})
     assert gen.tools == (TOOL,)
     with pytest.raises(APIError, match="tool calls are not parsed") as caught:
         check_tools(gen, True)
     assert caught.value.status == 400 and caught.value.param == "tools"
-    check_tools(parse_generation(Endpoint.CHAT, {"messages": [{"role": "user", "content": "x"}]}), False)
+    check_tools(parse_generation(GenerationEndpoint.CHAT, {"messages": [{"role": "user", "content": "x"}]}), False)

@@ -13,9 +13,9 @@ import pytest
 
 from kvpool import prompts as prompt_rule
 from kvpool.openai_http.errors import APIError
-from kvpool.openai_http.protocol import Endpoint, GenerationRequest, Sampling
-from kvpool.serve.prompts import PIECE_CHARS, PromptTokenizer
+from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, Sampling
 from kvpool.serve.tenant_worker import TenantWorker
+from kvpool.serve.tokenizer_thread import PIECE_CHARS, TokenizerThread
 
 
 def test_a_tenants_backlog_waits_behind_one_task_of_each_other_tenant() -> None:
@@ -87,13 +87,13 @@ class _FakeEngine:
 
 def _gen(prompt: str) -> GenerationRequest:
     return GenerationRequest(
-        endpoint=Endpoint.COMPLETIONS, model=None, prompts=(prompt,), messages=None, sampling=Sampling()
+        endpoint=GenerationEndpoint.COMPLETIONS, model=None, prompts=(prompt,), messages=None, sampling=Sampling()
     )
 
 
 def test_the_size_bound_follows_the_measured_characters_per_token() -> None:
     engine = _FakeEngine(max_model_len=1000)
-    tokenizer = PromptTokenizer(engine)  # type: ignore[arg-type]
+    tokenizer = TokenizerThread(engine)  # type: ignore[arg-type]
     measured = prompt_rule.measured_chars_per_token(engine)
     assert 4 < measured < 9  # words of the probe text and their spaces
     # the proven bound would be 40 characters a token (the longest token); the measured one is far tighter
@@ -103,7 +103,7 @@ def test_the_size_bound_follows_the_measured_characters_per_token() -> None:
 
 def test_a_long_text_is_refused_as_soon_as_its_count_passes_the_context() -> None:
     engine = _FakeEngine(max_model_len=2000)
-    tokenizer = PromptTokenizer(engine)  # type: ignore[arg-type]
+    tokenizer = TokenizerThread(engine)  # type: ignore[arg-type]
     engine.pieces_encoded.clear()  # the probe text measured at start
     text = "abcdefghijklmn " * 2700  # 40,500 characters, under the bound; 2,700 tokens: more than the context
     assert tokenizer.max_chars is not None and len(text) < tokenizer.max_chars
@@ -118,7 +118,7 @@ def test_a_long_text_is_refused_as_soon_as_its_count_passes_the_context() -> Non
 
 def test_a_long_text_that_fits_is_counted_then_encoded_whole() -> None:
     engine = _FakeEngine(max_model_len=20_000)
-    tokenizer = PromptTokenizer(engine)  # type: ignore[arg-type]
+    tokenizer = TokenizerThread(engine)  # type: ignore[arg-type]
     text = "ab " * 10_000
     tokens = asyncio.run(tokenizer.token_ids(_gen(text)))
     assert len(tokens) == 10_000

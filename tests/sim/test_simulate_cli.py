@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 
 
 def invoke(*args: str, requests: int = 60):

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 from kvpool.errors import ConfigError
 from kvpool.routing import Routing
 from kvpool.sim import traces

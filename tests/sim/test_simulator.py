@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 
-from kvpool.cli.app import cli
+from kvpool.cli.commands import cli
 from kvpool.sim.simulator import CostModel, SimulationConfig, simulate
 from kvpool.sim.traces import SharedSegment, TraceRequest, UniqueSegment
 from kvpool.sim.workloads import generate_workload

@@ -20,6 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("kvpool: error: the command line needs click: pip install 'click>=8.1'", file=sys.stderr)
         return 1
-    from kvpool.cli.app import cli
+    from kvpool.cli.commands import cli
 
     return cli.main(args=argv, prog_name="kvpool", standalone_mode=True)

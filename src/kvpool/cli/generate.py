@@ -25,7 +25,7 @@ import click
 from kvpool.cli.params import THREADS, TOKEN_COUNT, fail, require_extra
 from kvpool.errors import KVPoolError
 from kvpool.hashing import HashAlgo
-from kvpool.tiers.spec import WritePolicy
+from kvpool.tiers.kinds import WritePolicy
 
 __all__ = ["chat", "generate"]
 

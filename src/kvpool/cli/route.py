@@ -2,7 +2,7 @@
 
 A ``kvpool serve`` replica is named by its URL; any other server (vLLM...) is described
 with its events (``--replica URL,events=...,block-size=...`` or ``--config FILE``, see
-:mod:`kvpool.router.specs`). It takes kvpool replicas' own tenant flags
+:mod:`kvpool.router.replica_config`). It takes kvpool replicas' own tenant flags
 (``--api-key-file``, ``--tenant-secret-file``, ``--no-tenant-isolation``): the router
 derives each request's cache salt as they do, so the block hashes it computes are
 theirs; in front of described replicas only (which salt by the request's own
@@ -240,8 +240,8 @@ def route(
     require_extra("route", "route", "zmq", "msgspec")
     from kvpool.errors import ConfigError
     from kvpool.router import RouteOptions, Router, index_from_url
+    from kvpool.router.replica_config import load_config, parse_replica
     from kvpool.router.replicas import check_distinct
-    from kvpool.router.specs import load_config, parse_replica
     from kvpool.routing import PrefixMode, Routing
     from kvpool.serve.connections import ConnectionLimits
     from kvpool.tenancy import KeyRing, SaltPolicy, load_secret
@@ -375,7 +375,7 @@ def _tokenizer(model: str) -> tuple[Any, str | None]:
     """The model's tokenizer (loaded later, in the background) and None, or None and why there is none."""
     from pathlib import Path
 
-    from kvpool.router.prompts import PromptTokenizer, missing_packages
+    from kvpool.router.prompt_hashes import PromptHasher, missing_packages
 
     missing = missing_packages()
     if missing:
@@ -391,7 +391,7 @@ def _tokenizer(model: str) -> tuple[Any, str | None]:
             if model != _DEFAULT_MODEL:
                 raise
             return None, f"--model {model}: {exc}"
-    return PromptTokenizer(folder), None
+    return PromptHasher(folder), None
 
 
 def _serve(router: Any, host: str, port: int, limits: Any) -> None:

@@ -9,7 +9,7 @@
 :func:`build_kv_tiers` parses them once (:func:`kvpool.tiers.store.parse_specs`) and
 turns them into the two halves of a connector:
 :class:`~kvpool.tiers.hierarchy.TierHierarchyConnector` (decisions, torch-free,
-with its :class:`~kvpool.tiers.spec.WritePolicy`) and :class:`KVTransferWorker`
+with its :class:`~kvpool.tiers.kinds.WritePolicy`) and :class:`KVTransferWorker`
 (this module), which implements :class:`~kvpool.connector.KVConnectorWorker`:
 
 * the CPU tier is one host tensor ``[host blocks, layers, 2, block_size,
@@ -52,7 +52,7 @@ from kvpool.errors import ConfigError, KVPoolError
 from kvpool.manager import KVCacheManager
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
-from kvpool.tiers.spec import CpuTarget, TierKind, WritePolicy
+from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
 from kvpool.tiers.store import check_tier_trust, parse_specs
 
 if TYPE_CHECKING:

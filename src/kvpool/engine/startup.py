@@ -68,7 +68,7 @@ from kvpool.model_layers import layer_sliding_windows, layer_specs_from_config
 from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_cache
 from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
 from kvpool.tiers.entry import check_namespace
-from kvpool.tiers.spec import WritePolicy
+from kvpool.tiers.kinds import WritePolicy
 from kvpool.tiers.store import check_tier_trust, parse_specs
 
 __all__ = ["EngineOptions", "EngineSetup", "start_engine"]

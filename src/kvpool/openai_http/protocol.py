@@ -20,10 +20,10 @@ from typing import Any
 
 from kvpool.openai_http.errors import APIError, bad_request, error_body
 
-__all__ = ["APIError", "Endpoint", "GenerationRequest", "Sampling", "error_body", "parse_generation"]
+__all__ = ["APIError", "GenerationEndpoint", "GenerationRequest", "Sampling", "error_body", "parse_generation"]
 
 
-class Endpoint(Enum):
+class GenerationEndpoint(Enum):
     """The two generation endpoints: their paths, and the object names their bodies carry."""
 
     COMPLETIONS = "/v1/completions"
@@ -31,15 +31,15 @@ class Endpoint(Enum):
 
     @property
     def object_name(self) -> str:
-        return "text_completion" if self is Endpoint.COMPLETIONS else "chat.completion"
+        return "text_completion" if self is GenerationEndpoint.COMPLETIONS else "chat.completion"
 
     @property
     def chunk_object_name(self) -> str:
-        return "text_completion" if self is Endpoint.COMPLETIONS else "chat.completion.chunk"
+        return "text_completion" if self is GenerationEndpoint.COMPLETIONS else "chat.completion.chunk"
 
     @property
     def id_prefix(self) -> str:
-        return "cmpl" if self is Endpoint.COMPLETIONS else "chatcmpl"
+        return "cmpl" if self is GenerationEndpoint.COMPLETIONS else "chatcmpl"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,7 +88,7 @@ class GenerationRequest:
     answered with ``n`` choices.
     """
 
-    endpoint: Endpoint
+    endpoint: GenerationEndpoint
     model: str | None
     prompts: tuple[str | tuple[int, ...], ...]
     messages: tuple[dict[str, str], ...] | None
@@ -107,7 +107,7 @@ class GenerationRequest:
         return self.prompts[0] if self.prompts else None
 
 
-def parse_generation(endpoint: Endpoint, body: object) -> GenerationRequest:
+def parse_generation(endpoint: GenerationEndpoint, body: object) -> GenerationRequest:
     """A decoded JSON request body, checked; raises :class:`APIError` (400) naming the first bad field."""
     from pydantic import ValidationError
 
@@ -116,7 +116,7 @@ def parse_generation(endpoint: Endpoint, body: object) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", "body")
     try:
-        if endpoint is Endpoint.CHAT:
+        if endpoint is GenerationEndpoint.CHAT:
             chat = ChatBody.model_validate(body)
             return _chat(chat)
         return _completion(CompletionBody.model_validate(body))
@@ -175,7 +175,7 @@ def _common(body: Any) -> dict[str, Any]:
 
 def _completion(body: Any) -> GenerationRequest:
     return GenerationRequest(
-        endpoint=Endpoint.COMPLETIONS,
+        endpoint=GenerationEndpoint.COMPLETIONS,
         prompts=body.prompt,
         messages=None,
         sampling=_sampling(body, body.max_tokens, body.logprobs),
@@ -192,7 +192,7 @@ def _chat(body: Any) -> GenerationRequest:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return GenerationRequest(
-        endpoint=Endpoint.CHAT,
+        endpoint=GenerationEndpoint.CHAT,
         prompts=(),
         messages=messages,
         sampling=_sampling(body, max_tokens, logprobs),

@@ -14,7 +14,7 @@ imports neither torch, Starlette, httpx nor ZeroMQ.
 
 from __future__ import annotations
 
-from kvpool.router.app import RouteOptions, Router, build_app
+from kvpool.router.front_door import RouteOptions, Router, build_app
 from kvpool.router.index import BlockIndex, MemoryIndex, RedisIndex, index_from_url
 
 __all__ = ["BlockIndex", "MemoryIndex", "RedisIndex", "RouteOptions", "Router", "build_app", "index_from_url"]

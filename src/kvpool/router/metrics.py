@@ -40,7 +40,7 @@ __all__ = ["MetricsSource", "render_metrics"]
 
 
 class MetricsSource(Protocol):
-    """What the metrics read of a router (:class:`kvpool.router.app.Router` is one)."""
+    """What the metrics read of a router (:class:`kvpool.router.front_door.Router` is one)."""
 
     @property
     def replicas(self) -> Sequence[Replica]: ...

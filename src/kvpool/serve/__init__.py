@@ -14,8 +14,8 @@ package imports neither torch nor Starlette; they load when an app is built.
 from __future__ import annotations
 
 from kvpool.openai_http.protocol import APIError
-from kvpool.serve.app import ServeConfig, build_app, pool_health
 from kvpool.serve.engine_loop import EngineLoop, Job, QueueFull
 from kvpool.serve.metrics import ServerMetrics
+from kvpool.serve.openai_server import ServeConfig, build_app, pool_health
 
 __all__ = ["APIError", "EngineLoop", "Job", "QueueFull", "ServeConfig", "ServerMetrics", "build_app", "pool_health"]

@@ -166,22 +166,30 @@ def serve_on(
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}"
     # uvicorn shuts down on SIGTERM, then raises the signal again; its default action would end the process
-    # there, before ``stopped``. As an exit instead, the ``finally`` runs and the status is the same, 143. It
-    # is set before the announcement, so a signal sent once the address is known always finds it.
+    # there, before ``stopped``. The handler below only asks the server to stop (a signal landing before
+    # uvicorn takes over its signals, or the one it raises again, included) and the exit, with status 143,
+    # comes after ``stopped``. Raising from the handler instead could land in any code, a weakref callback
+    # that swallows the exit among them. It is set before the announcement, so a signal sent once the
+    # address is known always finds it.
+    server = uvicorn.Server(config)
+    terminated: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        server.should_exit = True
+
     restore = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
         restore = signal.SIG_DFL if previous is None else previous
     try:
         announce(url)
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
         if restore is not None:
             signal.signal(signal.SIGTERM, restore)
         if stopped is not None:
             stopped(url)
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    if terminated:
+        raise SystemExit(128 + terminated[0])

@@ -1,6 +1,6 @@
 """KV cache events from a served engine: the step hook that publishes them and the ``GET /kv-events`` body.
 
-:func:`~kvpool.serve.app.build_app` takes a
+:func:`~kvpool.serve.openai_server.build_app` takes a
 :class:`~kvpool.kv_events.KVEventPublisher` as ``events=`` and wires it with
 :func:`event_wiring`: after every engine step the pool's new events go out as
 one batch, and ``GET /kv-events`` tells a router where they are and how the

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import KVPoolError
 from kvpool.openai_http.errors import APIError, error_body
-from kvpool.openai_http.protocol import NEUTRAL, Endpoint, GenerationRequest
+from kvpool.openai_http.protocol import NEUTRAL, GenerationEndpoint, GenerationRequest
 from kvpool.serve.engine_loop import Job
 from kvpool.serve.responses import Choice, Usage, chunk_body, completion_body, logprobs_body
 
 if TYPE_CHECKING:
     from kvpool.engine.outputs import RequestDelta, RequestOutput
-    from kvpool.serve.prompts import PromptTokenizer
+    from kvpool.serve.tokenizer_thread import TokenizerThread
 
 __all__ = ["Plan", "check_tools", "finish_reason", "plan_jobs"]
 
@@ -152,7 +152,7 @@ class Plan:
 
 
 async def plan_jobs(
-    gen: GenerationRequest, response_id: str, salt: str | None, prompts: PromptTokenizer, tenant: str | None = None
+    gen: GenerationRequest, response_id: str, salt: str | None, prompts: TokenizerThread, tenant: str | None = None
 ) -> Plan:
     """The engine requests of ``tenant``'s ``gen``: every prompt tokenized (on the tokenizer thread, in
     ``tenant``'s turn), ``n`` jobs each."""
@@ -201,7 +201,7 @@ async def collect(plan: Plan, stream: asyncio.Queue[Any]) -> None:
             left -= 1
 
 
-async def whole_body(plan: Plan, created: int, model: str, prompts: PromptTokenizer) -> dict[str, Any]:
+async def whole_body(plan: Plan, created: int, model: str, prompts: TokenizerThread) -> dict[str, Any]:
     """The answer of a request whose sequences have all finished."""
     endpoint = plan.gen.endpoint
     choices = []
@@ -237,7 +237,7 @@ async def events(
     created: int,
     model: str,
     stream: asyncio.Queue[Any],
-    prompts: PromptTokenizer,
+    prompts: TokenizerThread,
     sse: Callable[[Any], bytes],
     on_finish: Callable[[], None],
 ) -> AsyncIterator[bytes]:
@@ -250,7 +250,7 @@ async def events(
 
     offsets = {seq.index: len(plan.echoes[seq.prompt]) for seq in plan.sequences.values()}
     for seq in sorted(plan.sequences.values(), key=lambda s: s.index):
-        if endpoint is Endpoint.CHAT:
+        if endpoint is GenerationEndpoint.CHAT:
             yield chunk(Choice(index=seq.index, text=""), role=True)
         elif plan.echoes[seq.prompt]:
             yield chunk(Choice(index=seq.index, text=plan.echoes[seq.prompt]))

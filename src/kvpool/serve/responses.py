@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpool.openai_http.protocol import Endpoint
+from kvpool.openai_http.protocol import GenerationEndpoint
 
 __all__ = ["Choice", "LogprobEntry", "Usage", "chunk_body", "completion_body", "logprobs_body"]
 
@@ -71,10 +71,10 @@ def _number(value: float) -> float | str:
 
 
 def logprobs_body(
-    endpoint: Endpoint, entries: Sequence[LogprobEntry], token_text: TokenText, *, text_offset: int = 0
+    endpoint: GenerationEndpoint, entries: Sequence[LogprobEntry], token_text: TokenText, *, text_offset: int = 0
 ) -> dict[str, Any]:
     """The logprobs of ``entries`` in ``endpoint``'s shape; completions' offsets start at ``text_offset``."""
-    if endpoint is Endpoint.CHAT:
+    if endpoint is GenerationEndpoint.CHAT:
         content = []
         for entry in entries:
             token = token_text(entry.token_id)
@@ -105,9 +105,9 @@ def logprobs_body(
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def _choice_body(endpoint: Endpoint, choice: Choice, *, delta: bool, role: bool = False) -> dict[str, Any]:
+def _choice_body(endpoint: GenerationEndpoint, choice: Choice, *, delta: bool, role: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {"index": choice.index}
-    if endpoint is Endpoint.COMPLETIONS:
+    if endpoint is GenerationEndpoint.COMPLETIONS:
         body["text"] = choice.text
     elif delta:
         message: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -118,13 +118,13 @@ def _choice_body(endpoint: Endpoint, choice: Choice, *, delta: bool, role: bool 
         body["message"] = {"role": "assistant", "content": choice.text}
     body["logprobs"] = choice.logprobs
     body["finish_reason"] = choice.finish_reason
-    if not delta or choice.finish_reason is not None or endpoint is Endpoint.COMPLETIONS:
+    if not delta or choice.finish_reason is not None or endpoint is GenerationEndpoint.COMPLETIONS:
         body["stop_reason"] = choice.stop_reason
     return body
 
 
 def completion_body(
-    endpoint: Endpoint, response_id: str, created: int, model: str, choices: Sequence[Choice], usage: Usage
+    endpoint: GenerationEndpoint, response_id: str, created: int, model: str, choices: Sequence[Choice], usage: Usage
 ) -> dict[str, Any]:
     """A whole (not streamed) response."""
     return {
@@ -138,7 +138,7 @@ def completion_body(
 
 
 def chunk_body(
-    endpoint: Endpoint,
+    endpoint: GenerationEndpoint,
     response_id: str,
     created: int,
     model: str,

@@ -23,11 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpool.errors import KVPoolError
 from kvpool.openai_http.errors import APIError, bad_request
-from kvpool.openai_http.protocol import Endpoint, GenerationRequest, Sampling, validation_error
+from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, Sampling, validation_error
 from kvpool.openai_http.schema import Message, utf8
 
 if TYPE_CHECKING:
-    from kvpool.serve.prompts import PromptTokenizer
+    from kvpool.serve.tokenizer_thread import TokenizerThread
 
 __all__ = ["detokenize_body", "tokenize_body"]
 
@@ -60,7 +60,7 @@ def _validate(model: type[BaseModel], body: object) -> Any:
 
 async def tokenize_body(
     body: object,
-    prompts: PromptTokenizer,
+    prompts: TokenizerThread,
     check_model: Callable[[GenerationRequest], None],
     tenant: str | None = None,
 ) -> dict[str, Any]:
@@ -69,7 +69,7 @@ async def tokenize_body(
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
     if request.prompt is not None:
         gen = GenerationRequest(
-            endpoint=Endpoint.COMPLETIONS,
+            endpoint=GenerationEndpoint.COMPLETIONS,
             model=request.model,
             prompts=(utf8(request.prompt, "prompt"),),
             messages=None,
@@ -85,7 +85,11 @@ async def tokenize_body(
                 }
             )
         gen = GenerationRequest(
-            endpoint=Endpoint.CHAT, model=request.model, prompts=(), messages=tuple(messages), sampling=Sampling()
+            endpoint=GenerationEndpoint.CHAT,
+            model=request.model,
+            prompts=(),
+            messages=tuple(messages),
+            sampling=Sampling(),
         )
     check_model(gen)
     try:
@@ -101,14 +105,14 @@ async def tokenize_body(
 
 async def detokenize_body(
     body: object,
-    prompts: PromptTokenizer,
+    prompts: TokenizerThread,
     check_model: Callable[[GenerationRequest], None],
     tenant: str | None = None,
 ) -> dict[str, Any]:
     request: _Detokenize = _validate(_Detokenize, body)
     check_model(
         GenerationRequest(
-            endpoint=Endpoint.COMPLETIONS, model=request.model, prompts=(), messages=None, sampling=Sampling()
+            endpoint=GenerationEndpoint.COMPLETIONS, model=request.model, prompts=(), messages=None, sampling=Sampling()
         )
     )
     try:

@@ -24,7 +24,7 @@ from kvpool.hashing import HashAlgo
 from kvpool.routing import Routing
 from kvpool.sim.simulator import CostModel, policy_factory
 from kvpool.sim.transfers import DEFAULT_LINKS, TierLink, capacity_blocks
-from kvpool.tiers.spec import TierKind, WritePolicy
+from kvpool.tiers.kinds import TierKind, WritePolicy
 from kvpool.tiers.store import TierTarget, parse_specs
 
 __all__ = ["SYNTHETIC_PREFIX", "SimulateOptions"]

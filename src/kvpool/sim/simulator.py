@@ -52,7 +52,7 @@ from kvpool.scheduler import ChunkDetail, RequestMetrics, Scheduler, SchedulerCo
 from kvpool.sim.traces import TraceRequest
 from kvpool.sim.transfers import DEFAULT_LINKS, KeyStore, TierLink, TimingWorker, build_tiers
 from kvpool.tiers.hierarchy import TierHierarchyConnector
-from kvpool.tiers.spec import TierKind, WritePolicy
+from kvpool.tiers.kinds import TierKind, WritePolicy
 from kvpool.tiers.store import TierTarget
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from kvpool.sim.simulator import SimulationConfig, SimulationResult, simulate, t
 from kvpool.sim.sizing import SizingResult, fewest_replicas
 from kvpool.sim.traces import TraceRequest
 from kvpool.sim.transfers import capacity_blocks
-from kvpool.tiers.spec import TierKind
+from kvpool.tiers.kinds import TierKind
 
 __all__ = ["CurveResult", "Progress", "StudyReport", "describe_tiers", "load_requests", "run_study"]
 

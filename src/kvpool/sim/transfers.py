@@ -27,7 +27,7 @@ from kvpool.errors import ConfigError
 from kvpool.manager import KVCacheManager
 from kvpool.tiers.disk import DiskTarget
 from kvpool.tiers.hierarchy import ByteTier, HostTier, Tier, TierHierarchyConnector
-from kvpool.tiers.spec import CpuTarget, TierKind, WritePolicy
+from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
 from kvpool.tiers.store import TierTarget
 
 __all__ = ["DEFAULT_LINKS", "KeyStore", "TierLink", "TimingWorker", "build_tiers", "capacity_blocks"]

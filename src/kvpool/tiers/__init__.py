@@ -1,6 +1,6 @@
 """Tiers below GPU memory: their kinds and specs, their stores, and the hierarchy that uses them.
 
-* :mod:`kvpool.tiers.spec`: :class:`TierKind`, :class:`WritePolicy`, the host-memory spec.
+* :mod:`kvpool.tiers.kinds`: :class:`TierKind`, :class:`WritePolicy`, the host-memory spec.
 * :mod:`kvpool.tiers.store`: the :class:`BlockStore` contract, the registry of kinds
   (:data:`~kvpool.tiers.store.BACKENDS`), :func:`parse_spec` (the one spec parser), :func:`open_store`
   and :func:`check_tier_trust` (a shared tier needs a secret, or the operator's word that it goes without).
@@ -18,8 +18,8 @@ from kvpool.tiers.counters import TierStats
 from kvpool.tiers.disk import DiskStore, DiskTarget
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, LayoutFingerprint
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierCounters, TierHierarchyConnector
+from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
 from kvpool.tiers.redis_store import RedisStore, RedisTarget
-from kvpool.tiers.spec import CpuTarget, TierKind, WritePolicy
 from kvpool.tiers.store import (
     BACKENDS,
     BlockStore,

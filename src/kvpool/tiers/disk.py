@@ -58,7 +58,7 @@ from kvpool.checks import check_int
 from kvpool.errors import ConfigError, InvariantViolation
 from kvpool.tiers.counters import StoreCounters, TierStats
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, Payload
-from kvpool.tiers.spec import TierBackend, TierKind, parse_size
+from kvpool.tiers.kinds import TierBackend, TierKind, parse_size
 
 __all__ = ["BACKEND", "DiskStore", "DiskTarget"]
 

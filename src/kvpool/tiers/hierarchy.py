@@ -15,7 +15,7 @@ The tiers it looks in:
 * :class:`ByteTier`: a :class:`~kvpool.tiers.store.BlockStore` (disk, Redis),
   of which only the lookup is made here.
 
-When a block goes down is the :class:`~kvpool.tiers.spec.WritePolicy`, chosen
+When a block goes down is the :class:`~kvpool.tiers.kinds.WritePolicy`, chosen
 once at construction: at fill (``WRITE_THROUGH``, :meth:`_save_on_fill`) or at
 eviction from the GPU pool (``WRITE_BACK``, :meth:`_spill_evicted`).
 """
@@ -47,7 +47,7 @@ from kvpool.groups.full_attention import FullAttentionManager
 from kvpool.hashing import BlockHash
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
-from kvpool.tiers.spec import TierKind, WritePolicy
+from kvpool.tiers.kinds import TierKind, WritePolicy
 
 __all__ = ["ByteTier", "HostTier", "PrefixLookup", "Tier", "TierCounters", "TierHierarchyConnector"]
 

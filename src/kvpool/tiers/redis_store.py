@@ -41,7 +41,7 @@ from urllib.parse import parse_qsl, urlencode
 from kvpool.errors import ConfigError
 from kvpool.tiers.counters import StoreCounters, TierStats
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, Payload
-from kvpool.tiers.spec import TierBackend, TierKind
+from kvpool.tiers.kinds import TierBackend, TierKind
 
 __all__ = ["BACKEND", "REDIS_SCHEMES", "RedisStore", "RedisTarget"]
 

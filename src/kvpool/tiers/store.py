@@ -15,7 +15,7 @@ Specs::
     ...?ttl=3600                        Redis entries expire after an hour (default: never)
 
 A new kind of tier is one module (its target, with ``parse``, and its store) plus its
-:class:`~kvpool.tiers.spec.TierKind` member and its line in :data:`BACKENDS`.
+:class:`~kvpool.tiers.kinds.TierKind` member and its line in :data:`BACKENDS`.
 
 Trust: a shared tier (disk, Redis: its backend says ``shared``) holds bytes anyone with write
 access to the directory or the server can plant. :func:`check_tier_trust` is the one rule: such a
@@ -33,8 +33,8 @@ from kvpool.tiers import disk, redis_store
 from kvpool.tiers.counters import TierStats
 from kvpool.tiers.disk import DiskTarget
 from kvpool.tiers.entry import EntryCodec
+from kvpool.tiers.kinds import BlockStore, CpuTarget, TierBackend, TierKind, parse_size
 from kvpool.tiers.redis_store import RedisTarget
-from kvpool.tiers.spec import BlockStore, CpuTarget, TierBackend, TierKind, parse_size
 
 __all__ = [
     "BACKENDS",

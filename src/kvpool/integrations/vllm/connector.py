@@ -31,10 +31,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.blocks import KVBlockLayout, TierWorker
-from kvpool.integrations.vllm.plan import ConnectorOptions, ScheduledChunk, StepPlan, TierPlanner
+from kvpool.integrations.vllm.plan import ConnectorOptions, StepPlan, TierPlanner, VllmScheduledChunk
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers import ByteTier, CpuTarget, EntryCodec, HostTier, LayoutFingerprint, TierKind, open_store
-from kvpool.tiers.spec import BlockStore
+from kvpool.tiers.kinds import BlockStore
 
 if TYPE_CHECKING:
     import torch
@@ -251,7 +251,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         chunks = [
-            ScheduledChunk(
+            VllmScheduledChunk(
                 request_id=new.req_id,
                 block_ids=tuple(new.block_ids[0]),
                 replace=True,
@@ -264,7 +264,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             chunks.append(
-                ScheduledChunk(
+                VllmScheduledChunk(
                     request_id=req_id,
                     block_ids=tuple(new_ids[0]) if new_ids is not None else (),
                     replace=req_id in cached.resumed_req_ids,

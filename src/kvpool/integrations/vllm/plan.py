@@ -37,11 +37,11 @@ from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.store import TierTarget, check_tier_trust
 
 __all__ = [
-    "BlockLoad",
-    "BlockSave",
+    "VllmBlockLoad",
+    "VllmBlockSave",
     "ConnectorOptions",
     "PlannedRequest",
-    "ScheduledChunk",
+    "VllmScheduledChunk",
     "StepPlan",
     "TierPlanner",
 ]
@@ -117,7 +117,7 @@ class ConnectorOptions:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BlockLoad:
+class VllmBlockLoad:
     """Copy the block stored under ``key`` in ``tier`` into vLLM block ``block_id`` (at host ``slot`` for cpu)."""
 
     tier: str
@@ -127,7 +127,7 @@ class BlockLoad:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BlockSave:
+class VllmBlockSave:
     """Send vLLM block ``block_id`` to ``tiers`` under ``key`` (the cpu tier at host ``slot``)."""
 
     key: bytes
@@ -140,8 +140,8 @@ class BlockSave:
 class StepPlan:
     """One step's transfers: loads before the forward pass, saves after it (promotions of loads included)."""
 
-    loads: tuple[BlockLoad, ...] = ()
-    saves: tuple[BlockSave, ...] = ()
+    loads: tuple[VllmBlockLoad, ...] = ()
+    saves: tuple[VllmBlockSave, ...] = ()
 
 
 class PlannedRequest(Protocol):
@@ -158,7 +158,7 @@ class PlannedRequest(Protocol):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ScheduledChunk:
+class VllmScheduledChunk:
     """One request in vLLM's scheduler output.
 
     ``block_ids``: the request's new block IDs (vLLM's first KV cache group); with ``replace``
@@ -274,10 +274,10 @@ class TierPlanner:
         for name, _key, _block in loads:
             self.matched_blocks[name] += 1
 
-    def build(self, chunks: Sequence[ScheduledChunk]) -> StepPlan:
+    def build(self, chunks: Sequence[VllmScheduledChunk]) -> StepPlan:
         """The step's loads and saves for vLLM's scheduled ``chunks``; resets what allocation queued."""
-        loads: list[BlockLoad] = []
-        saves: list[BlockSave] = []
+        loads: list[VllmBlockLoad] = []
+        saves: list[VllmBlockSave] = []
         pinned: list[int] = []
         host_name = self.host.name if self.host is not None else None
         promotions: list[tuple[bytes, int, tuple[str, ...]]] = []
@@ -290,7 +290,7 @@ class TierPlanner:
                 if name == host_name and self.host is not None:
                     slot = self.host.pin(key)  # nothing is reserved between a match and this plan
                     pinned.append(slot)
-                loads.append(BlockLoad(tier=name, key=key, block_id=block_id, slot=slot))
+                loads.append(VllmBlockLoad(tier=name, key=key, block_id=block_id, slot=slot))
                 above = tuple(t.name for t in self.tiers[: self._index(name)])
                 if above:
                     promotions.append((key, block_id, above))
@@ -330,7 +330,7 @@ class TierPlanner:
     def _index(self, name: str) -> int:
         return next(i for i, t in enumerate(self.tiers) if t.name == name)
 
-    def _save(self, key: bytes, block_id: int, tiers: tuple[str, ...], pinned: list[int]) -> BlockSave | None:
+    def _save(self, key: bytes, block_id: int, tiers: tuple[str, ...], pinned: list[int]) -> VllmBlockSave | None:
         slot = None
         if self.host is not None and self.host.name in tiers:
             slot = self.host.reserve(key)
@@ -342,7 +342,7 @@ class TierPlanner:
             return None
         for name in tiers:
             self.saved_blocks[name] += 1
-        return BlockSave(key=key, block_id=block_id, tiers=tiers, slot=slot)
+        return VllmBlockSave(key=key, block_id=block_id, tiers=tiers, slot=slot)
 
     def finished(self, request_id: str) -> None:
         """Forget ``request_id`` (finished or aborted); its saves were planned as its blocks filled."""

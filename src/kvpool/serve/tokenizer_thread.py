@@ -3,7 +3,7 @@
 Rendering a chat template and tokenizing cost time in proportion to the text:
 done on the engine thread, one client's huge prompts would hold up every
 other request's steps; done on the event loop, every connection would wait.
-:class:`PromptTokenizer` does both on one thread of its own (one thread, so
+:class:`TokenizerThread` does both on one thread of its own (one thread, so
 the tokenizer is never entered by two encodes at once), and the engine only
 receives token IDs. The thread's queue takes turns between tenants
 (:class:`~kvpool.serve.tenant_worker.TenantWorker`), so one tenant's backlog
@@ -32,7 +32,7 @@ from kvpool.serve.tenant_worker import TenantWorker
 if TYPE_CHECKING:
     from kvpool.engine.llm_engine import LLMEngine
 
-__all__ = ["PIECE_CHARS", "PromptTokenizer", "longest_token_chars", "prompt_chars"]
+__all__ = ["PIECE_CHARS", "TokenizerThread", "longest_token_chars", "prompt_chars"]
 
 #: The tokenizer thread's name (tests look for it).
 THREAD_NAME = "kvpool-tokenizer"
@@ -57,7 +57,7 @@ def prompt_chars(gen: GenerationRequest, source: str | tuple[int, ...] | None = 
     return sum(len(m["content"]) for m in gen.messages or ())
 
 
-class PromptTokenizer:
+class TokenizerThread:
     """Turns checked requests into token IDs on a thread of its own, in turns between tenants.
 
     Args:

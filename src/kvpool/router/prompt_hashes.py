@@ -47,7 +47,7 @@ from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash, BlockHasher
 from kvpool.prompts import chat_token_ids, text_token_ids
 
-__all__ = ["PieceCache", "PromptTokenizer", "Tokenizer", "block_hashes", "missing_packages"]
+__all__ = ["PieceCache", "PromptHasher", "Tokenizer", "block_hashes", "missing_packages"]
 
 log = logging.getLogger("kvpool.route")
 
@@ -124,7 +124,7 @@ class PieceCache:
                 self.chars -= len(old)
 
 
-class PromptTokenizer:
+class PromptHasher:
     """The model's tokenizer and chat template, read from a model folder on first use.
 
     Construction checks only that the folder holds ``tokenizer.json``; :meth:`load`

@@ -24,15 +24,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpool.build_info import VERSION
 from kvpool.errors import ConfigError, KVPoolError, RequestTooLarge
 from kvpool.openai_http import is_loopback, parse_json, read_body, require_operator, tenant_for, tokenizer_turn
 from kvpool.openai_http.errors import APIError, error_body, error_type
-from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_generation
+from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, parse_generation
 from kvpool.serve.engine_loop import EngineLoop, EngineStopped, QueueFull, StepHook
 from kvpool.serve.generation import Plan, check_tools, collect, events, plan_jobs, whole_body
 from kvpool.serve.metrics import DEFAULT_PREFIX, ServerMetrics
-from kvpool.serve.prompts import PromptTokenizer
 from kvpool.serve.stats_log import StatsLog
+from kvpool.serve.tokenizer_thread import TokenizerThread
 from kvpool.tenancy import KeyRing, SaltPolicy
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ class _Server:
             hooks=(self.metrics.after_step, self.stats.after_step, *hooks),
         )
         self.max_model_len = engine.max_model_len
-        self.prompts = PromptTokenizer(engine)  # prompts are tokenized on its thread, never the engine's
+        self.prompts = TokenizerThread(engine)  # prompts are tokenized on its thread, never the engine's
         self.created = int(time.time())
 
     # -- who is asking ---------------------------------------------------------------------
@@ -283,7 +284,7 @@ class _Server:
 
     # -- answers -----------------------------------------------------------------------------------
 
-    async def generate(self, request: Request, endpoint: Endpoint) -> Response | _EventStream:
+    async def generate(self, request: Request, endpoint: GenerationEndpoint) -> Response | _EventStream:
         from starlette.responses import JSONResponse
 
         tenant = self.tenant(request)
@@ -411,10 +412,10 @@ def build_app(
         return run
 
     async def completions(request: Request) -> Response | _EventStream:
-        return await server.generate(request, Endpoint.COMPLETIONS)
+        return await server.generate(request, GenerationEndpoint.COMPLETIONS)
 
     async def chat(request: Request) -> Response | _EventStream:
-        return await server.generate(request, Endpoint.CHAT)
+        return await server.generate(request, GenerationEndpoint.CHAT)
 
     async def models(request: Request) -> Response:
         server.tenant(request)
@@ -470,9 +471,7 @@ def build_app(
         return JSONResponse(body)
 
     async def version(request: Request) -> Response:
-        from kvpool import __version__
-
-        return JSONResponse({"version": __version__})
+        return JSONResponse({"version": VERSION})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500

@@ -5,7 +5,7 @@ For a generation request the router
 1. finds the tenant from the API key (the replicas' key file; a missing or wrong key
    is refused here with 401, as a replica would) and derives the request's cache salt
    with :mod:`kvpool.tenancy`;
-2. tokenizes the prompt (:mod:`kvpool.router.prompts`) and hashes its full blocks as
+2. tokenizes the prompt (:mod:`kvpool.router.prompt_hashes`) and hashes its full blocks as
    the replicas do;
 3. asks the block index how many leading blocks each replica that is up holds, and
    lets the ``prefix`` routing rule (:mod:`kvpool.routing`) weigh that against each
@@ -65,14 +65,14 @@ from typing import TYPE_CHECKING, Any
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash, BlockHasher
 from kvpool.openai_http import APIError, error_body, parse_json, read_body, require_operator, tenant_for
-from kvpool.openai_http.protocol import Endpoint, GenerationRequest, parse_generation
+from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, parse_generation
 from kvpool.router.index import BlockIndex, MemoryIndex
 from kvpool.router.index_guard import GuardedIndex, guarded
 from kvpool.router.metrics import render_metrics
 from kvpool.router.monitor import Ejection, ReplicaMonitor
-from kvpool.router.prompts import Tokenizer, block_hashes
+from kvpool.router.prompt_hashes import Tokenizer, block_hashes
+from kvpool.router.replica_config import ReplicaSpec
 from kvpool.router.replicas import MAX_BLOCK_SIZE, Hashing, Replica, check_distinct, check_replica_url
-from kvpool.router.specs import ReplicaSpec
 from kvpool.router.stats import HashVerdict
 from kvpool.router.usage import UsageScanner, cached_tokens_of
 from kvpool.routing import PrefixMode, Routing, chooser, prefix_aware
@@ -628,7 +628,7 @@ def build_app(router: Router) -> Starlette:
     def refuse(error: APIError) -> Response:
         return JSONResponse(error.body, status_code=error.status, headers=error.headers)
 
-    async def generate(request: Request, endpoint: Endpoint) -> Response | _Relay:
+    async def generate(request: Request, endpoint: GenerationEndpoint) -> Response | _Relay:
         try:
             tenant = router.tenant(request.headers.get("authorization"))  # before a byte of the body is read
             body = await router.read_body(request)
@@ -647,10 +647,10 @@ def build_app(router: Router) -> Starlette:
         return await router.forward(request, body, keys, parsed.stream)
 
     async def chat(request: Request) -> Response | _Relay:
-        return await generate(request, Endpoint.CHAT)
+        return await generate(request, GenerationEndpoint.CHAT)
 
     async def completions(request: Request) -> Response | _Relay:
-        return await generate(request, Endpoint.COMPLETIONS)
+        return await generate(request, GenerationEndpoint.COMPLETIONS)
 
     async def models(request: Request) -> Response:
         try:
