@@ -93,11 +93,11 @@ def test_redis_reads_into_the_buffers_and_deletes_what_it_refuses(redis_url):
     store = RedisStore(redis_url, codec)
     assert store.put_many([(block_key(i), memoryview(payload(i))) for i in range(40)]) == 40  # several pipelines
     client = redis.Redis.from_url(redis_url)
-    client.setrange(store.prefix + block_key(5), 200, b"\xff")  # damaged in place
+    client.setrange(store.redis_key(block_key(5)), 200, b"\xff")  # damaged in place
     raw, out = buffers(41)
     got = store.get_many_into([block_key(i) for i in range(41)], out)
     assert got == [i != 5 for i in range(40)] + [False]
     assert all(raw[i * SIZE : (i + 1) * SIZE] == payload(i) for i in range(40) if i != 5)
-    assert store.stats.corrupt_by_kind == {"checksum": 1} and not client.exists(store.prefix + block_key(5))
+    assert store.stats.corrupt_by_kind == {"checksum": 1} and not client.exists(store.redis_key(block_key(5)))
     with pytest.raises(ValueError, match="one buffer per key, got 1 for 2 keys"):
         store.get_many_into([block_key(0), block_key(1)], out[:1])

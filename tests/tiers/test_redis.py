@@ -63,8 +63,8 @@ def test_round_trip(redis_url):
     entry = len(codec.encode(block_key(0), payload(0)))
     assert stats.bytes_written == 10 * entry and stats.bytes_read == 2 * entry
     client = redis.Redis.from_url(redis_url)
-    assert client.get(f"kvpool:{codec.namespace}:".encode() + block_key(3)) == codec.encode(block_key(3), payload(3))
-    assert client.ttl(f"kvpool:{codec.namespace}:".encode() + block_key(3)) == -1  # no TTL unless asked
+    assert client.get(f"kvpool:{codec.namespace}:{block_key(3).hex()}") == codec.encode(block_key(3), payload(3))
+    assert client.ttl(f"kvpool:{codec.namespace}:{block_key(3).hex()}") == -1  # no TTL unless asked
     # another layout in the same Redis sees none of it, and counts nothing corrupt
     other = open_store(redis_url, fresh_codec())
     assert other.get_many([block_key(3)]) == [None] and other.stats.corrupt == 0
@@ -75,7 +75,7 @@ def test_ttl(redis_url):
     codec = fresh_codec()
     store = open_store(redis_url + "?ttl=60", codec)
     store.put_many(items([0]))
-    ttl = redis.Redis.from_url(redis_url).ttl(f"kvpool:{codec.namespace}:".encode() + block_key(0))
+    ttl = redis.Redis.from_url(redis_url).ttl(f"kvpool:{codec.namespace}:{block_key(0).hex()}")
     assert 0 < ttl <= 60
 
 
@@ -85,16 +85,17 @@ def test_planted_entries_are_counted_misses(redis_url, caplog):
     store = open_store(redis_url, codec)
     store.put_many(items(range(6)))
     client = redis.Redis.from_url(redis_url)
-    prefix = f"kvpool:{codec.namespace}:".encode()
-    entry = client.get(prefix + block_key(0))
+    assert isinstance(store, RedisStore)
+    entry = client.get(store.redis_key(block_key(0)))
     unsigned = EntryCodec(codec.fingerprint)  # a client without the secret
-    client.set(prefix + block_key(0), entry[: len(entry) - 5])  # truncated
-    own = client.get(prefix + block_key(1))
-    client.set(prefix + block_key(1), own[:-1] + bytes([own[-1] ^ 1]))  # bit flip
-    client.set(prefix + block_key(2), entry)  # a valid entry replayed under another hash
-    client.set(prefix + block_key(3), unsigned.encode(block_key(3), b"planted KV"))  # unsigned
+    client.set(store.redis_key(block_key(0)), entry[: len(entry) - 5])  # truncated
+    own = client.get(store.redis_key(block_key(1)))
+    client.set(store.redis_key(block_key(1)), own[:-1] + bytes([own[-1] ^ 1]))  # bit flip
+    client.set(store.redis_key(block_key(2)), entry)  # a valid entry replayed under another hash
+    client.set(store.redis_key(block_key(3)), unsigned.encode(block_key(3), b"planted KV"))  # unsigned
     client.set(
-        prefix + block_key(4), EntryCodec(codec.fingerprint, b"a guess at the secret").encode(block_key(4), b"planted")
+        store.redis_key(block_key(4)),
+        EntryCodec(codec.fingerprint, b"a guess at the secret").encode(block_key(4), b"planted"),
     )
     with caplog.at_level(logging.WARNING, logger="kvpool.tiers"):
         assert store.get_many([block_key(i) for i in range(6)]) == [None] * 5 + [payload(5)]
@@ -219,7 +220,7 @@ def test_tls(tmp_path):
         assert store.put_many(items(range(3))) == 3
         assert store.get_many([block_key(i) for i in range(3)]) == [payload(i) for i in range(3)]
         # the plain port holds the same data: it really went over TLS to this server
-        assert redis.Redis(port=server.port).exists(f"kvpool:{codec.namespace}:".encode() + block_key(0))
+        assert redis.Redis(port=server.port).exists(f"kvpool:{codec.namespace}:{block_key(0).hex()}")
         untrusting = open_store(f"rediss://127.0.0.1:{tls_port}/0", fresh_codec())  # system CAs only
         assert untrusting.get_many([block_key(0)]) == [None] and untrusting.stats.errors == 1
     finally:

@@ -32,7 +32,7 @@ def test_a_refused_entry_is_deleted_and_the_block_stored_again(redis_url):
     store = open_store(redis_url, codec)
     assert isinstance(store, RedisStore)
     client = redis.Redis.from_url(redis_url)
-    name = store.prefix + block_key(0)
+    name = store.redis_key(block_key(0))
     planted = {
         "truncated": codec.encode(block_key(0), payload(0))[:-7],
         "bad signature": EntryCodec(codec.fingerprint, b"a guess at the secret").encode(block_key(0), payload(9)),
@@ -55,7 +55,7 @@ def test_a_refused_entry_is_deleted_and_the_block_stored_again(redis_url):
 def test_an_empty_value_is_not_offered(redis_url):
     store = open_store(redis_url, fresh_codec())
     assert isinstance(store, RedisStore)
-    redis.Redis.from_url(redis_url).set(store.prefix + block_key(1), b"")
+    redis.Redis.from_url(redis_url).set(store.redis_key(block_key(1)), b"")
     assert store.contains_prefix([block_key(1)]) == 0  # so the block is computed and saved over it
     assert store.put_many([(block_key(1), payload(1))]) == 1
     assert store.get_many([block_key(1)]) == [payload(1)]

@@ -114,6 +114,13 @@ class BlockIndex(Protocol):
         """What the router's verbose health shows of the index."""
 
 
+def _text_key(h: ExternalHash) -> bytes:
+    """:func:`_key` in printable ASCII, for Redis: ``b`` and the bytes in lowercase hex, or ``i`` and the int."""
+    if isinstance(h, bytes):
+        return b"b" + h.hex().encode()
+    return _key(h)
+
+
 def _key(h: ExternalHash) -> bytes:
     """One canonical byte form per hash, so an int and its bytes never collide with another hash's."""
     if isinstance(h, bytes):
@@ -321,6 +328,9 @@ class RedisIndex:
         P:r:<replica>|<medium> SET of <hash>                 what a replica's medium holds
         P:m:<replica>          SET of "<replica>|<medium>"  the replica's media (for clear)
 
+    ``<hash>`` is printable (what ``redis-cli --scan`` shows as is): ``b`` and a digest's bytes
+    in lowercase hex, or ``i`` and an integer hash in decimal.
+
     Every write is a set insertion or deletion, so routers that apply the same event
     stream converge on the same index whatever order their writes interleave in; a
     lookup is one call of a server-side script that walks the request's blocks and
@@ -349,7 +359,7 @@ class RedisIndex:
         return f"{replica}|{name if group.id == 0 else f'{name}#{group.id}'}".encode()
 
     def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
-        keys = [_key(h) for h in hashes]
+        keys = [_text_key(h) for h in hashes]
         if not keys:
             return
         member = self._member(replica, medium, group)
@@ -361,7 +371,7 @@ class RedisIndex:
         pipe.execute()
 
     def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
-        keys = [_key(h) for h in hashes]
+        keys = [_text_key(h) for h in hashes]
         if not keys:
             return
         member = self._member(replica, medium, group)
@@ -387,7 +397,7 @@ class RedisIndex:
             return [0] * len(replicas)
         # One script call walks the chain on the server and stops at the first block no
         # replica still in the run holds: one round trip, a reply of one number per replica.
-        keys = [self._block(_key(h)) for h in hashes]
+        keys = [self._block(_text_key(h)) for h in hashes]
         found: list[Any] = self._match(keys=keys, args=list(replicas))
         return [int(n) for n in found]
 

@@ -10,9 +10,12 @@ URLs are what redis-py takes, plus a cluster spelling and one kvpool option::
     rediss+cluster://host:7000               a Redis Cluster over TLS
     ...?ttl=3600                             entries expire after an hour (default: never)
 
-Keys are ``kvpool:<layout namespace>:<block hash bytes>``, where the namespace is named by the
-layout fingerprint, the model's weights included, so models sharing a Redis never see each other's
-blocks; values are entries (:mod:`kvpool.tiers.entry`), so a client that writes garbage, or
+Keys are ``kvpool:<layout namespace>:<block hash in lowercase hex>``, printable ASCII throughout
+(what ``redis-cli --scan`` and Redis Insight show as is; the disk tier names its files by the same
+hex), where the namespace is named by the layout fingerprint, the model's weights included, so
+models sharing a Redis never see each other's blocks (keys of the raw hash bytes, which kvpool
+wrote before, are never read again: each is a miss, and leaves by its TTL or the server's memory
+policy); values are entries (:mod:`kvpool.tiers.entry`), so a client that writes garbage, or
 without the secret when the codec has one, cannot make kvpool read it. A value is read with
 GETRANGE up to the longest entry of the layout, so a planted huge value costs no more than one
 block; a value refused for any reason is deleted (it is under this model's own prefix), so the
@@ -142,6 +145,10 @@ class RedisStore:
         """What every key of this store starts with: ``kvpool:<layout namespace>:``."""
         return self._prefix
 
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key the block ``key`` is stored under: the prefix, then ``key`` in lowercase hex."""
+        return self._prefix + key.hex().encode()
+
     @property
     def available(self) -> bool:
         """False while the server is known to be down and the next retry is not yet due."""
@@ -154,7 +161,7 @@ class RedisStore:
         def lengths(client: Any) -> list[int]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
-                pipe.strlen(self._prefix + key)
+                pipe.strlen(self.redis_key(key))
             return list(pipe.execute())
 
         found = self._call("look up", lengths)
@@ -171,7 +178,7 @@ class RedisStore:
         for key, value in self._read(keys, refused):
             payload = None if value is None else self._counters.payload(key, value)
             if value is not None and payload is None:
-                refused.append(self._prefix + key)
+                refused.append(self.redis_key(key))
             payloads.append(payload)
         if refused:
             self._remove(refused)
@@ -196,7 +203,7 @@ class RedisStore:
                 decode_into(key, value, buffer)
             except CorruptEntry as exc:
                 self._counters.refused(key, exc)
-                refused.append(self._prefix + key)
+                refused.append(self.redis_key(key))
                 arrived.append(False)
                 continue
             self._counters.hit(len(value))
@@ -219,7 +226,7 @@ class RedisStore:
             def read(client: Any, batch: Sequence[bytes] = batch) -> list[bytes]:
                 pipe = client.pipeline(transaction=False)
                 for key in batch:
-                    pipe.getrange(self._prefix + key, 0, cap(len(key)))  # one byte past the bound tells a bigger one
+                    pipe.getrange(self.redis_key(key), 0, cap(len(key)))  # one byte past the bound tells a bigger one
                 return list(pipe.execute())
 
             values = self._call("read", read)
@@ -233,7 +240,7 @@ class RedisStore:
                     yield key, None
                 elif len(value) > cap(len(key)):
                     self._counters.refused(key, CorruptEntry(CorruptKind.OVERSIZED, f"more than {cap(len(key))} bytes"))
-                    refused.append(self._prefix + key)
+                    refused.append(self.redis_key(key))
                     yield key, None
                 else:
                     yield key, value
@@ -261,7 +268,7 @@ class RedisStore:
         stored = 0
         for start in range(0, len(items), PIPELINE_BLOCKS):
             entries = [
-                (self._prefix + key, self._codec.encode(key, payload))
+                (self.redis_key(key), self._codec.encode(key, payload))
                 for key, payload in items[start : start + PIPELINE_BLOCKS]
             ]
 
