@@ -23,16 +23,11 @@ eviction from the GPU pool (``WRITE_BACK``, :meth:`_spill_evicted`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvpool.block import KVBlock
-from kvpool.block_pool import BlockPool
-from kvpool.checks import check_int
 from kvpool.connector import (
-    GPU,
     NO_MATCH,
     BlockLoad,
     BlockSave,
@@ -41,147 +36,17 @@ from kvpool.connector import (
     TierRun,
     TransferResult,
 )
-from kvpool.errors import ConfigError, InvariantViolation
+from kvpool.errors import ConfigError
 from kvpool.events import BlockRemoved, BlockStored
 from kvpool.groups.full_attention import FullAttentionManager
 from kvpool.hashing import BlockHash
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
-from kvpool.tiers.kinds import TierKind, WritePolicy
+from kvpool.tiers.kinds import WritePolicy
+from kvpool.tiers.policy import ByteTier, HostTier, PrefixLookup, Tier, TierCounters, TierPolicy
 
+# HostTier, ByteTier and the rest moved to kvpool.tiers.policy; importable here as before.
 __all__ = ["ByteTier", "HostTier", "PrefixLookup", "Tier", "TierCounters", "TierHierarchyConnector"]
-
-_LOGGER = logging.getLogger("kvpool.tiers")
-
-
-@dataclass(slots=True)
-class TierCounters:
-    """Cumulative figures of one tier, as the connector sees it."""
-
-    name: str
-    hit_blocks: int = 0  # blocks promised from this tier at admission
-    failed_blocks: int = 0  # promised blocks that were then computed (the load failed)
-    saved_blocks: int = 0  # blocks sent to this tier
-    lookup_errors: int = 0  # lookups that raised (a backend fault; counted as misses)
-
-
-class HostTier:
-    """The CPU tier's bookkeeping: host blocks in a :class:`~kvpool.block_pool.BlockPool` of their own.
-
-    A host block holds one pool block's KV for every layer. The pool's prefix
-    index maps a chained block hash to the host block holding it, and its
-    free queue is the eviction order: a stored block rests in the queue as a
-    cached block (least recently used first), a load or a save pins it for the
-    step (reference count 1) and releases it to the back. The worker side owns
-    the host memory and copies at the slots named here. O(1) per block.
-    """
-
-    name = TierKind.CPU.value
-
-    def __init__(self, num_blocks: int) -> None:
-        check_int("CPU tier blocks", num_blocks)
-        self.num_blocks = num_blocks
-        # Host block 0 is the pool's null block, never used; the pool's events name the keys it evicts.
-        self.pool = BlockPool(num_blocks + 1, enable_events=True)
-
-    def take_evicted(self) -> list[bytes]:
-        """Keys evicted since the last call, oldest first (for the tier's ``BlockRemoved`` events)."""
-        return [bytes(h) for e in self.pool.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
-
-    def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        cached = self.pool.cached_block
-        count = 0
-        for key in keys:
-            if cached(BlockHash(key)) is None:
-                break
-            count += 1
-        return count
-
-    def pin(self, key: bytes) -> int:
-        """The host block holding ``key``, pinned until :meth:`release`."""
-        block = self.pool.cached_block(BlockHash(key))
-        if block is None:
-            raise InvariantViolation(f"host block for key {key.hex()[:16]} was evicted between lookup and load")
-        self.pool.touch([block])
-        return block.block_id
-
-    def reserve(self, key: bytes) -> int | None:
-        """A host block to save ``key`` into, pinned and indexed; None if it is there already or all are pinned."""
-        if self.pool.cached_block(BlockHash(key)) is not None or self.pool.num_free_blocks == 0:
-            return None
-        [block] = self.pool.get_new_blocks(1)  # evicts the least recently used cached block
-        self.pool.cache_block(block, BlockHash(key))
-        return block.block_id
-
-    def release(self, slots: Sequence[int]) -> None:
-        """Unpin host blocks: back of the queue, most recently used."""
-        blocks: list[KVBlock] = [self.pool.block(slot) for slot in slots]
-        self.pool.free_blocks(blocks)
-
-    def discard(self, slots: Sequence[int]) -> None:
-        """Unpin host blocks reserved for saves that will never be written, and forget their keys.
-
-        No removal is announced: a reserved key is announced stored only once its save is done.
-        """
-        blocks: list[KVBlock] = [self.pool.block(slot) for slot in slots]
-        for block in blocks:
-            if block.block_hash is not None:
-                self.pool.uncache(block)
-        self.pool.take_events()  # only these removals since the last save was planned (take_evicted drains)
-        self.pool.free_blocks(blocks)
-
-    def clear(self) -> list[bytes]:
-        """Forget every stored block and pin (after a step failed: a reserved block may never have been written).
-
-        Returns the keys it forgot.
-        """
-        forgotten = [bytes(b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
-        self.pool = BlockPool(self.num_blocks + 1, enable_events=True)
-        return forgotten
-
-    @property
-    def num_stored(self) -> int:
-        return self.pool.num_cached()
-
-
-class PrefixLookup(Protocol):
-    """The part of a :class:`kvpool.tiers.store.BlockStore` the scheduler side uses."""
-
-    name: str
-
-    def contains_prefix(self, keys: Sequence[bytes]) -> int: ...
-
-
-class ByteTier:
-    """A tier whose entries are bytes in a :class:`kvpool.tiers.store.BlockStore` (disk, Redis).
-
-    Only the lookup is made here; the worker side reads and writes the store.
-    A store that raises is a miss, logged once: faults never stop serving.
-    """
-
-    def __init__(self, store: PrefixLookup) -> None:
-        name = getattr(store, "name", None)
-        if not isinstance(name, str) or not callable(getattr(store, "contains_prefix", None)):
-            raise ConfigError(f"a byte tier needs a BlockStore (name, contains_prefix, ...), got {store!r}")
-        self.name = name
-        self.store = store
-        self._warned = False
-        self.lookup_errors = 0
-
-    def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        try:
-            found = self.store.contains_prefix(keys)
-        except Exception as exc:  # noqa: BLE001  # a backend fault is a miss; serving goes on
-            self.lookup_errors += 1
-            if not self._warned:
-                _LOGGER.warning("KV tier %s: lookup failed (%s); treated as a miss", self.name, exc)
-                self._warned = True
-            return 0
-        self._warned = False
-        return found if type(found) is int and 0 <= found <= len(keys) else 0
-
-
-Tier = HostTier | ByteTier
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,14 +61,14 @@ class _Resident:
 class TierHierarchyConnector:
     """Offloading through tiers looked up in the user's order by the chained block hash.
 
-    Lookup: after the local hit, each next block is taken from the first tier
-    that holds it, as a run as long as that tier holds; the match ends at the
-    first block no tier holds. Because the key is the request's chained block
-    hash, cache salts and LoRA names isolate tenants in every tier as they do
-    in the pool.
+    The lookup, where a block goes down and the host slot are
+    :class:`~kvpool.tiers.policy.TierPolicy`'s rules (the vLLM connector asks the
+    same); this class translates kvpool's requests and block tables into keys.
+    Because the key is the request's chained block hash, cache salts and LoRA
+    names isolate tenants in every tier as they do in the pool.
 
-    Saves (``write``, a :class:`WritePolicy`): a block goes to every tier above
-    the one it came from (all tiers when computed), once. Write-through sends
+    Saves (``write``, a :class:`WritePolicy`): a block goes to the policy's
+    destinations (every tier above the one it came from, all when computed), once. Write-through sends
     it when it becomes full in a step; write-back when the GPU pool evicts it,
     as a *spill* (:attr:`ConnectorMetadata.spills`) the worker copies out
     before the step's loads and forward pass reuse the block. Blocks of the
@@ -227,12 +92,7 @@ class TierHierarchyConnector:
             raise ConfigError(f"manager must be a KVCacheManager, got {manager!r}")
         if not isinstance(write, WritePolicy):
             raise ConfigError(f"write must be a WritePolicy, got {write!r}")
-        tiers = tuple(tiers)
-        if not tiers:
-            raise ConfigError("a tier hierarchy needs at least one tier")
-        names = [t.name for t in tiers]
-        if len(set(names)) != len(names) or GPU in names:
-            raise ConfigError(f"tier names must be distinct and not {GPU!r}, got {names}")
+        policy = TierPolicy(tiers)
         if not manager.enable_caching:
             raise ConfigError("KV tiers need prefix caching (blocks are found by their hash)")
         if not manager.hasher.algo.is_cryptographic and not allow_fast_hash:
@@ -240,14 +100,13 @@ class TierHierarchyConnector:
         if len(manager.groups) != 1 or type(manager.groups[0]) is not FullAttentionManager:
             raise ConfigError("KV tiers support models with one full-attention layer group")
         self.manager = manager
-        self.tiers = tiers
+        self.policy = policy
+        self.tiers = policy.tiers
         self.write = write
         self.block_size = manager.block_size
-        self.counters = {t.name: TierCounters(t.name) for t in tiers}
+        self.counters = {name: TierCounters(name) for name in policy.names}
         self._pool = manager.pool
-        self._host = next((t for t in tiers if isinstance(t, HostTier)), None)
-        self._all = tuple(names)
-        self._rank = {name: i for i, name in enumerate(names)}
+        self._host = policy.host
         self._pending_loads: dict[str, list[BlockLoad]] = {}
         self._saved_upto: dict[str, int] = {}  # blocks of the request handled (hit, saved or skipped)
         self._origin: dict[str, dict[int, str]] = {}  # loaded block position -> its tier
@@ -271,19 +130,7 @@ class TierHierarchyConnector:
         if first * bs != num_computed_tokens:
             return NO_MATCH  # a partial local hit cannot be extended by whole blocks
         keys = request.block_hashes[first : (request.num_tokens - 1) // bs]
-        runs: list[TierRun] = []
-        pos = 0
-        while pos < len(keys):
-            rest = keys[pos:]
-            for tier in self.tiers:
-                found = tier.contains_prefix(rest)
-                if found:
-                    runs.append(TierRun(tier.name, found * bs))
-                    pos += found
-                    break
-            else:
-                break
-        return ExternalMatch(tuple(runs))
+        return ExternalMatch(tuple(TierRun(name, blocks * bs) for name, blocks in self.policy.match(keys)))
 
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_local_tokens: int, match: ExternalMatch
@@ -333,8 +180,8 @@ class TierHierarchyConnector:
         return ConnectorMetadata(tuple(loads), tuple(saves), tuple(spills))
 
     def _below(self, origin: str | None) -> tuple[str, ...]:
-        """The tiers a block goes down to: all when computed here, else those above the tier it came from."""
-        return self._all if origin is None else self._all[: self._rank[origin]]
+        """The tiers a block goes down to (the policy's destinations)."""
+        return self.policy.destinations(origin)
 
     def _save_on_fill(self, request: Request, first: int, stop: int, saves: list[BlockSave]) -> None:
         """Write-through: blocks ``first .. stop-1`` of ``request`` became full this step; plan their saves."""
@@ -416,16 +263,12 @@ class TierHierarchyConnector:
 
     def _reserve_host(self, key: bytes, tiers: tuple[str, ...], rid: str | None) -> tuple[tuple[str, ...], int | None]:
         """A host block for ``key`` when the CPU tier is among ``tiers``; the tiers left to save to, and the slot."""
-        host = self._host
-        if host is None or host.name not in tiers:
-            return tiers, None
-        slot = host.reserve(key)
-        if slot is None:  # already there (or every host block pinned this step)
-            return tuple(t for t in tiers if t != host.name), None
-        if rid is not None:
-            self._pinned.setdefault(rid, []).append(slot)
-        self._record_removed(host.name, host.take_evicted())
-        return tiers, slot
+        placement = self.policy.place(key, tiers)
+        if self._host is not None:
+            self._record_removed(self._host.name, placement.evicted)
+        if placement.host_slot is not None and rid is not None:
+            self._pinned.setdefault(rid, []).append(placement.host_slot)
+        return placement.tiers, placement.host_slot
 
     def update_finished(self, result: TransferResult) -> None:
         bs = self.block_size

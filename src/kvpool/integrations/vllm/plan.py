@@ -10,16 +10,19 @@ prefix, and tenants with different salts never share a block. The entry around e
 (:class:`~kvpool.tiers.entry.EntryCodec`) names the model, its weights and the KV layout, and
 with a secret is signed.
 
-What one step does, as :meth:`TierPlanner.build` plans it::
+The rules (lookup, where a block goes down, host slots) are :class:`~kvpool.tiers.policy.TierPolicy`'s,
+the ones the engine and the simulator follow; this module translates vLLM's requests, scheduler
+output and block IDs into keys and back. What one step does, as :meth:`TierPlanner.build` plans it::
 
     admission      match(): after vLLM's local hit, each next block from the first tier holding it
-                   (the host tier first, then the stores in the order given), never the last token
+                   (the host tier first, then the stores in the order given; the next block again
+                   from the first), never the last token
     allocation     allocated(): the matched blocks' vLLM block IDs become loads
     end of step    build(): loads (host slots pinned first), then saves: every block that becomes
                    full in this step and was neither a local hit nor loaded goes to every tier; a
                    loaded block goes to the tiers above the one it came from
 
-The host tier's bookkeeping is kvpool's :class:`~kvpool.tiers.hierarchy.HostTier` (an LRU of host
+The host tier's bookkeeping is kvpool's :class:`~kvpool.tiers.policy.HostTier` (an LRU of host
 slots); the worker holds the memory and copies at the slots named here. Slots are pinned only
 while a plan is built: the worker carries out plans in the order they were built, so a slot
 reassigned by a later plan is read or written by this plan's copies first.
@@ -34,6 +37,7 @@ from typing import Protocol
 from kvpool.errors import ConfigError
 from kvpool.tiers import ByteTier, CpuTarget, DiskTarget, HostTier, RedisTarget, parse_specs
 from kvpool.tiers.entry import check_namespace
+from kvpool.tiers.policy import TierPolicy
 from kvpool.tiers.store import TierTarget, check_tier_trust
 
 __all__ = [
@@ -199,9 +203,10 @@ class TierPlanner:
             raise ConfigError(f"the cpu tier is looked up first; got the order {names}")
         if type(block_size) is not int or block_size < 1:
             raise ConfigError(f"block_size must be a positive int, got {block_size!r}")
-        self.tiers = tuple(tiers)
+        self.policy = TierPolicy(tiers)
+        self.tiers = self.policy.tiers
         self.block_size = block_size
-        self.host = tiers[0] if isinstance(tiers[0], HostTier) else None
+        self.host = self.policy.host
         self._requests: dict[str, _Tracked] = {}
         #: Cumulative blocks matched per tier (what vLLM was told it can load).
         self.matched_blocks: dict[str, int] = dict.fromkeys(names, 0)
@@ -230,22 +235,17 @@ class TierPlanner:
         first = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         keys = [bytes(h) for h in request.block_hashes[first:limit]]
-        runs: list[tuple[str, int]] = []
-        position = 0
-        for tier in self.tiers:
-            if position == len(keys):
-                break
-            found = tier.contains_prefix(keys[position:])
-            if found:
-                runs.append((tier.name, found))
-                position += found
-        tracked.first_block, tracked.runs = first, tuple(runs)
-        return position * self.block_size
+        runs = self.policy.match(keys)
+        tracked.first_block, tracked.runs = first, runs
+        return sum(blocks for _name, blocks in runs) * self.block_size
 
     def hit_tokens_by_tier(self, request_id: str) -> dict[str, int]:
         """The last match of ``request_id``, in tokens per tier (only tiers that hold some)."""
         tracked = self._requests.get(request_id)
-        return {} if tracked is None else {name: n * self.block_size for name, n in tracked.runs}
+        found: dict[str, int] = {}
+        for name, n in () if tracked is None else tracked.runs:  # a tier may serve more than one run
+            found[name] = found.get(name, 0) + n * self.block_size
+        return found
 
     def allocated(self, request: PlannedRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks) and will count ``num_external_tokens`` loaded.
@@ -291,7 +291,7 @@ class TierPlanner:
                     slot = self.host.pin(key)  # nothing is reserved between a match and this plan
                     pinned.append(slot)
                 loads.append(VllmBlockLoad(tier=name, key=key, block_id=block_id, slot=slot))
-                above = tuple(t.name for t in self.tiers[: self._index(name)])
+                above = self.policy.destinations(name)
                 if above:
                     promotions.append((key, block_id, above))
             tracked.loads = []
@@ -317,7 +317,7 @@ class TierPlanner:
                 len(hashes),
                 len(tracked.block_ids),
             )
-            every = tuple(t.name for t in self.tiers)
+            every = self.policy.destinations(None)
             for index in range(tracked.saved_upto, full):
                 save = self._save(bytes(hashes[index]), tracked.block_ids[index], every, pinned)
                 if save is not None:
@@ -327,17 +327,11 @@ class TierPlanner:
             self.host.release(pinned)
         return StepPlan(tuple(loads), tuple(saves))
 
-    def _index(self, name: str) -> int:
-        return next(i for i, t in enumerate(self.tiers) if t.name == name)
-
     def _save(self, key: bytes, block_id: int, tiers: tuple[str, ...], pinned: list[int]) -> VllmBlockSave | None:
-        slot = None
-        if self.host is not None and self.host.name in tiers:
-            slot = self.host.reserve(key)
-            if slot is None:  # there already, or every host slot is pinned by this plan
-                tiers = tuple(t for t in tiers if t != self.host.name)
-            else:
-                pinned.append(slot)
+        placement = self.policy.place(key, tiers)  # a host slot when the cpu tier is among them
+        tiers, slot = placement.tiers, placement.host_slot
+        if slot is not None:
+            pinned.append(slot)
         if not tiers:
             return None
         for name in tiers:
