@@ -13,7 +13,8 @@ import pytest
 
 from kvpool import prompts as prompt_rule
 from kvpool.openai_http.errors import APIError
-from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, Sampling
+from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest
+from kvpool.sampling_params import SamplingParams
 from kvpool.serve.tenant_worker import TenantWorker
 from kvpool.serve.tokenizer_thread import PIECE_CHARS, TokenizerThread
 
@@ -87,7 +88,7 @@ class _FakeEngine:
 
 def _gen(prompt: str) -> GenerationRequest:
     return GenerationRequest(
-        endpoint=GenerationEndpoint.COMPLETIONS, model=None, prompts=(prompt,), messages=None, sampling=Sampling()
+        endpoint=GenerationEndpoint.COMPLETIONS, model=None, prompts=(prompt,), messages=None, sampling=SamplingParams()
     )
 
 

@@ -9,7 +9,8 @@ the torch-backed names below is first used.
 * :mod:`.paged_attention`: writing K/V at slots and attention through block tables.
 * :class:`ModelRunner` (:mod:`.model_runner`): one forward pass per batch of chunks.
 * :mod:`.model_store`: :func:`resolve_model`, :func:`load_model`.
-* :mod:`.sampling`: :class:`SamplingParams`, :func:`make_generator`, :func:`sample_tokens`.
+* :mod:`.sampling`: :func:`make_generator`, :func:`sample_tokens`; :class:`SamplingParams`
+  (torch-free, from :mod:`kvpool.sampling_params`).
 * :class:`StructuredOutput` (:mod:`.structured`): JSON or a JSON Schema the output must follow
   (the ``structured`` extra).
 * :mod:`.memory`: the KV cache budget (measured on CUDA, estimated on the CPU).
@@ -66,7 +67,7 @@ _LAZY = {
     "DEFAULT_MODEL": "model_store",
     "resolve_model": "model_store",
     "load_model": "model_store",
-    "SamplingParams": "sampling",
+    "SamplingParams": "sampling",  # kvpool.sampling_params's, re-exported there
     "make_generator": "sampling",
     "sample_tokens": "sampling",
     "StructuredOutput": "structured",

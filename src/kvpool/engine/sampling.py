@@ -1,4 +1,7 @@
-"""Sampling parameters and the sampler that turns logits into next tokens.
+"""The sampler that turns logits into next tokens, each row as its request's :class:`SamplingParams` asks.
+
+:class:`SamplingParams` (with :data:`GREEDY_BELOW` and :data:`MAX_LOGPROBS`) lives,
+torch-free, in :mod:`kvpool.sampling_params` and is re-exported here.
 
 A row is first masked and penalised where its request asks (a structured
 output's grammar keeps the tokens it does not allow at ``-inf``, before
@@ -25,20 +28,17 @@ rows as usual, so one request's bad numbers fail that request alone.
 
 from __future__ import annotations
 
-import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvpool.checks import check_int
 from kvpool.engine.logprobs import token_logprobs
 from kvpool.engine.outputs import TokenLogprobs
 from kvpool.engine.penalties import apply_penalties
-from kvpool.engine.structured import StructuredOutput
-from kvpool.errors import ConfigError, InvalidTokenError
-from kvpool.hashing import to_token_array
+from kvpool.errors import ConfigError
+from kvpool.sampling_params import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams
 
 __all__ = [
     "GREEDY_BELOW",
@@ -51,165 +51,6 @@ __all__ = [
     "sample_rows",
     "sample_tokens",
 ]
-
-_MAX_SEED = 2**63
-
-#: Most ``logprobs`` a request may ask for (vLLM's default ``max_logprobs``).
-MAX_LOGPROBS = 20
-
-#: Temperatures below this are greedy (an argmax): smaller ones overflow the scaled logits.
-GREEDY_BELOW = 1e-5
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_flag(name: str, value: object) -> None:
-    if type(value) is not bool:
-        raise ConfigError(f"{name} must be a bool, got {value!r}")
-
-
-#: The repetition penalty's bound either way: a logit divided or multiplied by more leaves float32's range.
-MAX_REPETITION = 1e6
-
-
-def _check_number(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> None:
-    """Refuse anything but a finite int or float in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < low
-        or (low_open and value == low)
-        or value > high
-    ):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ConfigError(f"{name} must be a finite number in {interval}, got {value!r}")
-
-
-def _stop_strings(stop: object) -> tuple[str, ...]:
-    """``stop`` as a tuple of non-empty strings (one string alone is one stop string, as in vLLM)."""
-    if isinstance(stop, str):
-        stop = (stop,)
-    if isinstance(stop, (bytes, bytearray)) or not isinstance(stop, Sequence):
-        raise ConfigError(f"stop must be a string or a sequence of strings, got {stop!r}")
-    strings = tuple(stop)
-    for i, one in enumerate(strings):
-        if not isinstance(one, str) or not one:
-            raise ConfigError(f"stop[{i}] must be a non-empty string, got {one!r}")
-    return strings
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick a request's next tokens and when to stop (vLLM's fields and meanings).
-
-    Every field is checked when the object is made; a bad value raises a
-    :class:`~kvpool.errors.ConfigError` (or :class:`~kvpool.errors.InvalidTokenError`)
-    naming it.
-
-    Attributes:
-        max_tokens: Most tokens to generate (>= 1); None generates up to the end
-            of the context (``max_model_len`` minus the prompt), resolved when the
-            request is added.
-        temperature: 0 for greedy; otherwise logits are divided by it. Below
-            :data:`GREEDY_BELOW` (``1e-5``) it is greedy as well.
-        top_p: Nucleus mass in (0, 1]; 1 keeps every token.
-        top_k: Keep only the k most likely tokens (tokens tied with the k-th
-            are kept too); 0 turns the cut off.
-        seed: Seeds the request's generator, for reproducible sampling; None
-            draws a fresh seed.
-        stop_token_ids: Tokens that end the request (the token is kept in
-            ``output_token_ids``; its text is left out of ``text`` unless
-            ``include_stop_str_in_output``).
-        ignore_eos: Keep generating past the model's end-of-sequence token.
-        presence_penalty: In [-2, 2]; subtracted once from the logit of every
-            token already generated (positive discourages repeats).
-        frequency_penalty: In [-2, 2]; subtracted from a token's logit once per
-            time it was generated.
-        repetition_penalty: In [1e-6, 1e6]; a token seen in the prompt or the
-            output has a positive logit divided by it and a negative one
-            multiplied by it (1 turns it off). Within that range a penalised
-            logit stays finite in float32 even at the lowest temperature.
-        min_p: In [0, 1]; after temperature, tokens whose probability is below
-            ``min_p`` times the most likely token's are dropped (0 turns it off).
-        min_tokens: Tokens generated before EOS, a stop token or a stop string
-            may end the request (EOS and stop tokens are masked until then);
-            at most ``max_tokens``.
-        stop: Strings that end the request when the generated text contains one,
-            across token boundaries; ``text`` is cut before it.
-        include_stop_str_in_output: Keep the stop string (or the stop token's
-            text) at the end of ``text``.
-        logprobs: None for no log-probabilities; k in [0, 20] for the sampled
-            token's log-probability and the k most likely tokens', each step.
-        structured: None, or the grammar the output must follow (JSON, a JSON
-            Schema: :class:`~kvpool.engine.structured.StructuredOutput`); the
-            request ends with ``stop`` once its grammar is complete.
-    """
-
-    max_tokens: int | None = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    structured: StructuredOutput | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens is not None:
-            check_int("max_tokens", self.max_tokens)
-        if (
-            isinstance(self.temperature, bool)
-            or not isinstance(self.temperature, (int, float))
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
-            raise ConfigError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        if isinstance(self.stop_token_ids, Mapping):  # iterating a mapping would silently take its keys
-            raise InvalidTokenError(f"stop_token_ids must be a sequence of token IDs, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(to_token_array(self.stop_token_ids, "stop_token_ids")))
-        _check_flag("ignore_eos", self.ignore_eos)
-        _check_flag("include_stop_str_in_output", self.include_stop_str_in_output)
-        for name in ("presence_penalty", "frequency_penalty"):
-            _check_number(name, getattr(self, name), low=-2.0, high=2.0)
-        _check_number("repetition_penalty", self.repetition_penalty, low=1.0 / MAX_REPETITION, high=MAX_REPETITION)
-        _check_number("min_p", self.min_p, low=0.0, high=1.0)
-        check_int("min_tokens", self.min_tokens, minimum=0)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ConfigError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
-        object.__setattr__(self, "stop", _stop_strings(self.stop))
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ConfigError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise ConfigError(f"structured must be None or a StructuredOutput, got {self.structured!r}")
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
-            object.__setattr__(self, name, float(getattr(self, name)))
-
-    @property
-    def has_penalties(self) -> bool:
-        """True when a presence, frequency or repetition penalty changes the logits."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
-    def greedy(self) -> bool:
-        """True when the next token is simply the argmax (``temperature < GREEDY_BELOW``)."""
-        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

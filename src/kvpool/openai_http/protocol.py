@@ -6,21 +6,27 @@ by name rather than ignored, and unknown fields are ignored, as the OpenAI API
 does. Every refusal is an :class:`APIError` carrying the HTTP status and the
 OpenAI error body, its ``param`` naming the field (``messages[2].content``).
 
-Response bodies are the server's (:mod:`kvpool.serve.responses`). Nothing here imports torch; sampling
-values are checked again by :class:`~kvpool.engine.sampling.SamplingParams`
-when the server builds them.
+The sampling fields become a :class:`~kvpool.sampling_params.SamplingParams`
+here, built directly from the body: the body's schema declares their JSON types,
+``SamplingParams`` their ranges, and its refusal is a 400 naming the field. What
+only the OpenAI API has (``n``, ``echo``, ``stream``, ``response_format``) stays
+on :class:`GenerationRequest`. Response bodies are the server's
+(:mod:`kvpool.serve.responses`). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
 
+from kvpool.errors import KVPoolError
 from kvpool.openai_http.errors import APIError, bad_request, error_body
+from kvpool.sampling_params import SamplingParams, field_at_fault
 
-__all__ = ["APIError", "GenerationEndpoint", "GenerationRequest", "Sampling", "error_body", "parse_generation"]
+__all__ = ["APIError", "GenerationEndpoint", "GenerationRequest", "error_body", "parse_generation"]
 
 
 class GenerationEndpoint(Enum):
@@ -43,56 +49,24 @@ class GenerationEndpoint(Enum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Sampling:
-    """The sampling fields of a request with vLLM's defaults filled in (``SamplingParams`` checks them again).
-
-    ``max_tokens`` None is the rest of the context; ``top_k`` 0 is off (vLLM's
-    -1 arrives as 0); ``logprobs`` None asks for none, k for the sampled
-    token's logprob and the k most likely. ``structured`` is ``response_format``
-    other than ``text``: its type (``json_object``, ``json_schema``) and, for a
-    schema, the schema as JSON text.
-    """
-
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    structured: tuple[str, str | None] | None = None
-
-    def engine_fields(self) -> dict[str, Any]:
-        """The fields as ``SamplingParams`` keyword arguments."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
-
-
-#: Each field's value that changes nothing (an engine without the field can still serve it).
-NEUTRAL = Sampling()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class GenerationRequest:
     """One checked completion or chat request.
 
     Completions carry ``prompts`` (one or several, text or token IDs) and no
     ``messages``; chat carries ``messages`` and no prompts. Each prompt is
-    answered with ``n`` choices.
+    answered with ``n`` choices, each sampled as ``sampling`` says (the server
+    gives sequence ``i`` of a seeded request ``seed + i``). ``response_format``
+    other than ``text`` is its type (``json_object``, ``json_schema``) and, for a
+    schema, the schema as JSON text: the engine compiles it into
+    ``SamplingParams.structured``.
     """
 
     endpoint: GenerationEndpoint
     model: str | None
     prompts: tuple[str | tuple[int, ...], ...]
     messages: tuple[dict[str, str], ...] | None
-    sampling: Sampling
+    sampling: SamplingParams
+    response_format: tuple[str, str | None] | None = None
     n: int = 1
     echo: bool = False
     stream: bool = False
@@ -124,37 +98,40 @@ def parse_generation(endpoint: GenerationEndpoint, body: object) -> GenerationRe
         raise validation_error(exc) from None
 
 
-def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> Sampling:
-    given = {
-        name: getattr(body, name)
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "seed",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "min_tokens",
-            "include_stop_str_in_output",
-            "ignore_eos",
-        )
-        if getattr(body, name) is not None
-    }
+#: The OpenAI API's temperature when a request leaves it out (vLLM's too); ``SamplingParams``' own is greedy.
+OPENAI_TEMPERATURE = 1.0
+
+#: ``SamplingParams`` fields a body does not give as they are: each endpoint's ``max_tokens`` and ``logprobs``,
+#: the temperature's default, ``top_k``'s -1 (off) and the grammar (the engine's, from ``response_format``).
+_TRANSLATED = frozenset({"max_tokens", "logprobs", "temperature", "top_k", "structured"})
+#: The others: a body field of the same name and meaning (null is ``SamplingParams``' default).
+_AS_GIVEN = tuple(f.name for f in fields(SamplingParams) if f.name not in _TRANSLATED)
+
+
+def _sampling(body: Any, max_tokens: int | None, logprobs: int | None, renamed: Mapping[str, str]) -> SamplingParams:
+    """The body's sampling fields as ``SamplingParams``; its refusal is a 400 naming the body's field.
+
+    ``renamed`` maps a ``SamplingParams`` field to the body field it came from when their names differ.
+    """
+    given = {name: getattr(body, name) for name in _AS_GIVEN if getattr(body, name) is not None}
     top_k = body.top_k
-    return Sampling(
-        structured=_structured(body.response_format),
-        max_tokens=max_tokens,
-        top_k=0 if top_k in (None, -1) else top_k,
-        stop=body.stop or (),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        logprobs=logprobs,
-        **given,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=OPENAI_TEMPERATURE if body.temperature is None else body.temperature,
+            top_k=0 if top_k in (None, -1) else top_k,
+            logprobs=logprobs,
+            **given,
+        )
+    except KVPoolError as exc:
+        field = field_at_fault(exc)
+        if field is None or field not in renamed:
+            raise bad_request(str(exc), field) from None
+        raise bad_request(f"'{renamed[field]}': {exc}", renamed[field]) from None
 
 
 def _structured(response_format: Any) -> tuple[str, str | None] | None:
-    """``response_format`` as :attr:`Sampling.structured`: None for text, else its type and schema (JSON text)."""
+    """``response_format`` as :attr:`GenerationRequest.response_format`: None for text, else its type and schema."""
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
@@ -166,6 +143,7 @@ def _common(body: Any) -> dict[str, Any]:
     options = body.stream_options
     return {
         "model": body.model,
+        "response_format": _structured(body.response_format),
         "n": body.n,
         "stream": body.stream,
         "include_usage": bool(options is not None and options.include_usage),
@@ -178,7 +156,7 @@ def _completion(body: Any) -> GenerationRequest:
         endpoint=GenerationEndpoint.COMPLETIONS,
         prompts=body.prompt,
         messages=None,
-        sampling=_sampling(body, body.max_tokens, body.logprobs),
+        sampling=_sampling(body, body.max_tokens, body.logprobs, {}),
         echo=body.echo,
         **_common(body),
     )
@@ -189,13 +167,15 @@ def _chat(body: Any) -> GenerationRequest:
         {"role": "system" if m.role == "developer" else m.role, "content": m.text() or ""} for m in body.messages
     )
     # The newer name wins over the older one, as in OpenAI's API.
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    newer = body.max_completion_tokens is not None
+    max_tokens = body.max_completion_tokens if newer else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    renamed = {"logprobs": "top_logprobs"} | ({"max_tokens": "max_completion_tokens"} if newer else {})
     return GenerationRequest(
         endpoint=GenerationEndpoint.CHAT,
         prompts=(),
         messages=messages,
-        sampling=_sampling(body, max_tokens, logprobs),
+        sampling=_sampling(body, max_tokens, logprobs, renamed),
         tools=tuple(body.tools or ()),
         **_common(body),
     )

@@ -4,7 +4,10 @@ Validation is strict (pydantic's strict mode on decoded JSON): ``true`` is not
 an integer nor a number, ``1.0`` is not an integer, ``"1"`` is not anything but
 a string, and NaN or infinities (which Python's JSON reader accepts) are not
 numbers. Every string the server reads is refused if it holds a lone surrogate
-(JSON can spell one; no tokenizer can encode it). Sizes are bounded: at most
+(JSON can spell one; no tokenizer can encode it). The sampling fields are
+declared here by their JSON types only: their ranges are checked once, by
+:class:`~kvpool.sampling_params.SamplingParams`, when the request is built
+from the body. Sizes are bounded: at most
 :data:`MAX_CHOICES` sequences per request, :data:`MAX_STOP_STRINGS` stop
 strings of at most :data:`MAX_STOP_CHARS` characters.
 
@@ -43,12 +46,9 @@ MAX_CHOICES = 128
 #: Stop strings one request may give, and the longest.
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
-#: The largest logprobs count (vLLM's default cap).
-MAX_LOGPROBS = 20
 #: ``/v1/completions``' ``max_tokens`` when it is left out or null (OpenAI's and vLLM's 16); chat has no
 #: such default and runs to the end of the context.
 COMPLETION_MAX_TOKENS = 16
-_MAX_SEED = 2**63
 
 
 def utf8(text: str, param: str) -> str:
@@ -114,18 +114,20 @@ class _Body(BaseModel):
     model: Annotated[str, _utf8_field("model")] | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     best_of: int | None = None
+    # Checked as given: chat has two names for it and uses the newer, so SamplingParams may not see this one.
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=0, lt=_MAX_SEED)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    min_tokens: int = Field(default=0, ge=0)
+    # The sampling fields: JSON types here, ranges in SamplingParams (null is its default; top_k -1 is off).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     stop: Any = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     stream: bool = False
@@ -175,11 +177,6 @@ class _Body(BaseModel):
             )
         if self.stream_options is not None and not self.stream:
             raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
-        limit = self.max_tokens
-        if limit is not None and self.min_tokens > limit:
-            raise bad_request(
-                f"'min_tokens' ({self.min_tokens}) must not exceed the maximum tokens ({limit})", "min_tokens"
-            )
         return self
 
 
@@ -230,7 +227,7 @@ class CompletionBody(_Body):
     prompt: Any = Field(default=None, validate_default=True)
     max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -327,7 +324,7 @@ class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     add_generation_prompt: Literal[True] = True
     echo: Literal[False] = False
     #: Read so that the server can say why it refuses them (:func:`kvpool.serve.generation.check_tools`).

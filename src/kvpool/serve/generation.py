@@ -17,25 +17,25 @@ than the prompt.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import KVPoolError
 from kvpool.openai_http.errors import APIError, error_body
-from kvpool.openai_http.protocol import NEUTRAL, GenerationEndpoint, GenerationRequest
+from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest
+from kvpool.sampling_params import SEED_LIMIT, SamplingParams
 from kvpool.serve.engine_loop import Job
 from kvpool.serve.responses import Choice, Usage, chunk_body, completion_body, logprobs_body
 
 if TYPE_CHECKING:
     from kvpool.engine.outputs import RequestDelta, RequestOutput
+    from kvpool.engine.structured import StructuredOutput
     from kvpool.serve.tokenizer_thread import TokenizerThread
 
-__all__ = ["Plan", "check_tools", "finish_reason", "plan_jobs"]
+__all__ = ["Plan", "check_tools", "finish_reason", "plan_jobs", "sequence_params"]
 
 _FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop", "aborted": "abort", "error": "error"}
-_MAX_SEED = 2**63
 
 
 def finish_reason(output: RequestOutput) -> str:
@@ -43,34 +43,23 @@ def finish_reason(output: RequestOutput) -> str:
     return _FINISH_REASONS[output.finish_reason.value]
 
 
-def sampling_params(gen: GenerationRequest, sequence: int) -> Any:
-    """The engine's ``SamplingParams`` for sequence ``sequence`` of a prompt.
+def sequence_params(gen: GenerationRequest) -> list[SamplingParams]:
+    """The ``SamplingParams`` of each of a prompt's ``n`` sequences: ``gen.sampling`` with its grammar.
 
-    An option the engine's ``SamplingParams`` does not have is refused (400)
-    unless its value changes nothing: accepted options are never dropped. A
-    ``response_format`` the engine cannot serve (a schema it cannot compile, no
-    grammar library) is a 400 naming it.
+    A seeded request's sequence ``i`` draws with ``seed + i`` (modulo ``2**63``).
+    The ``response_format`` is compiled once for all of them; one the engine
+    cannot serve (a schema it cannot compile, no grammar library) is a 400 naming it.
     """
-    from kvpool.engine.sampling import SamplingParams
-
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    kwargs: dict[str, Any] = {}
-    for name, value in gen.sampling.engine_fields().items():
-        if name == "structured":
-            kwargs[name] = _structured(value)
-        elif name in known:
-            kwargs[name] = value
-        elif value != getattr(NEUTRAL, name):
-            raise APIError(400, f"'{name}' is not supported by this server's engine", param=name, code="unsupported")
-    if kwargs.get("seed") is not None:
-        kwargs["seed"] = (kwargs["seed"] + sequence) % _MAX_SEED
-    try:
-        return SamplingParams(**kwargs)
-    except KVPoolError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from None
+    base = gen.sampling
+    structured = _structured(gen.response_format)
+    if structured is not None:
+        base = replace(base, structured=structured)
+    if base.seed is None:
+        return [base] * gen.n
+    return [replace(base, seed=(base.seed + i) % SEED_LIMIT) for i in range(gen.n)]
 
 
-def _structured(spec: tuple[str, str | None] | None) -> Any:
+def _structured(spec: tuple[str, str | None] | None) -> StructuredOutput | None:
     """The engine's ``StructuredOutput`` of a request's ``response_format``, or None (400 naming it if refused)."""
     if spec is None:
         return None
@@ -156,7 +145,7 @@ async def plan_jobs(
 ) -> Plan:
     """The engine requests of ``tenant``'s ``gen``: every prompt tokenized (on the tokenizer thread, in
     ``tenant``'s turn), ``n`` jobs each."""
-    params = [sampling_params(gen, i) for i in range(gen.n)]
+    params = sequence_params(gen)
     sources: list[Any] = list(gen.prompts) if gen.messages is None else [None]
     jobs, echoes, sequences = [], [], {}
     for p, source in enumerate(sources):

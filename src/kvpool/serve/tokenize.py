@@ -23,13 +23,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpool.errors import KVPoolError
 from kvpool.openai_http.errors import APIError, bad_request
-from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, Sampling, validation_error
+from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, validation_error
 from kvpool.openai_http.schema import Message, utf8
+from kvpool.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvpool.serve.tokenizer_thread import TokenizerThread
 
 __all__ = ["detokenize_body", "tokenize_body"]
+
+#: A tokenize request is a generation request that is never run: its sampling is the default.
+_NOT_SAMPLED = SamplingParams()
 
 
 class _Tokenize(BaseModel):
@@ -73,7 +77,7 @@ async def tokenize_body(
             model=request.model,
             prompts=(utf8(request.prompt, "prompt"),),
             messages=None,
-            sampling=Sampling(),
+            sampling=_NOT_SAMPLED,
         )
     else:
         messages = []
@@ -89,7 +93,7 @@ async def tokenize_body(
             model=request.model,
             prompts=(),
             messages=tuple(messages),
-            sampling=Sampling(),
+            sampling=_NOT_SAMPLED,
         )
     check_model(gen)
     try:
@@ -112,7 +116,11 @@ async def detokenize_body(
     request: _Detokenize = _validate(_Detokenize, body)
     check_model(
         GenerationRequest(
-            endpoint=GenerationEndpoint.COMPLETIONS, model=request.model, prompts=(), messages=None, sampling=Sampling()
+            endpoint=GenerationEndpoint.COMPLETIONS,
+            model=request.model,
+            prompts=(),
+            messages=None,
+            sampling=_NOT_SAMPLED,
         )
     )
     try:
