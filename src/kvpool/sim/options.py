@@ -27,13 +27,26 @@ from kvpool.sim.transfers import DEFAULT_LINKS, TierLink, capacity_blocks
 from kvpool.tiers.kinds import TierKind, WritePolicy
 from kvpool.tiers.store import TierTarget, parse_specs
 
-__all__ = ["SYNTHETIC_PREFIX", "SimulateOptions"]
+__all__ = ["FALLBACK_HASH", "FAST_HASH", "SYNTHETIC_PREFIX", "SimulateOptions", "fast_hash_installed"]
 
 #: A trace named ``synthetic:KIND`` is generated (:mod:`kvpool.sim.workloads`), not read.
 SYNTHETIC_PREFIX = "synthetic:"
 #: Requests of a synthetic trace when ``requests`` is not given.
 SYNTHETIC_REQUESTS = 500
 _HASHES = frozenset({a.value for a in HashAlgo} | {"xxh3_128"})
+#: The block hash replayed when none is named, with the ``fast`` extra (xxhash) and without it.
+#: Hit rates are the same either way: xxh3_128 verifies every hit, so a collision is only a miss.
+FAST_HASH = HashAlgo.XXH3_128.value
+FALLBACK_HASH = HashAlgo.SHA256.value
+
+
+def fast_hash_installed() -> bool:
+    """Whether xxhash (the ``fast`` extra) can be imported, for :data:`FAST_HASH`."""
+    try:
+        import xxhash  # noqa: F401  # only whether it is there
+    except ImportError:
+        return False
+    return True
 
 
 def _number(flag: str, value: object, *, positive: bool = False) -> float:
@@ -122,7 +135,8 @@ class SimulateOptions:
             is at most this many seconds (with ``replicas`` 1).
         ttft_slo_percentile: in (0, 100).
         max_replicas: the largest count ``ttft_slo`` tries.
-        hash_algo: the block hash (``xxh3_128`` verifies every hit: the same hit rates, faster).
+        hash_algo: the block hash (``xxh3_128`` verifies every hit: the same hit rates, faster); None: the
+            fastest installed, :data:`FAST_HASH` with the ``fast`` extra, else :data:`FALLBACK_HASH`.
         curve: also the hit-rate curve (sequential model) at these cache sizes in blocks (or ``"100,200"``).
         curve_policies: the eviction policies the curve compares (besides the optimum).
         lookahead: sequential runs announce the next N requests as waiting (the ``waiting`` policy).
@@ -152,7 +166,7 @@ class SimulateOptions:
     ttft_slo: float | None = None
     ttft_slo_percentile: float = 90.0
     max_replicas: int = 64
-    hash_algo: str = "xxh3_128"
+    hash_algo: str | None = None
     curve: tuple[int, ...] = ()
     curve_policies: tuple[str, ...] = ("lru",)
     lookahead: int = 0
@@ -166,6 +180,8 @@ class SimulateOptions:
     num_blocks: int = field(init=False)
     #: The cost model.
     cost: CostModel = field(init=False)
+    #: The block hash replayed: ``hash_algo``, or the fastest installed when it is None.
+    block_hash: str = field(init=False)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -184,8 +200,17 @@ class SimulateOptions:
                 raise ConfigError(f"--{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("step_overhead_ms", "prefill_us_per_token", "decode_us_per_seq"):
             _number(f"--{name.replace('_', '-')}", getattr(self, name))
-        if self.hash_algo not in _HASHES:
+        if self.hash_algo is None:
+            put(self, "block_hash", FAST_HASH if fast_hash_installed() else FALLBACK_HASH)
+        elif self.hash_algo not in _HASHES:
             raise ConfigError(f"--hash must be one of {sorted(_HASHES)}, got {self.hash_algo!r}")
+        elif self.hash_algo == FAST_HASH and not fast_hash_installed():
+            raise ConfigError(
+                f"--hash {FAST_HASH} needs the xxhash package: pip install 'kvpool[fast]' "
+                f"(without --hash, {FALLBACK_HASH} gives the same hit rates, slower)"
+            )
+        else:
+            put(self, "block_hash", self.hash_algo)
         policy_factory(self.policy)  # an unknown name fails before any work
         put(self, "curve_policies", _strings("--curve-policies", self.curve_policies))
         for name in self.curve_policies:

@@ -111,7 +111,7 @@ def _config(options: SimulateOptions) -> SimulationConfig:
         num_blocks=options.num_blocks,
         block_size=options.block_size,
         policy=options.policy,
-        hash_algo=options.hash_algo,
+        hash_algo=options.block_hash,
         max_num_batched_tokens=options.max_num_batched_tokens,
         max_num_seqs=options.max_num_seqs,
         cost=options.cost,
@@ -171,7 +171,7 @@ def _curve(requests: list[TraceRequest], options: SimulateOptions, progress: Pro
                         size,
                         block_size=options.block_size,
                         policy=policy,
-                        hash_algo=options.hash_algo,
+                        hash_algo=options.block_hash,
                         lookahead=options.lookahead,
                     ).token_hit_rate
                 )
@@ -194,7 +194,7 @@ def run_study(options: SimulateOptions, requests: list[TraceRequest], progress: 
                 options.num_blocks - 1,
                 block_size=options.block_size,
                 policy=options.policy,
-                hash_algo=options.hash_algo,
+                hash_algo=options.block_hash,
                 lookahead=options.lookahead,
                 progress=advance,
             )
