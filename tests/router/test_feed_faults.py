@@ -9,8 +9,6 @@ from kvpool.router.index import MemoryIndex
 from tests.router.fakes import wait_for
 from tests.router.test_feed import H, HandPublisher, Loop, R, stored
 
-pytest_plugins = ["tests.router.test_feed"]  # its loop and publisher fixtures
-
 GARBAGE = {
     "two frames": [b"", b"\x00" * 8],
     "four frames": [b"", b"\x00" * 8, b"x", b"y"],

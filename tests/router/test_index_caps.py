@@ -10,8 +10,6 @@ from kvpool.router.index import MemoryIndex
 from tests.router.fakes import wait_for
 from tests.router.test_feed import HandPublisher, Loop, R, stored
 
-pytest_plugins = ["tests.router.test_feed"]  # its loop and publisher fixtures
-
 
 def chain(name: str, n: int) -> list[bytes]:
     return [f"{name}:{i}".encode().ljust(32, b".") for i in range(n)]
