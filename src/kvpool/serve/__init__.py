@@ -5,7 +5,9 @@
 * :mod:`.engine_loop`: the engine on a thread of its own, fed through a queue; per-request streams.
 * :mod:`.metrics`: Prometheus metrics under vLLM's names, in the server's own registry.
 * :mod:`.events`: the step hook that publishes the pool's KV events and the ``/kv-events`` body.
-* :mod:`.app`: the ASGI application (Starlette): :func:`build_app` and :class:`ServeConfig`.
+* :mod:`.openai_server`: the ASGI application (Starlette): :func:`build_app`, wiring each route to its
+  handler in :mod:`.generation_routes`, :mod:`.model_routes` or :mod:`.operator_routes`, over the shared
+  :mod:`.server_state` (:class:`ServeConfig`).
 
 Tenants and cache salts are :mod:`kvpool.tenancy`'s rules. Importing this
 package imports neither torch nor Starlette; they load when an app is built.
