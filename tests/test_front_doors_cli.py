@@ -56,7 +56,8 @@ def test_tensor_parallel_size_other_than_1_is_refused_with_the_reason(command: s
 
 
 def test_dtype_and_tensor_parallel_size_map_to_engine_options() -> None:
-    from kvpool.cli.generate import _engine_options, engine_options
+    from kvpool.cli.generate import _engine_options
+    from kvpool.cli.shared_flags import engine_options
 
     seen: dict[str, object] = {}
 

@@ -26,12 +26,13 @@ Standard library only.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import json
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
@@ -44,6 +45,7 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "KeyRing",
     "SaltPolicy",
+    "SecretSource",
     "bearer_token",
     "load_secret",
 ]
@@ -124,6 +126,28 @@ class KeyRing:
             names[_digest(key)] = name
         return cls(names, weights)
 
+    @classmethod
+    def from_options(cls, api_key_file: str | os.PathLike[str] | None, api_keys: Sequence[str] = ()) -> KeyRing | None:
+        """A server's tenants: the API key file's, and each single key in ``api_keys`` for :data:`DEFAULT_TENANT`.
+
+        None when neither is given (one tenant, no key needed). A single key may
+        repeat one of the file's own default-tenant keys, but a key the file gives
+        another tenant is a :class:`ConfigError` naming that tenant: which of the
+        two the key stands for would otherwise be a guess.
+        """
+        if api_key_file is None and not api_keys:
+            return None
+        given = cls.from_mapping(dict.fromkeys(api_keys, DEFAULT_TENANT), source="--api-key") if api_keys else None
+        if api_key_file is None:
+            return given
+        ring = cls.load_json(api_key_file)
+        if given is None:
+            return ring
+        for key in api_keys:
+            if ring.name_for(key) not in (None, DEFAULT_TENANT):
+                raise ConfigError(f"an --api-key is also a key of tenant {ring.name_for(key)!r} in --api-key-file")
+        return ring.merged(given)
+
     def merged(self, other: KeyRing) -> KeyRing:
         """Both rings' keys (``other``'s win for a key in both) and weights."""
         for name, weight in other.weights.items():
@@ -192,6 +216,17 @@ def load_secret(path: str | os.PathLike[str] | None) -> tuple[bytes, bool]:
     return read_secret_file(path, purpose="tenant secret"), False
 
 
+class SecretSource(enum.Enum):
+    """Where a :class:`SaltPolicy`'s secret came from, as a server says it at start."""
+
+    #: Tenants share one prefix cache: there is no secret.
+    NONE = "none"
+    #: Read from the tenant secret file: salts (and cached blocks) carry over a restart.
+    FILE = "file"
+    #: Generated at start: salts last as long as the process, and no other process can derive them.
+    GENERATED = "generated"
+
+
 @dataclass(frozen=True, slots=True)
 class SaltPolicy:
     """How a request's cache salt follows from its tenant and the client's ``cache_salt``.
@@ -211,6 +246,23 @@ class SaltPolicy:
     @classmethod
     def shared(cls) -> SaltPolicy:
         return cls(None)
+
+    @classmethod
+    def from_options(
+        cls, *, isolate: bool, secret_file: str | os.PathLike[str] | None
+    ) -> tuple[SaltPolicy, SecretSource]:
+        """The policy a server's tenant options give, and where its secret came from.
+
+        ``isolate`` off (``--no-tenant-isolation``): :meth:`shared`, and the
+        secret file is not read. On: :meth:`isolated` under the secret in
+        ``secret_file``, or under a fresh one (:func:`load_secret`) without it.
+        The server and the router both ask this, so a router given the replicas'
+        options derives the replicas' salts.
+        """
+        if not isolate:
+            return cls.shared(), SecretSource.NONE
+        secret, generated = load_secret(secret_file)
+        return cls.isolated(secret), SecretSource.GENERATED if generated else SecretSource.FILE
 
     @property
     def isolates_tenants(self) -> bool:

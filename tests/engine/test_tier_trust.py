@@ -58,7 +58,7 @@ def test_the_commands_refuse_a_shared_tier_without_a_secret_before_loading(comma
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_the_commands_map_the_flag_to_the_engine_option(command, monkeypatch, tmp_path):
-    from kvpool.cli import generate as generate_command
+    from kvpool.cli import shared_flags
 
     seen = {}
 
@@ -66,7 +66,7 @@ def test_the_commands_map_the_flag_to_the_engine_option(command, monkeypatch, tm
         seen.update(kw)
         raise ConfigError("stop here")
 
-    monkeypatch.setattr(generate_command, "engine_options", engine_options)
+    monkeypatch.setattr(shared_flags, "engine_options", engine_options)
     prompt = ["w1"] if command == "generate" else []
     args = [command, *prompt, "--kv-tier", f"disk:{tmp_path}:1MiB", "--kv-tier-unauthenticated"]
     result = CliRunner().invoke(cli, args, input="")

@@ -22,21 +22,12 @@ from typing import Any
 
 import click
 
-from kvpool.cli.params import THREADS, TOKEN_COUNT, fail, require_extra
+from kvpool.cli import shared_flags
+from kvpool.cli.params import fail, require_extra
+from kvpool.cli.shared_flags import ENGINE_OPTIONS, apply_options
 from kvpool.errors import KVPoolError
-from kvpool.hashing import HashAlgo
-from kvpool.tiers.kinds import WritePolicy
 
 __all__ = ["chat", "generate"]
-
-_DEFAULT_MODEL = "smollm2-135m"  # kvpool.engine.model_store.DEFAULT_MODEL (that module loads torch)
-
-
-#: The flags that are :class:`kvpool.engine.startup.EngineOptions` fields, under the same names.
-_ENGINE_FLAGS = (
-    "model", "block_size", "max_model_len", "kv_cache_memory", "device", "hash_algo", "kv_tiers", "kv_tier_secret_file",
-    "kv_tier_unauthenticated", "kv_tier_namespace", "kv_tier_write", "threads", "dtype", "tensor_parallel_size",
-)  # fmt: skip
 
 #: ``generate``'s ``--max-tokens`` when it is not given (``chat`` has none: a reply runs to EOS or the context).
 GENERATE_MAX_TOKENS = 64
@@ -50,12 +41,10 @@ def _log(line: str) -> None:
 
 
 def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The options ``generate`` and ``chat`` share: model, engine and sampling."""
+    """The options ``generate`` and ``chat`` share: the engine's (:mod:`.shared_flags`), sampling, the cache salt."""
+    engine = ENGINE_OPTIONS
     options = [
-        click.option(
-            "--model", "model", metavar="NAME_OR_PATH", default=_DEFAULT_MODEL, show_default=True,
-            help="A known model name or a local Hugging Face model folder.",
-        ),
+        engine["model"],
         click.option(
             "--max-tokens", type=int, default=None,
             help=f"Most tokens to generate per reply [default: {GENERATE_MAX_TOKENS} for generate; chat replies run "
@@ -65,65 +54,12 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--top-p", type=float, default=None, help="Nucleus sampling mass in (0, 1]."),
         click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens."),
         click.option("--seed", type=int, default=None, help="Seed for reproducible sampling."),
-        click.option(
-            "--kv-cache-memory", metavar="SIZE", default="512MiB", show_default=True,
-            help="KV cache size (e.g. 512MiB, 2GB), or 'auto' to measure the memory left.",
-        ),
-        click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block."),
-        click.option(
-            "--max-model-len", type=TOKEN_COUNT, default=None,
-            help="Tokens per request, as vLLM reads it: 4096, 4k (4,000) or 4K (4,096) [default: the model's context].",
-        ),
-        click.option(
-            "--dtype", default=None,
-            help="Weight and cache dtype: auto, float32 (float), bfloat16, float16 (half) "
-            "[default: auto, float32 on the CPU and the model's serving dtype on CUDA].",
-        ),
-        click.option(
-            "--tensor-parallel-size", "tensor_parallel_size", type=int, default=1, show_default=True,
-            help="Devices to split the model over (vLLM's flag): kvpool runs a model on one, so only 1.",
-        ),
+        *(engine[name] for name in ("kv_cache_memory", "block_size", "max_model_len", "dtype", "tensor_parallel_size")),
         click.option("--cache-salt", default=None, help="Requests with different salts never share cached blocks."),
-        click.option("--device", default=None, help="cpu or cuda [default: cuda when available]."),
-        click.option(
-            "--threads", type=THREADS, default=None,
-            help="CPU threads of a step: a count, or 'auto' to use only the cores other processes leave free "
-            "[default: torch's own setting].",
-        ),
-        click.option(
-            "--hash", "hash_algo", type=click.Choice([a.value for a in HashAlgo]), default=HashAlgo.SHA256.value,
-            show_default=True, help="Block hash: kvpool's chain, or vLLM's sha256 / sha256_cbor (hashes identical to vLLM's).",
-        ),
-        click.option(
-            "--kv-tier", "kv_tiers", metavar="SPEC", multiple=True,
-            help="A KV offload tier, repeatable, in lookup order: cpu:4GiB, disk:/path:50GiB, "
-            "redis://host:6379/0 (rediss:// for TLS).",
-        ),
-        click.option(
-            "--kv-tier-secret-file", type=click.Path(dir_okay=False), default=None,
-            help="File holding the secret that signs KV tier entries (HMAC); replicas sharing a tier share it.",
-        ),
-        click.option(
-            "--kv-tier-unauthenticated", "kv_tier_unauthenticated", is_flag=True, default=False,
-            help="Open disk and Redis tiers without --kv-tier-secret-file: their entries are then unauthenticated "
-            "(a checksum catches damage, not tampering), so whoever can write to the directory or the Redis "
-            "can plant KV this engine serves.",
-        ),
-        click.option(
-            "--kv-tier-namespace", metavar="NAME", default=None,
-            help="Name the weights in disk and Redis tier entries by NAME instead of hashing the model's files "
-            "(engines given the same NAME must run the same weights).",
-        ),
-        click.option(
-            "--kv-tier-write", "kv_tier_write", type=click.Choice([p.value for p in WritePolicy]),
-            default=WritePolicy.WRITE_THROUGH.value, show_default=True,
-            help="When blocks go down to the KV tiers: write-through (when a block fills) or write-back "
-            "(when the pool evicts it, which saves bandwidth).",
-        ),
+        *(engine[name] for name in ("device", "threads", "hash_algo", "kv_tiers", "kv_tier_secret_file",
+                                    "kv_tier_unauthenticated", "kv_tier_namespace", "kv_tier_write")),
     ]  # fmt: skip
-    for option in reversed(options):
-        command = option(command)
-    return command
+    return apply_options(command, options)
 
 
 def _setup(command: str, kw: dict[str, Any]) -> tuple[Any, Any]:
@@ -145,19 +81,9 @@ def _setup(command: str, kw: dict[str, Any]) -> tuple[Any, Any]:
     hf_logging: Any = transformers.utils.logging  # its functions carry no annotations
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    engine = LLMEngine(**engine_options(kw), log=_log)
+    engine = LLMEngine(**shared_flags.engine_options(kw), log=_log)
     _log(f"ready in {engine.setup.startup_seconds:.1f} s")
     return engine, params
-
-
-def engine_options(kw: dict[str, Any]) -> dict[str, Any]:
-    """The engine flags among a command's parameters, as :class:`~kvpool.engine.startup.EngineOptions` fields."""
-    options = {name: kw[name] for name in _ENGINE_FLAGS}  # the flags are EngineOptions fields, by name
-    memory = options["kv_cache_memory"]
-    if isinstance(memory, str) and memory.strip().lower() == "auto":
-        options["kv_cache_memory"] = None
-    options["kv_tiers"] = tuple(options["kv_tiers"] or ())
-    return options
 
 
 def request_json(output: Any) -> dict[str, Any]:

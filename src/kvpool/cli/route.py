@@ -4,9 +4,10 @@ A ``kvpool serve`` replica is named by its URL; any other server (vLLM...) is de
 with its events (``--replica URL,events=...,block-size=...`` or ``--config FILE``, see
 :mod:`kvpool.router.replica_config`). It takes kvpool replicas' own tenant flags
 (``--api-key-file``, ``--tenant-secret-file``, ``--no-tenant-isolation``): the router
-derives each request's cache salt as they do, so the block hashes it computes are
-theirs; in front of described replicas only (which salt by the request's own
-``cache_salt``) no tenant flag is needed. The model's tokenizer is read from the model
+derives each request's cache salt as they do (:meth:`kvpool.tenancy.SaltPolicy.from_options`),
+so the block hashes it computes are theirs; in front of described replicas only (which
+salt by the request's own ``cache_salt``: :func:`~kvpool.router.replica_config.replicas_isolate_tenants`)
+no tenant flag is needed. The model's tokenizer is read from the model
 folder with ``tokenizers`` and ``jinja2`` alone. What the router can and cannot do with
 what it was given, and which prefix mode it runs in and why, is said at start on stderr.
 """
@@ -22,7 +23,9 @@ import click
 from kvpool.checks import counted
 from kvpool.cli.generate import _log
 from kvpool.cli.params import FiniteFloatRange, reports_errors, require_extra
-from kvpool.model_names import DEFAULT_MODEL as _DEFAULT_MODEL
+from kvpool.cli.shared_flags import TenantFlags, take, tenant_flags
+from kvpool.model_names import DEFAULT_MODEL
+from kvpool.tenancy import KeyRing, SaltPolicy
 
 __all__ = ["route"]
 
@@ -55,29 +58,17 @@ def _warn(line: str) -> None:
 @click.option(
     "--model",
     metavar="NAME_OR_PATH",
-    default=_DEFAULT_MODEL,
+    default=DEFAULT_MODEL,
     show_default=True,
     help="The replicas' model: a folder with tokenizer.json (and its chat template), or a kvpool model name; "
     "its tokenizer and chat template decide the prompts' tokens, hence their block hashes.",
 )
-@click.option(
-    "--api-key-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="The replicas' API key file (key -> tenant); without it, one tenant.",
-)
-@click.option(
-    "--tenant-secret-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="The replicas' tenant secret. Without it (and without --no-tenant-isolation) routing is by load only.",
-)
-@click.option("--no-tenant-isolation", is_flag=True, help="The replicas run with --no-tenant-isolation.")
-@click.option(
-    "--admin-key-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="A replica admin key (the first line): replicas on other hosts show /kv-events only with one. "
+@tenant_flags(
+    api_key_file="The replicas' API key file (key -> tenant); without it, one tenant.",
+    tenant_secret_file="The replicas' tenant secret. Without it (and without --no-tenant-isolation) routing is by "
+    "load only.",
+    no_tenant_isolation="The replicas run with --no-tenant-isolation.",
+    admin_key_file="A replica admin key (the first line): replicas on other hosts show /kv-events only with one. "
     "Any key in it also opens the router's own /health?verbose=1 off its loopback interface.",
 )
 @click.option(
@@ -202,34 +193,7 @@ def _warn(line: str) -> None:
     help="Seconds open requests get on SIGTERM before their streams are cut.",
 )
 @reports_errors("route")
-def route(
-    host: str,
-    port: int,
-    replicas: tuple[str, ...],
-    config_file: str | None,
-    model: str,
-    api_key_file: str | None,
-    tenant_secret_file: str | None,
-    no_tenant_isolation: bool,
-    admin_key_file: str | None,
-    kv_events_secret_key: str | None,
-    kv_events_server_keys: str | None,
-    index_redis: str | None,
-    routing: str,
-    approx_max_blocks: int,
-    approx_block_size: int,
-    load_cost: float,
-    health_interval: float,
-    index_max_blocks: int,
-    index_max_blocks_per_replica: int,
-    upstream_timeout: float,
-    eject_after: int,
-    eject_time: float,
-    eject_max_time: float,
-    header_timeout: float,
-    max_connections: int,
-    shutdown_timeout: int,
-) -> None:
+def route(**flags: Any) -> None:
     """Route OpenAI requests to the replica that holds the longest cached prefix, balanced against load.
 
     The router follows each replica's KV events: a kvpool serve replica's are found at its
@@ -238,75 +202,81 @@ def route(
     """
     require_extra("route", "route", "starlette", "uvicorn", "httpx")
     require_extra("route", "route", "zmq", "msgspec")
-    from kvpool.errors import ConfigError
-    from kvpool.router import RouteOptions, Router, index_from_url
-    from kvpool.router.replica_config import load_config, parse_replica
-    from kvpool.router.replicas import check_distinct
+    from kvpool.router import RouteOptions, Router
+    from kvpool.router.replica_config import replica_specs, replicas_isolate_tenants
     from kvpool.routing import PrefixMode, Routing
     from kvpool.serve.connections import ConnectionLimits
-    from kvpool.tenancy import KeyRing, SaltPolicy, load_secret
 
-    specs = [parse_replica(text) for text in replicas]
-    if config_file is not None:
-        specs += load_config(config_file)
-    if not specs:
-        raise ConfigError("no replica: name one with --replica URL (repeat it) or list them in --config FILE")
-    check_distinct([spec.url for spec in specs])  # before anything is opened; RouteOptions asks it too
-    urls = tuple(spec.name for spec in specs)
+    specs = replica_specs(flags.pop("replicas"), flags.pop("config_file"))  # before anything is opened
+    routing = flags.pop("routing")
     rule, mode = _rule(routing, Routing, PrefixMode)
-    keys = None if api_key_file is None else KeyRing.load_json(api_key_file)
-    admin_key = None if admin_key_file is None else _first_key(admin_key_file)
-    admin_keys = None if admin_key_file is None else KeyRing.load_lines(admin_key_file, "admin")
-    if (kv_events_secret_key is None) != (kv_events_server_keys is None):
-        raise click.UsageError("--kv-events-secret-key and --kv-events-server-keys go together")
-    event_trust = None
-    if kv_events_secret_key is not None and kv_events_server_keys is not None:
-        from kvpool.kv_events import CurveTrust
+    tenants = take(TenantFlags, flags)
+    keys = None if tenants.api_key_file is None else KeyRing.load_json(tenants.api_key_file)
+    admin_key, admin_keys = _admin_keys(tenants.admin_key_file)
+    event_trust = _event_trust(flags.pop("kv_events_secret_key"), flags.pop("kv_events_server_keys"))
+    limits = take(ConnectionLimits, flags)
+    files_given = tenants.tenant_secret_file is not None or tenants.api_key_file is not None
+    isolate = replicas_isolate_tenants(
+        specs, no_tenant_isolation=tenants.no_tenant_isolation, tenant_files_given=files_given
+    )
+    salts, secret = SaltPolicy.from_options(isolate=isolate, secret_file=tenants.tenant_secret_file)
+    tokenizer, why_not = _prefix_tokenizer(flags.pop("model"), rule is Routing.PREFIX, secret)
+    _log(f"{counted(len(specs), 'replica')}: {', '.join(_describe(spec) for spec in specs)}")
+    index = _index(flags)
+    (_log if why_not is None else _warn)(_mode_line(routing, rule, mode, specs, why_not))
+    given = {"keys": keys, "salts": salts, "admin_key": admin_key, "admin_keys": admin_keys, "event_trust": event_trust}
+    options = take(
+        RouteOptions, flags, replicas=tuple(specs), tokenizer=tokenizer, routing=rule, prefix_mode=mode, **given
+    )
+    _serve(Router(options, index), flags["host"], flags["port"], limits)
 
-        event_trust = CurveTrust.load(kv_events_secret_key, kv_events_server_keys)
-    limits = ConnectionLimits(
-        header_timeout=header_timeout, max_connections=max_connections, shutdown_timeout=shutdown_timeout
-    )
-    kvpool_replicas = [spec for spec in specs if spec.discover]
-    if no_tenant_isolation or (not kvpool_replicas and tenant_secret_file is None and api_key_file is None):
-        # described servers (vLLM) salt a prompt by its own cache_salt, as kvpool's --no-tenant-isolation does
-        salts, salts_known = SaltPolicy.shared(), True
-    else:
-        secret, generated = load_secret(tenant_secret_file)
-        salts, salts_known = SaltPolicy.isolated(secret), not generated
-    index = index_from_url(
-        index_redis, max_blocks=index_max_blocks, max_blocks_per_replica=index_max_blocks_per_replica
-    )
-    prefix_rule = rule is Routing.PREFIX
-    tokenizer, why_not = _tokenizer(model) if prefix_rule and salts_known else (None, None)
-    if prefix_rule and not salts_known:
-        why_not = (
+
+def _admin_keys(path: str | None) -> tuple[str | None, Any]:
+    """The replica admin key the router sends (the file's first) and the keys that open its own /health?verbose."""
+    from kvpool.tenancy import KeyRing
+
+    if path is None:
+        return None, None
+    return _first_key(path), KeyRing.load_lines(path, "admin")
+
+
+def _index(flags: dict[str, Any]) -> Any:
+    """The block index the index flags name (in this process, or shared in Redis), said on stderr."""
+    from kvpool.router import index_from_url
+
+    where = flags.pop("index_redis")
+    caps = {
+        "max_blocks": flags.pop("index_max_blocks"),
+        "max_blocks_per_replica": flags.pop("index_max_blocks_per_replica"),
+    }
+    index = index_from_url(where, **caps)
+    _log("block index: " + (f"Redis at {where}" if where else "in this process"))
+    return index
+
+
+def _event_trust(secret_key: str | None, server_keys: str | None) -> Any:
+    """The router's CURVE keys for replicas' event streams (None: plain streams only)."""
+    if (secret_key is None) != (server_keys is None):
+        raise click.UsageError("--kv-events-secret-key and --kv-events-server-keys go together")
+    if secret_key is None or server_keys is None:
+        return None
+    from kvpool.kv_events import CurveTrust
+
+    return CurveTrust.load(secret_key, server_keys)
+
+
+def _prefix_tokenizer(model: str, by_prefix: bool, secret: Any) -> tuple[Any, str | None]:
+    """The tokenizer prefix routing hashes prompts with and None, or None and why it routes by load only."""
+    from kvpool.tenancy import SecretSource
+
+    if not by_prefix:
+        return None, None
+    if secret is SecretSource.GENERATED:
+        return None, (
             "no --tenant-secret-file: the router cannot derive the kvpool replicas' cache salts "
             "(give it their secret file, or --no-tenant-isolation if they run so)"
         )
-    _log(f"{counted(len(urls), 'replica')}: {', '.join(_describe(spec) for spec in specs)}")
-    _log("block index: " + (f"Redis at {index_redis}" if index_redis else "in this process"))
-    (_log if why_not is None else _warn)(_mode_line(routing, rule, mode, specs, why_not))
-    options = RouteOptions(
-        replicas=tuple(specs),
-        tokenizer=tokenizer,
-        keys=keys,
-        salts=salts,
-        admin_key=admin_key,
-        admin_keys=admin_keys,
-        routing=rule,
-        prefix_mode=mode,
-        approx_max_blocks=approx_max_blocks,
-        approx_block_size=approx_block_size,
-        load_cost=load_cost,
-        health_interval=health_interval,
-        upstream_timeout=upstream_timeout,
-        eject_after=eject_after,
-        eject_time=eject_time,
-        eject_max_time=eject_max_time,
-        event_trust=event_trust,
-    )
-    _serve(Router(options, index), host, port, limits)
+    return _tokenizer(model)
 
 
 def _first_key(path: str) -> str:
@@ -388,7 +358,7 @@ def _tokenizer(model: str) -> tuple[Any, str | None]:
         try:
             folder = model_folder(model)  # kvpool's names, without torch: a converted folder holds tokenizer.json
         except ConfigError as exc:
-            if model != _DEFAULT_MODEL:
+            if model != DEFAULT_MODEL:
                 raise
             return None, f"--model {model}: {exc}"
     return PromptHasher(folder), None

@@ -1,41 +1,33 @@
 """``kvpool serve``: the engine behind an OpenAI-compatible HTTP API (the ``serve`` extra).
 
-It takes the engine flags of ``kvpool generate`` (their definitions are
-``generate``'s, reused here), starts the engine once, and serves it with
-uvicorn. Tenants, cache salts and the metrics gate follow
-:mod:`kvpool.tenancy` and :mod:`kvpool.serve`; what the server decided about
-them (one tenant or many, where the secret comes from, isolation off) is said
-at start on stderr.
+It takes the engine flags of ``kvpool generate`` (:mod:`kvpool.cli.shared_flags`),
+starts the engine once, and serves it with uvicorn. Tenants, cache salts and
+the metrics gate follow :mod:`kvpool.tenancy` and :mod:`kvpool.serve`, what the
+events carry :mod:`kvpool.kv_events`; what the server decided about them (one
+tenant or many, where the secret comes from, isolation off) is said at start
+on stderr.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import click
 
 from kvpool.checks import counted
-from kvpool.cli import generate as generate_command
+from kvpool.cli import shared_flags
+from kvpool.cli.generate import _log
 from kvpool.cli.params import POSITIVE_INT, reports_errors, require_extra
+from kvpool.cli.shared_flags import DEFAULT_KV_CACHE_MEMORY, TenantFlags, take, tenant_flags
+from kvpool.model_names import DEFAULT_MODEL
+from kvpool.tenancy import KeyRing, SaltPolicy
 
 __all__ = ["VLLM_API_KEY_ENV", "serve"]
 
 #: vLLM's environment variable for its API key: read when no ``--api-key`` is given.
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
-
-_log = generate_command._log
-
-
-def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``generate``'s own options for the engine fields (``_ENGINE_FLAGS``), not its sampling ones."""
-    probe: Any = generate_command._engine_options(lambda **kw: None)
-    wanted = set(generate_command._ENGINE_FLAGS)
-    params: list[click.Parameter] = [p for p in probe.__click_params__ if p.name in wanted]
-    target: Any = command
-    target.__click_params__ = [*getattr(command, "__click_params__", []), *params]
-    return command
 
 
 @click.command("serve")
@@ -44,28 +36,13 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--served-model-name", default=None, help="The name clients send as 'model' [default: the --model value]."
 )
-@click.option(
-    "--api-key-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="JSON object: API key -> tenant name. Without it the server is single-tenant and needs no key.",
-)
-@click.option(
-    "--tenant-secret-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="The secret tenant cache salts are derived with [default: a fresh one per start].",
-)
-@click.option(
-    "--no-tenant-isolation",
-    is_flag=True,
-    help="Let every tenant share one prefix cache (the client's cache_salt passes through). Leaks prompts.",
-)
-@click.option(
-    "--admin-key-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Keys (one a line) that open /metrics, /health?verbose and /kv-events beyond the loopback interface.",
+@tenant_flags(
+    api_key_file="JSON object: API key -> tenant name. Without it the server is single-tenant and needs no key.",
+    tenant_secret_file="The secret tenant cache salts are derived with [default: a fresh one per start].",
+    no_tenant_isolation="Let every tenant share one prefix cache (the client's cache_salt passes through). "
+    "Leaks prompts.",
+    admin_key_file="Keys (one a line) that open /metrics, /health?verbose and /kv-events beyond the loopback "
+    "interface.",
 )
 @click.option(
     "--max-body-bytes", type=POSITIVE_INT, default=1 << 20, show_default=True, help="Largest request body (413)."
@@ -155,38 +132,9 @@ def _engine_flags(command: Callable[..., Any]) -> Callable[..., Any]:
               help="Client connections open at once; one more is answered 503 and closed.")  # fmt: skip
 @click.option("--enable-log-requests", is_flag=True, help="Log a line per request when admitted and when finished.")
 @click.option("--disable-log-stats", is_flag=True, help="No periodic stats line (throughput, queue, KV usage, hits).")
-@_engine_flags
+@shared_flags.engine_flags
 @reports_errors("serve")
-def serve(
-    host: str,
-    port: int,
-    served_model_name: str | None,
-    api_key_file: str | None,
-    tenant_secret_file: str | None,
-    no_tenant_isolation: bool,
-    admin_key_file: str | None,
-    max_body_bytes: int,
-    max_waiting: int,
-    max_request_tokens: int | None,
-    metrics_prefix: str,
-    kv_events_endpoint: str | None,
-    kv_events_replay_endpoint: str | None,
-    kv_events_secret_key: str | None,
-    kv_events_client_keys: str | None,
-    kv_events_include_token_ids: bool,
-    model_arg: str | None,
-    api_key: tuple[str, ...],
-    max_num_seqs: int | None,
-    max_num_batched_tokens: int | None,
-    gpu_memory_utilization: float | None,
-    enable_prefix_caching: bool,
-    kv_events_config: str | None,
-    header_timeout: float,
-    max_connections: int,
-    enable_log_requests: bool,
-    disable_log_stats: bool,
-    **kw: Any,
-) -> None:
+def serve(model_arg: str | None, **flags: Any) -> None:
     """Serve the model over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models).
 
     Also /health (?verbose=1: requests, owned blocks, the pool's invariants),
@@ -194,162 +142,126 @@ def serve(
     """
     require_extra("serve", "engine", "torch", "transformers")
     require_extra("serve", "serve", "starlette", "uvicorn", "prometheus_client")
-    from kvpool.serve.metrics import check_prefix
-    from kvpool.tenancy import KeyRing, SaltPolicy, load_secret
-
-    check_prefix(metrics_prefix)
-    if model_arg is not None:
-        if kw["model"] not in (model_arg, generate_command._DEFAULT_MODEL):
-            raise click.UsageError(f"the model is given twice: {model_arg!r} and --model {kw['model']!r}")
-        kw["model"] = model_arg
-    if not api_key and os.environ.get(VLLM_API_KEY_ENV):
-        api_key = (os.environ[VLLM_API_KEY_ENV],)
-        _log(f"API key from ${VLLM_API_KEY_ENV} (no --api-key given)")
-    api_keys = _key_ring(api_key_file, api_key)
+    from kvpool.serve import ServeConfig
     from kvpool.serve.connections import ConnectionLimits
+    from kvpool.serve.metrics import check_prefix
 
-    limits = ConnectionLimits(header_timeout=header_timeout, max_connections=max_connections)
-    if kv_events_config is not None:
-        kv_events_endpoint, kv_events_replay_endpoint, event_extras = _vllm_events_config(
-            kv_events_config, kv_events_endpoint, kv_events_replay_endpoint
-        )
-    else:
-        event_extras = {}
-    admin_keys = None if admin_key_file is None else KeyRing.load_lines(admin_key_file, "admin")
-    generated = False
-    if no_tenant_isolation:
-        salts = SaltPolicy.shared()
-    else:
-        secret, generated = load_secret(tenant_secret_file)
-        salts = SaltPolicy.isolated(secret)
-    events = _events_setup(
-        kv_events_endpoint,
-        kv_events_replay_endpoint,
-        kv_events_secret_key,
-        kv_events_client_keys,
-        include_token_ids=kv_events_include_token_ids,
-        isolated=salts.isolates_tenants,
+    check_prefix(flags["metrics_prefix"])
+    _one_model(model_arg, flags)
+    tenants = take(TenantFlags, flags)
+    api_keys = KeyRing.from_options(tenants.api_key_file, _api_keys(flags.pop("api_key")))
+    limits = take(ConnectionLimits, flags)
+    event_flags = take(EventFlags, flags)
+    admin_keys = None if tenants.admin_key_file is None else KeyRing.load_lines(tenants.admin_key_file, "admin")
+    salts, secret = SaltPolicy.from_options(
+        isolate=not tenants.no_tenant_isolation, secret_file=tenants.tenant_secret_file
     )
-    if events is not None:
-        events.update(event_extras)
-
-    options = generate_command.engine_options(kw)  # generate's mapping of its engine flags
-    options["enable_kv_events"] = kv_events_endpoint is not None
-    options["enable_prefix_caching"] = enable_prefix_caching
-    if max_num_seqs is not None:
-        options["max_num_seqs"] = max_num_seqs
-    if max_num_batched_tokens is not None:
-        options["max_num_batched_tokens"] = max_num_batched_tokens
-    if api_keys is not None:
-        options["tenant_weights"] = dict(api_keys.weights)
-    if gpu_memory_utilization is not None:
-        if kw["kv_cache_memory"] != _DEFAULT_KV_CACHE_MEMORY:
-            raise click.UsageError("--gpu-memory-utilization sizes the KV cache: leave out --kv-cache-memory")
-        options["gpu_memory_utilization"] = gpu_memory_utilization
-        options["kv_cache_memory"] = None  # measured, as vLLM does
-    engine = _start_engine(options)
+    events = event_flags.publisher_options(isolated=salts.isolates_tenants)
+    engine = _start_engine(_engine_options(flags, events=events is not None, api_keys=api_keys))
     try:
-        if api_keys is None:
-            _log("single-tenant: no --api-key-file, so every request is one tenant's and needs no API key")
-        else:
-            _log(f"{counted(len(api_keys.names), 'tenant')}, {counted(len(api_keys), 'API key')}")
-        if no_tenant_isolation:
-            _log(
-                "WARNING: --no-tenant-isolation: all tenants share one prefix cache; a tenant can tell from "
-                "cached_tokens or time to first token which prompts another tenant sent"
-            )
-        elif generated:
-            _log("tenant cache salts use a secret generated at start (--tenant-secret-file keeps one across restarts)")
-        else:
-            _log(f"tenant cache salts use the secret in {tenant_secret_file}")
-        from kvpool.serve import ServeConfig
-
-        config = ServeConfig(
-            model_name=served_model_name or str(kw["model"]),
+        _log_tenants(api_keys, secret, tenants.tenant_secret_file)
+        config = take(
+            ServeConfig,
+            flags,
+            model_name=flags.pop("served_model_name") or str(flags["model"]),
             api_keys=api_keys,
             salts=salts,
             admin_keys=admin_keys,
-            max_body_bytes=max_body_bytes,
-            max_waiting=max_waiting,
-            max_request_tokens=max_request_tokens,
-            metrics_prefix=metrics_prefix,
-            log_requests=enable_log_requests,
-            stats_interval=None if disable_log_stats else 10.0,
+            log_requests=flags.pop("enable_log_requests"),
+            stats_interval=None if flags.pop("disable_log_stats") else 10.0,
         )
-        _serve(engine, config, host, port, events, limits)
+        _serve(engine, config, flags["host"], flags["port"], events, limits)
     finally:
         if engine.kv_tiers is not None:
             engine.kv_tiers.close()
 
 
-_DEFAULT_KV_CACHE_MEMORY = "512MiB"  # generate's --kv-cache-memory default
-_VLLM_EVENT_KEYS = frozenset(
-    {
-        "enable_kv_cache_events",
-        "publisher",
-        "endpoint",
-        "replay_endpoint",
-        "topic",
-        "buffer_steps",
-        "hwm",
-        "max_queue_size",
-    }
-)
+def _one_model(model_arg: str | None, flags: dict[str, Any]) -> None:
+    """The model named as the argument (vLLM's way) or with ``--model``, not both unless they agree."""
+    if model_arg is None:
+        return
+    if flags["model"] not in (model_arg, DEFAULT_MODEL):
+        raise click.UsageError(f"the model is given twice: {model_arg!r} and --model {flags['model']!r}")
+    flags["model"] = model_arg
 
 
-def _key_ring(api_key_file: str | None, api_keys: tuple[str, ...]) -> Any:
-    """The tenants' keys: ``--api-key-file``'s, and each ``--api-key`` for the default tenant (vLLM's single key)."""
-    from kvpool.tenancy import DEFAULT_TENANT, KeyRing
-
-    if api_key_file is None and not api_keys:
-        return None
-    given = KeyRing.from_mapping(dict.fromkeys(api_keys, DEFAULT_TENANT), source="--api-key") if api_keys else None
-    if api_key_file is None:
-        return given
-    ring = KeyRing.load_json(api_key_file)
-    if given is None:
-        return ring
-    for key in api_keys:
-        if ring.name_for(key) not in (None, DEFAULT_TENANT):
-            raise click.UsageError(f"an --api-key is also a key of tenant {ring.name_for(key)!r} in --api-key-file")
-    return ring.merged(given)
+def _api_keys(given: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``--api-key`` values, or vLLM's ``$VLLM_API_KEY`` where none is given."""
+    if not given and os.environ.get(VLLM_API_KEY_ENV):
+        _log(f"API key from ${VLLM_API_KEY_ENV} (no --api-key given)")
+        return (os.environ[VLLM_API_KEY_ENV],)
+    return given
 
 
-def _vllm_events_config(
-    text: str, endpoint: str | None, replay: str | None
-) -> tuple[str | None, str | None, dict[str, Any]]:
-    """vLLM's ``--kv-events-config`` JSON as kvpool's endpoint, replay endpoint and publisher options."""
-    import json
+def _engine_options(flags: dict[str, Any], *, events: bool, api_keys: Any) -> dict[str, Any]:
+    """The engine flags, and serve's own engine options, as EngineOptions fields."""
+    options = shared_flags.engine_options(flags)
+    options["enable_kv_events"] = events
+    options["enable_prefix_caching"] = flags["enable_prefix_caching"]
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if flags[name] is not None:
+            options[name] = flags[name]
+    if api_keys is not None:
+        options["tenant_weights"] = dict(api_keys.weights)
+    if flags["gpu_memory_utilization"] is not None:
+        if flags["kv_cache_memory"] != DEFAULT_KV_CACHE_MEMORY:
+            raise click.UsageError("--gpu-memory-utilization sizes the KV cache: leave out --kv-cache-memory")
+        options["gpu_memory_utilization"] = flags["gpu_memory_utilization"]
+        options["kv_cache_memory"] = None  # measured, as vLLM does
+    return options
 
-    try:
-        config = json.loads(text)
-    except ValueError as exc:
-        raise click.UsageError(f"--kv-events-config is not JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise click.UsageError(f"--kv-events-config must be a JSON object, got {text!r}")
-    unknown = sorted(set(config) - _VLLM_EVENT_KEYS)
-    if unknown:
-        raise click.UsageError(f"--kv-events-config: unknown keys {unknown} (vLLM's are {sorted(_VLLM_EVENT_KEYS)})")
-    enabled = config.get("enable_kv_cache_events", False)
-    publisher = config.get("publisher", "zmq" if enabled else "null")
-    if not isinstance(enabled, bool) or publisher not in ("zmq", "null"):
-        raise click.UsageError(
-            f"--kv-events-config: enable_kv_cache_events must be true or false and publisher zmq or null, got {config!r}"
+
+def _log_tenants(api_keys: Any, secret: Any, secret_file: str | None) -> None:
+    """Say at start how many tenants there are and where their salts come from."""
+    from kvpool.tenancy import SecretSource
+
+    if api_keys is None:
+        _log("single-tenant: no --api-key-file, so every request is one tenant's and needs no API key")
+    else:
+        _log(f"{counted(len(api_keys.names), 'tenant')}, {counted(len(api_keys), 'API key')}")
+    if secret is SecretSource.NONE:
+        _log(
+            "WARNING: --no-tenant-isolation: all tenants share one prefix cache; a tenant can tell from "
+            "cached_tokens or time to first token which prompts another tenant sent"
         )
-    if not enabled or publisher == "null":
-        return endpoint, replay, {}
-    for flag, given, key in (
-        ("--kv-events-endpoint", endpoint, "endpoint"),
-        ("--kv-events-replay-endpoint", replay, "replay_endpoint"),
-    ):
-        if given is not None and key in config and config[key] != given:
-            raise click.UsageError(f"{flag} {given!r} and --kv-events-config's {key} {config[key]!r} disagree")
-    endpoint = endpoint or config.get("endpoint", "tcp://*:5557")  # vLLM's default: bound on every interface
-    replay = replay or config.get("replay_endpoint")
-    extras = {key: config[key] for key in ("topic", "buffer_steps", "hwm") if key in config}
-    if "max_queue_size" in config:
-        _log("--kv-events-config: max_queue_size has no counterpart (events are published after each step)")
-    return endpoint, replay, extras
+    elif secret is SecretSource.GENERATED:
+        _log("tenant cache salts use a secret generated at start (--tenant-secret-file keeps one across restarts)")
+    else:
+        _log(f"tenant cache salts use the secret in {secret_file}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventFlags:
+    """``serve``'s KV event flags as given (None: not given)."""
+
+    kv_events_endpoint: str | None
+    kv_events_replay_endpoint: str | None
+    kv_events_secret_key: str | None
+    kv_events_client_keys: str | None
+    kv_events_include_token_ids: bool
+    kv_events_config: str | None
+
+    def publisher_options(self, *, isolated: bool) -> dict[str, Any] | None:
+        """The event publisher's arguments (vLLM's ``--kv-events-config`` folded in); None: no events."""
+        endpoint, replay, extras = self.kv_events_endpoint, self.kv_events_replay_endpoint, {}
+        if self.kv_events_config is not None:
+            from kvpool.kv_events.vllm_config import from_vllm_config
+
+            vllm = from_vllm_config(self.kv_events_config, endpoint=endpoint, replay_endpoint=replay)
+            endpoint, replay, extras = vllm.endpoint, vllm.replay_endpoint, dict(vllm.publisher_options)
+            for key in vllm.ignored:
+                _log(f"--kv-events-config: {key} has no counterpart (events are published after each step)")
+        events = _events_setup(
+            endpoint,
+            replay,
+            self.kv_events_secret_key,
+            self.kv_events_client_keys,
+            include_token_ids=self.kv_events_include_token_ids,
+            isolated=isolated,
+        )
+        if events is not None:
+            events.update(extras)
+        return events
 
 
 def _events_setup(
@@ -363,8 +275,7 @@ def _events_setup(
 ) -> dict[str, Any] | None:
     """The event publisher's arguments, checked before the engine starts; None without ``--kv-events-endpoint``.
 
-    Under isolated tenants events carry block hashes only, unless the operator
-    trusts every subscriber with prompts (``--kv-events-include-token-ids``).
+    What they carry is :meth:`~kvpool.kv_events.EventContent.for_tenants`'s rule.
     """
     given = {
         "--kv-events-replay-endpoint": replay,
@@ -386,7 +297,7 @@ def _events_setup(
     if replay is not None:
         parse_replay_endpoint(replay, "--kv-events-replay-endpoint")
     curve = None if secret_key is None or client_keys is None else CurveServer.load(secret_key, client_keys)
-    content = EventContent.FULL if include_token_ids or not isolated else EventContent.HASHES
+    content = EventContent.for_tenants(isolated=isolated, include_token_ids=include_token_ids)
     return {"endpoint": endpoint, "replay_endpoint": replay, "curve": curve, "content": content}
 
 

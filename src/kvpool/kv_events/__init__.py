@@ -5,7 +5,9 @@
 * :mod:`.transport`: the endpoint rule (``bind:``/``connect:`` markers, else
   vLLM's) and ZeroMQ CURVE keys;
 * :mod:`.stream`: :class:`KVEventPublisher` (PUB socket with replay) and
-  :class:`KVEventSubscriber` (in order, gaps repaired or reported).
+  :class:`KVEventSubscriber` (in order, gaps repaired or reported);
+* :mod:`.vllm_config`: vLLM's ``--kv-events-config`` JSON as kvpool's endpoints
+  and publisher options.
 
 A subscriber written for vLLM decodes kvpool's stream with vLLM's own
 classes. ``msgspec`` and ``pyzmq`` come with the ``events`` extra and are
@@ -34,6 +36,7 @@ from kvpool.kv_events.transport import (
     parse_replay_endpoint,
     parse_subscriber_endpoint,
 )
+from kvpool.kv_events.vllm_config import VllmEventsConfig, from_vllm_config
 from kvpool.kv_events.wire import EventBatch, EventContent, EventStreamError, decode_batch, encode_batch
 
 __all__ = [
@@ -53,9 +56,11 @@ __all__ = [
     "PublisherRestarted",
     "Received",
     "SequencedBatch",
+    "VllmEventsConfig",
     "decode_batch",
     "describe_events",
     "encode_batch",
+    "from_vllm_config",
     "load_public_keys",
     "parse_publisher_endpoint",
     "parse_replay_endpoint",

@@ -56,6 +56,17 @@ class EventContent(enum.Enum):
     FULL = "full"
     HASHES = "hashes"
 
+    @classmethod
+    def for_tenants(cls, *, isolated: bool, include_token_ids: bool) -> EventContent:
+        """What a server's events may carry: :attr:`HASHES` under isolated tenants, else :attr:`FULL`.
+
+        Token IDs and extra keys would show every subscriber each tenant's
+        prompts and the salts that keep their hashes unguessable, so isolated
+        tenants get :attr:`FULL` only when the operator trusts every subscriber
+        (``include_token_ids``). Shared tenants have no secret to keep.
+        """
+        return cls.FULL if include_token_ids or not isolated else cls.HASHES
+
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:

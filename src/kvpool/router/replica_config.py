@@ -54,7 +54,7 @@ starts.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,13 +65,14 @@ from kvpool.router.replicas import (
     EventsInfo,
     HashForm,
     check_block_size,
+    check_distinct,
     check_replica_url,
     connectable_endpoint,
     redact_url,
     shown,
 )
 
-__all__ = ["ReplicaSpec", "load_config", "parse_replica"]
+__all__ = ["ReplicaSpec", "load_config", "parse_replica", "replica_specs", "replicas_isolate_tenants"]
 
 _KEYS = ("events", "replay", "block_size", "hash", "seed", "block_hash", "num_blocks")
 
@@ -239,3 +240,35 @@ def load_config(path: str | os.PathLike[str]) -> list[ReplicaSpec]:
         fields = own if own.get("events") == "none" else {**_normalized(defaults, "defaults"), **own}
         specs.append(build_spec(entry["url"], fields))
     return specs
+
+
+def replica_specs(replicas: Iterable[str], config_file: str | os.PathLike[str] | None = None) -> list[ReplicaSpec]:
+    """The router's replicas: each ``--replica`` text, then the ``--config`` file's, each named once.
+
+    No replica at all, or one replica named twice (the same scheme, host and port,
+    however spelt: :func:`~kvpool.router.replicas.check_distinct`), is a
+    :class:`ConfigError` raised before anything is opened.
+    """
+    specs = [parse_replica(text) for text in replicas]
+    if config_file is not None:
+        specs += load_config(config_file)
+    if not specs:
+        raise ConfigError("no replica: name one with --replica URL (repeat it) or list them in --config FILE")
+    check_distinct([spec.url for spec in specs])
+    return specs
+
+
+def replicas_isolate_tenants(
+    specs: Sequence[ReplicaSpec], *, no_tenant_isolation: bool, tenant_files_given: bool
+) -> bool:
+    """Whether the replicas derive tenant cache salts, so that the router must derive the same ones.
+
+    A ``kvpool serve`` replica does, unless it runs with ``--no-tenant-isolation``. A
+    described server (vLLM) salts a prompt by the request's own ``cache_salt``, as
+    kvpool's ``--no-tenant-isolation`` does: in front of described replicas alone the
+    salts are shared, unless the router is given a tenant secret or an API key file
+    (``tenant_files_given``), which says the replicas behind it isolate tenants.
+    """
+    if no_tenant_isolation:
+        return False
+    return tenant_files_given or any(spec.discover for spec in specs)
