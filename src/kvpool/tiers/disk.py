@@ -546,5 +546,14 @@ def _open(target: DiskTarget, codec: EntryCodec) -> DiskStore:
 
 #: The disk tier, as the registry (:data:`kvpool.tiers.store.BACKENDS`) holds it.
 BACKEND = TierBackend(
-    kind=TierKind.DISK, prefixes=("disk:",), parse=DiskTarget.parse, open=_open, example="disk:PATH:SIZE", shared=True
+    kind=TierKind.DISK,
+    prefixes=("disk:",),
+    parse=DiskTarget.parse,
+    open=_open,
+    example="disk:PATH:SIZE",
+    shared=True,
+    outlives_process=True,
+    fleet_wide=False,
+    link=(4e9, 100e-6),  # a local NVMe drive
+    vllm_hit_source="DISK",
 )

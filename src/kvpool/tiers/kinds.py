@@ -123,7 +123,16 @@ class TierBackend:
     which the engine keeps itself; ``example``: a spec for error messages;
     ``shared``: whether anyone but this process can write what the tier holds
     (a directory, a Redis server), so its entries need a secret to be trusted
-    (:func:`kvpool.tiers.store.check_tier_trust`).
+    (:func:`kvpool.tiers.store.check_tier_trust`);
+    ``outlives_process``: whether its entries outlive the process that wrote
+    them, so they must name the model's weights (another process, or a later
+    one with other weights, reads them);
+    ``fleet_wide``: whether one tier serves every replica of a fleet (a Redis
+    server), not one machine (the simulator shares its store between replicas);
+    ``link``: its default ``(bytes per second, seconds per transfer)``, what the
+    simulator assumes when told nothing else;
+    ``vllm_hit_source``: the ``CacheHitSource`` member vLLM files its hits under
+    (its KV events' medium is :attr:`TierKind.medium`).
     """
 
     kind: TierKind
@@ -132,6 +141,10 @@ class TierBackend:
     open: Callable[[Any, EntryCodec], BlockStore] | None
     example: str
     shared: bool
+    outlives_process: bool
+    fleet_wide: bool
+    link: tuple[float, float]
+    vllm_hit_source: str
 
     def names(self, spec: str) -> bool:
         return spec.startswith(self.prefixes)

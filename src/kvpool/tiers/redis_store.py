@@ -359,4 +359,8 @@ BACKEND = TierBackend(
     open=_open,
     example="redis://HOST:PORT/DB, rediss://... (TLS), redis+cluster://HOST:PORT or unix:///PATH",
     shared=True,
+    outlives_process=True,
+    fleet_wide=True,
+    link=(1.25e9, 300e-6),  # a Redis server over 10 Gb/s
+    vllm_hit_source="EXTERNAL_UNSPECIFIED",
 )

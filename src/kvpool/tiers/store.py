@@ -55,7 +55,16 @@ __all__ = [
 TierTarget = CpuTarget | DiskTarget | RedisTarget
 
 _CPU = TierBackend(
-    kind=TierKind.CPU, prefixes=("cpu:",), parse=CpuTarget.parse, open=None, example="cpu:SIZE", shared=False
+    kind=TierKind.CPU,
+    prefixes=("cpu:",),
+    parse=CpuTarget.parse,
+    open=None,
+    example="cpu:SIZE",
+    shared=False,
+    outlives_process=False,
+    fleet_wide=False,
+    link=(25e9, 10e-6),  # PCIe copies from pinned host memory
+    vllm_hit_source="HOST",
 )
 
 #: Every kind of tier, in the order specs are matched. One line per kind.

@@ -33,8 +33,9 @@ from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.blocks import KVBlockLayout, TierWorker
 from kvpool.integrations.vllm.plan import ConnectorOptions, StepPlan, TierPlanner, VllmScheduledChunk
 from kvpool.secret_files import read_secret_file
-from kvpool.tiers import ByteTier, CpuTarget, EntryCodec, HostTier, LayoutFingerprint, TierKind, open_store
+from kvpool.tiers import ByteTier, CpuTarget, EntryCodec, HostTier, LayoutFingerprint, open_store
 from kvpool.tiers.kinds import BlockStore
+from kvpool.tiers.store import BACKENDS
 
 if TYPE_CHECKING:
     import torch
@@ -61,12 +62,8 @@ def _log_where_vllm_logs() -> None:
         ours.propagate = False
 
 
-# Where vLLM's metrics file each tier's hits.
-_HIT_SOURCES = {
-    TierKind.CPU.value: CacheHitSource.HOST,
-    TierKind.DISK.value: CacheHitSource.DISK,
-    TierKind.REDIS.value: CacheHitSource.EXTERNAL_UNSPECIFIED,
-}
+# Where vLLM's metrics file each tier's hits (the backend registry names the member).
+_HIT_SOURCES = {kind.value: getattr(CacheHitSource, backend.vllm_hit_source) for kind, backend in BACKENDS.items()}
 
 
 class KVPoolConnectorMetadata(KVConnectorMetadata):

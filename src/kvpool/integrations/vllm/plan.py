@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpool.errors import ConfigError
-from kvpool.tiers import ByteTier, CpuTarget, DiskTarget, HostTier, RedisTarget, parse_specs
+from kvpool.tiers import ByteTier, CpuTarget, HostTier, parse_specs
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.policy import TierPolicy
-from kvpool.tiers.store import TierTarget, check_tier_trust
+from kvpool.tiers.store import BACKENDS, TierTarget, check_tier_trust
 
 __all__ = [
     "VllmBlockLoad",
@@ -102,7 +102,7 @@ class ConnectorOptions:
     @property
     def needs_weights(self) -> bool:
         """Whether any tier keeps entries that outlive this process (disk, Redis), so entries must name the weights."""
-        return any(isinstance(t, DiskTarget | RedisTarget) for t in self.tiers)
+        return any(BACKENDS[t.kind].outlives_process for t in self.tiers)
 
     def host_slots(self, block_bytes: int) -> int | None:
         """Host blocks the ``cpu:SIZE`` tier holds for blocks of ``block_bytes``; None without one.
