@@ -1,0 +1,144 @@
+"""What the router notes of each request it routes, from the moment it is sent until it ends.
+
+* **in flight**: each replica's count of requests sent and not yet ended (its load in the rule);
+* **computing**: per replica, how many requests in flight there hold each block of their
+  prompt (precise mode: blocks whose events are not out yet, counted as held there);
+* **memory**: where each prefix was sent (approximate mode);
+* **predictions**: the cached tokens predicted for each request against those the replica
+  reports, and whether the replica's events ever name the blocks of the prompts sent to it
+  (said once, loudly, when they do not).
+
+Everything here changes on the router's event loop only, so nothing locks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvpool.hashing import BlockHash
+from kvpool.router.index import BlockIndex
+from kvpool.router.monitor import ReplicaMonitor
+from kvpool.router.ranking import PromptKeys, Ranker
+from kvpool.router.replicas import Replica
+from kvpool.router.stats import HashVerdict
+
+__all__ = ["Bookkeeping"]
+
+log = logging.getLogger("kvpool.route")
+
+
+class Bookkeeping:
+    """The per-request notes of one router: in-flight counts, blocks computing, memory, predictions.
+
+    ``computing`` maps a replica URL to its blocks being computed now, each with the number
+    of requests in flight there that hold it; this writes it, ``ranker`` reads it.
+    """
+
+    def __init__(
+        self,
+        ranker: Ranker,
+        monitor: ReplicaMonitor,
+        index: BlockIndex,
+        approx: BlockIndex,
+        computing: dict[str, dict[BlockHash, int]],
+    ) -> None:
+        self.ranker = ranker
+        self.monitor = monitor
+        self.index = index
+        self.approx = approx
+        self.computing = computing
+
+    # -- in flight ---------------------------------------------------------------------------
+
+    def sent(self, replica: Replica) -> None:
+        """A request is on its way to ``replica``: it counts in its load until :meth:`unsent` or :meth:`ended`."""
+        replica.in_flight += 1
+
+    def unsent(self, replica: Replica) -> None:
+        """A request :meth:`sent` to ``replica`` failed before it was :meth:`accepted` there."""
+        replica.in_flight -= 1
+
+    def accepted(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
+        """``replica`` answered a request (its answer goes to the client): counted, and its prefix noted.
+
+        Returns the cached tokens predicted for it.
+        """
+        replica.routed += 1
+        predicted = self.ranker.predicted_tokens(replica, keys, cached_blocks)
+        replica.stats.requests += 1
+        replica.stats.prompt_tokens += keys.tokens
+        replica.stats.predicted_cached_tokens += predicted
+        self.routed(replica, keys)
+        return predicted
+
+    def ended(self, replica: Replica, keys: PromptKeys) -> None:
+        """A request :meth:`accepted` at ``replica`` ended (answered, failed or cut): out of flight, settled."""
+        replica.in_flight -= 1
+        self.settled(replica, keys)
+
+    # -- blocks and prefixes ---------------------------------------------------------------------
+
+    def routed(self, replica: Replica, keys: PromptKeys) -> None:
+        """``replica`` accepted a request: the approximate memory notes where its prefix now lives.
+
+        In precise mode its blocks count as being computed there until :meth:`settled`.
+        """
+        if keys.approx and self.ranker.approximate_for(replica):
+            self.approx.store(replica.url, keys.approx)
+        blocks = self.ranker.computing_blocks(replica, keys)
+        if blocks:
+            computing = self.computing.setdefault(replica.url, {})
+            for h in blocks:
+                computing[h] = computing.get(h, 0) + 1
+
+    def settled(self, replica: Replica, keys: PromptKeys) -> None:
+        """A request :meth:`routed` to ``replica`` ended (answered, failed or cut): its blocks are no longer computing."""
+        blocks = self.ranker.computing_blocks(replica, keys)
+        computing = self.computing.get(replica.url)
+        if not blocks or computing is None:
+            return
+        for h in blocks:
+            left = computing.get(h, 0) - 1
+            if left > 0:
+                computing[h] = left
+            else:
+                computing.pop(h, None)
+
+    # -- predictions -----------------------------------------------------------------------------
+
+    def answered(self, replica: Replica, keys: PromptKeys, predicted: int, cached_tokens: int | None) -> None:
+        """``replica`` answered to the end, reporting ``cached_tokens`` (None: no usage in the answer)."""
+        if cached_tokens is not None:
+            replica.stats.report(predicted, cached_tokens)
+        if replica.events is not None:
+            prompt = keys.hashes.get(replica.events.hashing)
+            if prompt:
+                replica.stats.check.note(prompt[0])
+
+    def check_hashes(self, replica: Replica) -> None:
+        """Update ``replica``'s hash check; say once, loudly, when its events never match the prompts sent there."""
+        stats = replica.stats
+        feed = self.monitor.feeds.get(replica.url)
+        if not self.ranker.precise_for(replica) or feed is None:
+            return
+        before = stats.verdict
+        stats.verdict = stats.check.verify(lambda h: self.index.match([h], [replica.url])[0] > 0, feed.stored)
+        if stats.verdict is not before and stats.verdict in (HashVerdict.UNMATCHED, HashVerdict.SILENT):
+            info = replica.events
+            assert info is not None
+            what = (
+                "its KV events never name the blocks of the prompts sent to it"
+                if stats.verdict is HashVerdict.UNMATCHED
+                else "no KV event arrived from it"
+            )
+            log.warning(
+                "%s: %s (%d prompts answered; described as block-size=%d, hash=%s, seed=%s, block-hash=%s): "
+                "its settings, or the router's --model, are not the replica's; it is routed by load meanwhile",
+                replica.url,
+                what,
+                stats.check.answered,
+                info.block_size,
+                info.hash_algorithm,
+                info.hash_seed,
+                info.hash_form.value,
+            )

@@ -1,0 +1,193 @@
+"""Which replica should take a request: its prompt keyed, the replicas' cached prefixes found, ranked by the rule.
+
+Where a replica's cached prefixes come from is the :class:`~kvpool.routing.PrefixMode`:
+its KV events (``precise``: the block index), the router's own memory of where it sent
+each prefix (``approximate``: a :class:`~kvpool.router.index.MemoryIndex` of the prompts'
+blocks, hashed at ``approx_block_size``), or each where it can (``auto``). The ``prefix``
+rule (:mod:`kvpool.routing`) weighs cached tokens, counted in blocks of
+:data:`LOAD_COST_TOKENS` tokens whatever a replica's block size, against each replica's
+load; its ties go round the replicas in turn, so new prefixes spread out. In precise mode
+the blocks of the requests a replica is computing now count as held there too: their
+events come only once they are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpool.hashing import BlockHash, BlockHasher
+from kvpool.router.index import BlockIndex
+from kvpool.router.monitor import ReplicaMonitor
+from kvpool.router.prompt_hashes import block_hashes
+from kvpool.router.replicas import Hashing, Replica
+from kvpool.router.route_options import RouteOptions
+from kvpool.routing import PrefixMode, Routing, chooser, prefix_aware
+
+if TYPE_CHECKING:
+    from kvpool.openai_http.protocol import GenerationRequest
+
+__all__ = ["LOAD_COST_TOKENS", "NO_KEYS", "PromptKeys", "Ranker"]
+
+#: The tokens of one "block" in the routing rule's exchange rate: ``load_cost`` such blocks
+#: cached are worth one request in flight, whatever block size the replicas use.
+LOAD_COST_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptKeys:
+    """A request's prompt as the router keys it: its length, and its blocks under each hashing in use.
+
+    ``hashes``: per replica hashing, the prompt's full blocks as that replica's events spell
+    them; ``approx``: the blocks the router's own memory keys prompts by.
+    """
+
+    tokens: int = 0
+    hashes: dict[Hashing, list[BlockHash]] = field(default_factory=dict)
+    approx: list[BlockHash] = field(default_factory=list)
+
+
+#: A request that could not be keyed: routed by load.
+NO_KEYS = PromptKeys()
+
+
+class Ranker:
+    """The replicas in the order to try them for a prompt, and what each is predicted to hold of it.
+
+    ``index`` holds the replicas' published blocks, ``approx`` the router's memory of
+    where it sent prefixes, and ``computing`` (read only here; the router's bookkeeping
+    writes it) the blocks that requests in flight are computing at each replica now.
+    """
+
+    def __init__(
+        self,
+        options: RouteOptions,
+        replicas: Sequence[Replica],
+        monitor: ReplicaMonitor,
+        index: BlockIndex,
+        approx: BlockIndex,
+        computing: Mapping[str, Mapping[BlockHash, int]],
+    ) -> None:
+        self.options = options
+        self.replicas = replicas
+        self.monitor = monitor
+        self.index = index
+        self.approx = approx
+        self.computing = computing
+        self.approx_hasher = BlockHasher(options.approx_block_size)
+        self.load_cost = options.load_cost * LOAD_COST_TOKENS  # in cached tokens
+        self.rule = chooser(options.routing, load_cost=self.load_cost)
+
+    # -- where each replica's prefixes come from ---------------------------------------------
+
+    def precise_for(self, replica: Replica) -> bool:
+        """Whether ``replica``'s cached prefixes come from its events (else, in approximate modes, from memory)."""
+        mode = self.options.prefix_mode
+        if mode is PrefixMode.APPROXIMATE or replica.events is None:
+            return False
+        return replica.events.hashing in self.monitor.hashers()
+
+    def approximate_for(self, replica: Replica) -> bool:
+        mode = self.options.prefix_mode
+        return mode is PrefixMode.APPROXIMATE or (mode is PrefixMode.AUTO and not self.precise_for(replica))
+
+    @property
+    def prefix_mode_now(self) -> str:
+        """``precise``, ``approximate``, ``mixed`` (some replicas each way) or ``load only``, for the replicas up."""
+        tokenizer = self.options.tokenizer
+        if self.options.routing is not Routing.PREFIX or tokenizer is None or not tokenizer.loaded:
+            return "load only"
+        up = [r for r in self.replicas if r.up]
+        precise = sum(self.precise_for(r) for r in up)
+        approximate = sum(self.approximate_for(r) for r in up)
+        if precise and approximate:
+            return "mixed"
+        return "precise" if precise else "approximate" if approximate else "load only"
+
+    def block_size(self, replica: Replica, keys: PromptKeys) -> int:
+        """The tokens of one of ``replica``'s blocks as the router counts them (0: it counts none)."""
+        if self.precise_for(replica):
+            assert replica.events is not None
+            return replica.events.block_size
+        return self.options.approx_block_size if keys.approx else 0
+
+    def computing_blocks(self, replica: Replica, keys: PromptKeys) -> list[BlockHash]:
+        """The prompt's blocks that count as being computed at ``replica`` while the request is there."""
+        if replica.events is None or not self.precise_for(replica):
+            return []
+        return keys.hashes.get(replica.events.hashing, [])
+
+    # -- keying and ranking ------------------------------------------------------------------
+
+    def prompt_keys(self, request: GenerationRequest, tenant: str) -> PromptKeys:
+        """The request's prompt length and block hashes under each hashing in use; :data:`NO_KEYS` until tokenized."""
+        tokenizer = self.options.tokenizer
+        if tokenizer is None or not tokenizer.loaded or self.options.routing is not Routing.PREFIX:
+            return NO_KEYS
+        if request.messages is not None:
+            tokens = tokenizer.chat_tokens(request.messages)
+        elif isinstance(request.prompt, str):
+            tokens = tokenizer.text_tokens(request.prompt)
+        else:
+            tokens = list(request.prompt or ())
+        salt = self.options.salts.cache_salt(tenant, request.cache_salt)
+        up = [r for r in self.replicas if r.up]
+        hashes = {
+            hashing: hashing[3].published(block_hashes(hasher, tokens, salt))
+            for hashing, hasher in self.monitor.hashers().items()
+            if self.options.prefix_mode is not PrefixMode.APPROXIMATE
+        }
+        approx = block_hashes(self.approx_hasher, tokens, salt) if any(map(self.approximate_for, up)) else []
+        return PromptKeys(tokens=len(tokens), hashes=hashes, approx=approx)
+
+    def rank(self, keys: PromptKeys) -> list[tuple[Replica, int]]:
+        """The replicas that are up, in the order to try them, each with the blocks of the prompt it holds.
+
+        Best first by the ``prefix`` rule; a replica marked down is not in the list.
+        """
+        candidates = [r for r in self.replicas if r.up]
+        ranked: list[tuple[Replica, int]] = []
+        if candidates:
+            cached = self._cached_blocks(candidates, keys)
+            tokens = [n * self.block_size(r, keys) for r, n in zip(candidates, cached)]
+            i = self.rule.choose(tokens, [r.load for r in candidates])  # its ties rotate: new prefixes spread
+            while True:
+                ranked.append((candidates.pop(i), cached.pop(i)))
+                tokens.pop(i)
+                if not candidates:
+                    break
+                # the fallbacks, for a retry: the same rule, without moving the chooser's rotation
+                i = prefix_aware(tokens, [r.load for r in candidates], load_cost=self.load_cost)
+        return ranked
+
+    def _cached_blocks(self, candidates: Sequence[Replica], keys: PromptKeys) -> list[int]:
+        cached = [0] * len(candidates)
+        for hashing, prompt in keys.hashes.items():
+            group = [
+                i
+                for i, r in enumerate(candidates)
+                if r.events is not None and r.events.hashing == hashing and self.precise_for(r)
+            ]
+            if group and prompt:
+                found = self.index.match(prompt, [candidates[i].url for i in group])
+                for i, n in zip(group, found):
+                    computing = self.computing.get(candidates[i].url)
+                    while computing and n < len(prompt) and prompt[n] in computing:
+                        n += 1  # held, then being computed there now: its events are on their way
+                    cached[i] = n
+        if keys.approx:
+            # in the approximate unit; the rule compares blocks, so scale to the events' unit where both meet
+            group = [i for i, r in enumerate(candidates) if self.approximate_for(r)]
+            found = self.approx.match(keys.approx, [candidates[i].url for i in group])
+            for i, n in zip(group, found):
+                cached[i] = n
+        return cached
+
+    def predicted_tokens(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
+        """The prompt tokens ``replica`` should serve from its cache: whole blocks, never the prompt's last token."""
+        block_size = self.block_size(replica, keys)
+        if not block_size:
+            return 0
+        usable = max(0, keys.tokens - 1) // block_size  # the last token is always computed
+        return min(cached_blocks, usable) * block_size
