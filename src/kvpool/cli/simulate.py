@@ -32,6 +32,7 @@ from kvpool.hashing import HashAlgo
 from kvpool.routing import Routing
 
 if TYPE_CHECKING:
+    from kvpool.sim.progress import Progress
     from kvpool.sim.simulator import SimulationResult
     from kvpool.sim.study import CurveResult, StudyReport
 
@@ -145,9 +146,15 @@ def _print_table(result: SimulationResult, label: str) -> None:
         click.echo(f"  {key:<{width}}  {value}")
 
 
-def _progress(show: bool) -> Any:
-    """The study's progress as click bars on stderr (hidden with --json) and sizing lines on stderr."""
-    from kvpool.sim.study import Progress
+def _progress(show: bool) -> Progress:
+    """The study's progress on stderr: bars on a terminal, else plain lines every 10% (neither with --json).
+
+    The sizing search's lines are written either way.
+    """
+    from kvpool.sim.progress import Progress, ProgressLines
+
+    if show and not sys.stderr.isatty():
+        return ProgressLines(sys.stderr)
 
     class Bars(Progress):
         @contextlib.contextmanager

@@ -21,6 +21,8 @@ Submodules (imported on demand; this package imports nothing heavy):
   (:func:`~kvpool.sim.simulator.simulate`). Standard library only.
 * :mod:`kvpool.sim.sizing` -- the fewest replicas that meet a time-to-first-token
   objective (:func:`~kvpool.sim.sizing.fewest_replicas`). Standard library only.
+* :mod:`kvpool.sim.progress` -- where a study reports its progress: nowhere, or
+  plain lines for a stream that is not a terminal. Standard library only.
 * :mod:`kvpool.sim.plots` -- PNG plots of a replay. Needs matplotlib (the ``sim``
   extra).
 """

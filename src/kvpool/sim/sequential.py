@@ -145,7 +145,7 @@ def replay_sequential(
             is verified against the block's content, so hit rates are equal).
         lookahead: how many following requests to announce as waiting before
             each request (0: none).
-        progress: called with the number of requests done, every 1,000.
+        progress: called with the number of requests done since its last call: about every 1,000, and at the end.
 
     Returns:
         A :class:`SequentialResult`. Deterministic: the same inputs give an
@@ -159,7 +159,7 @@ def replay_sequential(
     name, factory = resolve_policy(policy)
     manager = KVCacheManager(capacity_blocks + 1, block_size, hash_algo=hash_algo, eviction_policy=factory)
     algo = manager.hasher.algo.value
-    num_requests = prompt_tokens = hit_tokens = cacheable = oversized = 0
+    num_requests = prompt_tokens = hit_tokens = cacheable = oversized = reported = 0
     start = time.perf_counter()
     for request, waiting in _with_lookahead(requests, lookahead):
         if lookahead:
@@ -179,9 +179,12 @@ def replay_sequential(
         hit_tokens += num_hit
         request.num_computed_tokens = num_tokens
         manager.free(request)
-        if progress is not None and num_requests % 1000 == 0:
-            progress(num_requests)
+        if progress is not None and num_requests - reported >= 1000:  # oversized ones are counted at the next
+            progress(num_requests - reported)
+            reported = num_requests
     elapsed = time.perf_counter() - start
+    if progress is not None and num_requests > reported:
+        progress(num_requests - reported)
     return SequentialResult(
         policy=name,
         capacity_blocks=capacity_blocks,

@@ -4,14 +4,12 @@
 replays it as the options ask (sequentially, once per routing rule, as a
 sizing search, and the hit-rate curve) and returns a :class:`StudyReport`
 that holds every figure; drawing and printing are the caller's. Progress goes
-to a :class:`Progress`, silent by default.
+to a :class:`~kvpool.sim.progress.Progress`, silent by default.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 from kvpool.errors import ConfigError
 from kvpool.routing import Routing
 from kvpool.sim.options import SYNTHETIC_REQUESTS, SimulateOptions
+from kvpool.sim.progress import Progress
 from kvpool.sim.sequential import SequentialResult, replay_sequential
 from kvpool.sim.simulator import SimulationConfig, SimulationResult, simulate, ttft_quantile
 from kvpool.sim.sizing import SizingResult, fewest_replicas
@@ -27,18 +26,6 @@ from kvpool.sim.transfers import capacity_blocks
 from kvpool.tiers.kinds import TierKind
 
 __all__ = ["CurveResult", "Progress", "StudyReport", "describe_tiers", "load_requests", "run_study"]
-
-
-class Progress:
-    """Where a study reports its progress; this one says nothing (override both methods to show it)."""
-
-    @contextlib.contextmanager
-    def bar(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
-        """A bar of ``total`` steps named ``label``; the callable advances it by a count."""
-        yield lambda _n: None
-
-    def note(self, text: str) -> None:
-        """A line about a finished replay (the sizing search's tries)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
