@@ -23,7 +23,7 @@ from kvpool.sim.simulator import SimulationConfig, SimulationResult, simulate, t
 from kvpool.sim.sizing import SizingResult, fewest_replicas
 from kvpool.sim.traces import TraceRequest
 from kvpool.sim.transfers import capacity_blocks
-from kvpool.tiers.kinds import TierKind
+from kvpool.tiers.store import BACKENDS
 
 __all__ = ["CurveResult", "Progress", "StudyReport", "describe_tiers", "load_requests", "run_study"]
 
@@ -85,7 +85,7 @@ def describe_tiers(options: SimulateOptions) -> list[dict[str, Any]]:
                 "write": options.kv_tier_write.value,
                 "bandwidth_gb_per_s": link.bandwidth_bytes_per_s / 1e9,
                 "latency_us": link.latency_s * 1e6,
-                "shared": target.kind is TierKind.REDIS,
+                "shared": BACKENDS[target.kind].fleet_wide,
                 "load_ms_per_block": load * 1e3,
                 "recompute_ms_per_block": recompute * 1e3,
             }

@@ -28,7 +28,7 @@ from kvpool.manager import KVCacheManager
 from kvpool.tiers.disk import DiskTarget
 from kvpool.tiers.hierarchy import ByteTier, HostTier, Tier, TierHierarchyConnector
 from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
-from kvpool.tiers.store import TierTarget
+from kvpool.tiers.store import BACKENDS, TierTarget
 
 __all__ = ["DEFAULT_LINKS", "KeyStore", "TierLink", "TimingWorker", "build_tiers", "capacity_blocks"]
 
@@ -54,11 +54,11 @@ class TierLink:
         return self.latency_s + num_blocks * block_bytes / self.bandwidth_bytes_per_s
 
 
-#: Default links: PCIe copies from pinned host memory, a local NVMe drive, a Redis server over 10 Gb/s.
+#: Default links, from each backend's registry line: PCIe copies from pinned host memory, a local
+#: NVMe drive, a Redis server over 10 Gb/s.
 DEFAULT_LINKS: dict[TierKind, TierLink] = {
-    TierKind.CPU: TierLink(bandwidth_bytes_per_s=25e9, latency_s=10e-6),
-    TierKind.DISK: TierLink(bandwidth_bytes_per_s=4e9, latency_s=100e-6),
-    TierKind.REDIS: TierLink(bandwidth_bytes_per_s=1.25e9, latency_s=300e-6),
+    kind: TierLink(bandwidth_bytes_per_s=backend.link[0], latency_s=backend.link[1])
+    for kind, backend in BACKENDS.items()
 }
 
 
@@ -204,7 +204,7 @@ def build_tiers(
 ) -> tuple[TierHierarchyConnector, TimingWorker]:
     """The engine's connector over ``targets`` for one simulated replica, and its timing worker.
 
-    A Redis tier's store is taken from (or put in) ``shared``: one for every replica.
+    A fleet-wide tier's store (Redis) is taken from (or put in) ``shared``: one for every replica.
     """
     tiers: list[Tier] = []
     stores: dict[str, KeyStore] = {}
@@ -213,7 +213,7 @@ def build_tiers(
         if isinstance(target, CpuTarget):
             tiers.append(HostTier(capacity or 1))
             continue
-        if target.kind is TierKind.REDIS:
+        if BACKENDS[target.kind].fleet_wide:
             store = shared.setdefault(target.kind, KeyStore(target.kind.value, capacity))
         else:
             store = KeyStore(target.kind.value, capacity)
