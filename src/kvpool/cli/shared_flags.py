@@ -168,5 +168,5 @@ def take(record: Callable[..., R], flags: dict[str, Any], **given: Any) -> R:
     Those flags are removed from ``flags``, so what is left is what the command
     has yet to map; a field that is neither given nor a flag keeps its default.
     """
-    names = {f.name for f in dataclasses.fields(record)} - set(given)  # type: ignore[arg-type]
+    names = {f.name for f in dataclasses.fields(record)} - set(given)  # type: ignore[arg-type]  # a keyword dataclass, which the Callable type cannot say
     return record(**given, **{name: flags.pop(name) for name in names if name in flags})
