@@ -9,10 +9,13 @@ Run::
 
 Each figure is the median of ``--repeats`` batches of ``--batch`` blocks of ``--block-bytes``
 random bytes (1 MiB by default; SmolLM2-135M's 16-token block is 360 KiB), every batch under
-fresh keys, so saves really write and loads really read. The rows take turns on each batch, so
-whatever else the machine is doing weighs on all of them alike; the ratio to the raw row of the
+fresh keys, so saves really write and loads really read. The rows take turns on each batch, each
+batch starting one row later than the last, so whatever else the machine is doing (the writeback
+of the row before included) weighs on all of them alike; the ratio to the raw row of the
 same tier is the figure that matters on a busy machine. Every tier runs without a secret
-(checksum only) and with one (entries signed), in the same run.
+(checksum only) and with one (entries signed with :meth:`Signature.best_available`: keyed BLAKE3
+where ``blake3`` is installed), in the same run; ``--hmac-rows`` adds rows signing with
+HMAC-SHA256, to compare the two kinds side by side.
 
 * cpu: :class:`~kvpool.engine.kv_transfer.KVTransferWorker` saving blocks from the engine's KV
   cache into its host tier and loading them back into other blocks; raw: one ``copy_`` of the
@@ -46,6 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvpool.tiers import DiskStore, EntryCodec, LayoutFingerprint, RedisStore, redis_store  # noqa: E402
+from kvpool.tiers.entry import Signature  # noqa: E402
 
 Batch = list[tuple[bytes, bytes]]
 Op = Callable[[Batch], object]
@@ -193,11 +197,13 @@ Row = tuple[str, str, Op, Op]
 def rows_to_measure(args: argparse.Namespace, redis_url: str | None, disk_dir: Path) -> list[Row]:
     fingerprint = layout(args.block_bytes)
     codecs = {"": EntryCodec(fingerprint), " signed": EntryCodec(fingerprint, SECRET)}
+    if args.hmac_rows:
+        codecs[" signed HMAC-SHA256"] = EntryCodec(fingerprint, SECRET, signature=Signature.HMAC_SHA256)
     capacity = 4 * args.repeats * args.batch * (args.block_bytes + 4096)
     rows: list[Row] = [] if args.no_cpu else cpu_rows(args.block_bytes, args.batch)
     rows.append(("disk", "raw files", *raw_disk(disk_dir / "raw", args.block_bytes, args.batch)))
     for suffix, codec in codecs.items():
-        store = DiskStore(disk_dir / f"store{suffix.strip()}", capacity, codec)
+        store = DiskStore(disk_dir / f"store{suffix.strip().replace(' ', '-')}", capacity, codec)
         rows.append(("disk", f"DiskStore{suffix}", *store_ops(store, args.block_bytes, args.batch)))
     if redis_url is not None:
         rows.append(("redis", "raw SET/MGET", *raw_redis(redis_url)))
@@ -214,7 +220,9 @@ def run(rows: list[Row], args: argparse.Namespace) -> dict[tuple[str, str], tupl
     size = args.batch * args.block_bytes
     for repeat in range(args.repeats):
         batch = one_batch(args.batch, args.block_bytes)
-        for tier, variant, save, load in rows:
+        # Each batch starts one row later, so no row always follows the same one (and its dirty pages).
+        start = repeat % len(rows)
+        for tier, variant, save, load in rows[start:] + rows[:start]:
             saves[tier, variant].append(timed(save, batch))
             loads[tier, variant].append(timed(load, batch))
         print(f"  batch {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
@@ -241,6 +249,21 @@ def hashes(block_bytes: int, repeats: int) -> list[tuple[str, float]]:
         import xxhash
 
         candidates.insert(1, ("XXH3-128 (xxhash)", lambda: xxhash.xxh3_128_digest(data)))
+    except ImportError:
+        pass
+    try:
+        import blake3
+
+        key = blake3.blake3(SECRET, derive_key_context="kvpool bench keyed BLAKE3").digest()
+        candidates.append(
+            ("keyed BLAKE3 (blake3, 1 thread: what signs entries)", lambda: blake3.blake3(data, key=key).digest())
+        )
+        candidates.append(
+            (
+                "keyed BLAKE3 (blake3, max_threads=AUTO)",
+                lambda: blake3.blake3(data, key=key, max_threads=blake3.blake3.AUTO).digest(),
+            )
+        )
     except ImportError:
         pass
     figures = []
@@ -288,6 +311,11 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], tuple[float
     parser.add_argument("--disk-dir", type=Path, default=None, help="default: a temporary directory")
     parser.add_argument("--hashes", action="store_true", help="also: each checksum and keyed hash alone")
     parser.add_argument("--pipeline-sweep", action="store_true", help="also: Redis blocks per pipeline")
+    parser.add_argument(
+        "--hmac-rows",
+        action="store_true",
+        help="also: each store signing with HMAC-SHA256 (signed rows: the default kind)",
+    )
     args = parser.parse_args(argv)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
@@ -298,7 +326,9 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], tuple[float
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as directory, contextlib_redis(args) as url:
         figures = run(rows_to_measure(args, url, Path(directory)), args)
         sweep = pipeline_sweep(args, url) if args.pipeline_sweep and url is not None else []
-    print(f"load average {load:.1f} on {os.cpu_count()} CPUs at the start")
+    print(
+        f"load average {load:.1f} on {os.cpu_count()} CPUs at the start; signed rows: {Signature.best_available().name}"
+    )
     print("| tier | path | save GB/s | load GB/s | save / raw | load / raw |")
     print("|---|---|---:|---:|---:|---:|")
     raws = {tier: figures[tier, variant] for tier, variant in figures if variant.startswith("raw")}

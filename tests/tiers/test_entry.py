@@ -73,7 +73,7 @@ def test_payload_bit_flip_fails_the_checksum(codec):
     assert refused(codec, bytes(entry)) is CorruptKind.CHECKSUM
 
 
-@pytest.mark.parametrize("version", [1, 3, 255])
+@pytest.mark.parametrize("version", [1, 2, 4, 255])
 def test_other_version(codec, version):
     entry = bytearray(codec.encode(KEY, b"p"))
     entry[4] = version
@@ -90,13 +90,23 @@ def test_a_version_1_entry_is_refused_as_another_version(codec, signed_codec):
     assert refused(signed_codec, header + KEY + payload) is CorruptKind.VERSION
 
 
+def test_a_version_2_entry_is_refused_as_another_version(codec, signed_codec):
+    """Version 2 (the same 72-byte header, HMAC-SHA256 the only MAC), as kvpool wrote it before, is refused."""
+    hmac_codec = EntryCodec(LAYOUT, b"a shared tier secret", signature=Signature.HMAC_SHA256)
+    for writer in (codec, hmac_codec):
+        entry = bytearray(writer.encode(KEY, b"p" * 100))
+        entry[4] = 2
+        assert refused(codec, bytes(entry)) is CorruptKind.VERSION
+        assert refused(signed_codec, bytes(entry)) is CorruptKind.VERSION
+
+
 def test_the_header_names_the_checksum_and_signature_kind(codec, signed_codec):
     entry = codec.encode(KEY, b"p" * 100)
     assert entry[4:7] == bytes([FORMAT_VERSION, Checksum.best_available().value, Signature.NONE.value])
-    assert signed_codec.encode(KEY, b"p")[6] == Signature.HMAC_SHA256.value
+    assert signed_codec.encode(KEY, b"p")[6] == Signature.best_available().value == signed_codec.signature.value
 
 
-@pytest.mark.parametrize("offset, value", [(5, 0), (5, 9), (6, 2), (6, 200)])
+@pytest.mark.parametrize("offset, value", [(5, 0), (5, 9), (6, 3), (6, 200)])
 def test_unknown_checksum_or_signature_kind_is_refused(codec, offset, value):
     entry = bytearray(codec.encode(KEY, b"p" * 100))
     entry[offset] = value
@@ -188,7 +198,7 @@ def test_unsigned_and_wrongly_signed(codec, signed_codec):
     assert refused(signed_codec, codec.encode(KEY, b"p")) is CorruptKind.UNSIGNED
     other = EntryCodec(LAYOUT, secret=b"another secret, just as long")
     assert refused(signed_codec, other.encode(KEY, b"p")) is CorruptKind.BAD_SIGNATURE
-    # a planted entry whose payload and checksum were both replaced still fails the HMAC
+    # a planted entry whose payload and checksum were both replaced still fails the MAC
     forged = bytearray(signed_codec.encode(KEY, b"p"))
     forged[56:72] = codec.encode(KEY, b"q")[56:72]
     forged[-1:] = b"q"

@@ -5,9 +5,9 @@ trust where the bytes came from. One entry, little-endian::
 
     offset  size  field
          0     4  magic            b"KVPE"
-         4     1  format version   2
+         4     1  format version   3
          5     1  checksum kind    1: XXH3-128, 2: CRC-32 (:class:`Checksum`)
-         6     1  signature kind   0: none, 1: HMAC-SHA256 (:class:`Signature`)
+         6     1  signature kind   0: none, 1: HMAC-SHA256, 2: keyed BLAKE3 (:class:`Signature`)
          7     1  zero
          8     2  key length       K
         10     6  zero
@@ -15,23 +15,33 @@ trust where the bytes came from. One entry, little-endian::
         24    32  layout digest    SHA-256 of the LayoutFingerprint (the model's weights included)
         56    16  payload checksum the checksum kind's digest of the payload (CRC-32: 4 bytes, then zeros)
         72     K  key              the chained block hash the entry was stored under
-    72 + K    32  HMAC-SHA256      (signed entries only) over bytes [0, 72 + K) and then the payload
+    72 + K    32  MAC              (signed entries only) the signature kind's MAC of bytes [0, 72 + K), then the payload
          ...   N  payload
 
 Integrity and authenticity are separate checks, each at the speed it needs. The checksum is not
 cryptographic: it catches damage (a torn write, a flipped bit, a truncated value) at memory speed
 (XXH3-128 with the ``fast`` or ``tiers`` extra, else CRC-32). The signature is what a secret buys:
-an HMAC over the header, the key and the payload itself, so forging a signed entry for other KV
-needs the secret, whatever the checksum. HMAC-SHA256 is the keyed hash because it is the fastest
-``hashlib`` offers on CPUs with SHA extensions (measured against keyed BLAKE2b and BLAKE2s: see
-BENCHMARKS.md); the header names it, so another kind can follow without guessing.
+a 32-byte MAC over the header, the key and the payload itself, so forging a signed entry for other
+KV needs the secret, whatever the checksum.
+
+The MAC is keyed BLAKE3 (``blake3`` package, the ``tiers`` extra), else HMAC-SHA256. Measured over
+one block (BENCHMARKS.md, "Tier stores"), keyed BLAKE3 on one thread runs at about twice
+HMAC-SHA256 (2.7-3.2 against 1.5 GB/s), the fastest keyed hash ``hashlib`` offers (SHA
+extensions; keyed BLAKE2b and BLAKE2s are slower still), which ran below the page cache and
+loopback Redis it guards. One thread, because ``max_threads=AUTO`` measured no faster there.
+BLAKE3 is keyed with a 32-byte key derived from the secret in BLAKE3's key derivation mode under
+:data:`_BLAKE3_CONTEXT`, so the raw secret (of any length) is never the key and the key serves
+only this purpose. The header names the kind, so a codec verifies either kind it can compute: a
+fleet moves from HMAC-SHA256 to BLAKE3 by installing ``blake3``, and reads what it wrote before.
+HMAC over a fast non-cryptographic hash (XXH3, say) is not offered: it is no MAC, since collisions
+of the inner hash are easy to find and a forger swaps in a payload of the same digest.
 
 :meth:`EntryCodec.decode` refuses, with a :class:`CorruptEntry` naming a :class:`CorruptKind`,
-an entry that is truncated or garbled, from another format version (version 1 entries included),
+an entry that is truncated or garbled, from another format version (versions 1 and 2 included),
 from another model or KV layout, longer than any entry of this layout can be, stored under
-another key (a valid entry replayed under another hash), that names a checksum or signature kind
-this process cannot compute, whose payload does not match its checksum, or, when the codec has a
-secret, one that is unsigned or signed with another secret. A codec without a secret reads signed
+another key (a valid entry replayed under another hash), that names a checksum kind this process
+cannot compute (or, when the codec has a secret, a signature kind), whose payload does not match
+its checksum, or, when the codec has a secret, one that is unsigned or signed with another secret. A codec without a secret reads signed
 entries too (it checks the checksum only).
 
 Copies: :meth:`EntryCodec.encode_parts` gives the head and the payload apart, for writers that
@@ -41,7 +51,7 @@ and copies its payload into the caller's buffer; :meth:`EntryCodec.parse_head` a
 and check it there.
 
 :meth:`EntryCodec.max_entry_bytes` bounds an entry's size from the layout alone (header, key,
-HMAC and one block's KV), so a store can refuse a bigger stored object before reading it.
+MAC and one block's KV), so a store can refuse a bigger stored object before reading it.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import Enum
+from types import ModuleType
 
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError, ExternalDataError
@@ -77,7 +88,7 @@ __all__ = [
 ]
 
 #: Version of the entry layout above; an entry of any other version is refused.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 #: What ``encode`` takes as a payload: any contiguous buffer of bytes.
 Payload = bytes | bytearray | memoryview
@@ -87,7 +98,7 @@ _HEADER = struct.Struct("<4sBBBBH6sQ32s16s")
 _CHECKSUM_AT = 56  # offset of the checksum field in the header
 #: Offset of the layout digest in an entry (the table above): what names the model and layout an entry is for.
 LAYOUT_DIGEST_AT = 24
-_MAC_SIZE = hashlib.sha256().digest_size
+_MAC_SIZE = 32  # every signature kind's MAC: HMAC-SHA256's digest, BLAKE3's default output
 _MAX_KEY = 0xFFFF
 _ZEROS = bytes(16)
 
@@ -105,10 +116,31 @@ class Checksum(Enum):
 
 
 class Signature(Enum):
-    """How an entry is signed; the header names it."""
+    """How an entry is signed; the header names it. Every kind but NONE is a 32-byte MAC."""
 
     NONE = 0
     HMAC_SHA256 = 1
+    BLAKE3_KEYED = 2
+
+    @classmethod
+    def best_available(cls) -> Signature:
+        """Keyed BLAKE3 when ``blake3`` is installed (several GB/s on one core), else HMAC-SHA256 (the standard library's)."""
+        return cls.BLAKE3_KEYED if _blake3 is not None else cls.HMAC_SHA256
+
+
+def _import_blake3() -> ModuleType | None:
+    try:
+        import blake3
+    except ImportError:
+        return None
+    return blake3
+
+
+#: The ``blake3`` module, or None where it is not installed (tests set it to None to play that).
+_blake3: ModuleType | None = _import_blake3()
+
+#: BLAKE3's key derivation context for entry MACs: the key is derived from the secret under it.
+_BLAKE3_CONTEXT = "kvpool 2026-12-02 KV tier entry MAC v3"
 
 
 def _xxh3_128() -> Callable[[Payload], bytes] | None:
@@ -168,8 +200,8 @@ class CorruptKind(Enum):
     FOREIGN_KEY = "foreign key"  # stored under another block hash
     CHECK_KIND = "check kind"  # a checksum or signature kind this process cannot compute
     CHECKSUM = "checksum"  # payload bytes changed
-    UNSIGNED = "unsigned"  # the codec has a secret, the entry has no HMAC
-    BAD_SIGNATURE = "bad signature"  # an HMAC made with another secret, or a changed header or payload
+    UNSIGNED = "unsigned"  # the codec has a secret, the entry has no MAC
+    BAD_SIGNATURE = "bad signature"  # a MAC made with another secret, or a changed header or payload
 
 
 class CorruptEntry(ExternalDataError):
@@ -230,7 +262,7 @@ class LayoutFingerprint:
 class EntryHead:
     """An entry's head, checked (:meth:`EntryCodec.parse_head`): where its payload starts and how long it is."""
 
-    size: int  # bytes before the payload: header, key and signature
+    size: int  # bytes before the payload: header, key and MAC
     payload_len: int
     checksum: Checksum
     signature: Signature
@@ -243,12 +275,20 @@ class EntryCodec:
     signs every entry and ``decode`` refuses unsigned entries and entries signed with another
     secret. Share it between the replicas that share a tier. ``checksum``: what new entries are
     checksummed with (default :meth:`Checksum.best_available`); entries of either kind are read.
+    ``signature``: what new entries are signed with when there is a secret (default
+    :meth:`Signature.best_available`); entries of any kind this process can compute are verified,
+    so a codec that signs with BLAKE3 still reads HMAC-SHA256 entries made with the same secret.
     Unsigned, each direction costs one checksum pass over the payload (XXH3-128: far above memory
-    bandwidth); signed, one HMAC-SHA256 pass more.
+    bandwidth); signed, one MAC pass more.
     """
 
     def __init__(
-        self, fingerprint: LayoutFingerprint, secret: bytes | None = None, *, checksum: Checksum | None = None
+        self,
+        fingerprint: LayoutFingerprint,
+        secret: bytes | None = None,
+        *,
+        checksum: Checksum | None = None,
+        signature: Signature | None = None,
     ) -> None:
         if not isinstance(fingerprint, LayoutFingerprint):
             raise ConfigError(f"fingerprint must be a LayoutFingerprint, got {fingerprint!r}")
@@ -260,12 +300,29 @@ class EntryCodec:
         function = _checksum_function(kind)
         if function is None:
             raise ConfigError(f"checksum {kind.name} needs the xxhash package: pip install 'kvpool[fast]'")
+        if signature is not None and not isinstance(signature, Signature):
+            raise ConfigError(f"signature must be a Signature, got {signature!r}")
+        if secret is None:
+            if signature is not None and signature is not Signature.NONE:
+                raise ConfigError(f"signature {signature.name} needs a secret")
+            signs = Signature.NONE
+        else:
+            if signature is Signature.NONE:
+                raise ConfigError("signature NONE with a secret: a codec with a secret signs every entry")
+            signs = Signature.best_available() if signature is None else signature
+            if signs is Signature.BLAKE3_KEYED and _blake3 is None:
+                raise ConfigError("signature BLAKE3_KEYED needs the blake3 package: pip install 'kvpool[tiers]'")
         self.fingerprint = fingerprint
         self.checksum = kind
+        self.signature = signs
         self._checksum = function
         self._layout = fingerprint.digest()
         self._secret = secret
-        self._signature = Signature.NONE if secret is None else Signature.HMAC_SHA256
+        # Fixed here, so a codec's behaviour never changes under it: the blake3 module and the derived key.
+        self._blake3 = _blake3 if secret is not None else None
+        self._blake3_key = (
+            None if self._blake3 is None else self._blake3.blake3(secret, derive_key_context=_BLAKE3_CONTEXT).digest()
+        )
 
     @property
     def namespace(self) -> str:
@@ -275,6 +332,27 @@ class EntryCodec:
     @property
     def signed(self) -> bool:
         return self._secret is not None
+
+    def can_verify(self, signature: Signature) -> bool:
+        """Whether this codec computes ``signature``'s MAC (BLAKE3 needs ``blake3``); False without a secret."""
+        if self._secret is None or signature is Signature.NONE:
+            return False
+        return signature is Signature.HMAC_SHA256 or self._blake3 is not None
+
+    def _mac(self, signature: Signature, header: Payload, key: Payload, payload: Payload) -> bytes:
+        """``signature``'s 32-byte MAC of header, key and payload, in that order; the caller checked can_verify."""
+        if signature is Signature.BLAKE3_KEYED:
+            assert self._blake3 is not None and self._blake3_key is not None
+            hasher = self._blake3.blake3(header, key=self._blake3_key)
+            hasher.update(key)
+            hasher.update(payload)
+            digest: bytes = hasher.digest()
+            return digest
+        assert self._secret is not None
+        mac = hmac.new(self._secret, header, "sha256")
+        mac.update(key)
+        mac.update(payload)
+        return mac.digest()
 
     def max_entry_bytes(self, key_len: int) -> int:
         """The longest entry of this layout under a key of ``key_len`` bytes (signed, one whole block)."""
@@ -304,7 +382,7 @@ class EntryCodec:
             _MAGIC,
             FORMAT_VERSION,
             self.checksum.value,
-            self._signature.value,
+            self.signature.value,
             0,
             len(key),
             _ZEROS[:6],
@@ -314,10 +392,7 @@ class EntryCodec:
         )
         if self._secret is None:
             return header + key, body
-        mac = hmac.new(self._secret, header, "sha256")
-        mac.update(key)
-        mac.update(body)
-        return b"".join((header, key, mac.digest())), body
+        return b"".join((header, key, self._mac(self.signature, header, key, body))), body
 
     # -- decoding ---------------------------------------------------------------------------
 
@@ -373,7 +448,7 @@ class EntryCodec:
                 CorruptKind.CHECK_KIND, f"checksum kind {checksum} or signature kind {signature} is unknown here"
             ) from None
         key_end = _HEADER.size + key_len
-        size = key_end + (_MAC_SIZE if signature_kind is Signature.HMAC_SHA256 else 0)
+        size = key_end + (0 if signature_kind is Signature.NONE else _MAC_SIZE)
         if len(data) < size:
             raise CorruptEntry(CorruptKind.TRUNCATED, f"{len(data)} bytes end inside the key or signature")
         if data[_HEADER.size : key_end] != key:
@@ -383,7 +458,11 @@ class EntryCodec:
                 CorruptKind.CHECK_KIND, f"checksum {checksum_kind.name} needs xxhash: pip install 'kvpool[fast]'"
             )
         if self._secret is not None and signature_kind is Signature.NONE:
-            raise CorruptEntry(CorruptKind.UNSIGNED, "no HMAC, and this tier requires one")
+            raise CorruptEntry(CorruptKind.UNSIGNED, "no signature, and this tier requires one")
+        if self._secret is not None and not self.can_verify(signature_kind):
+            raise CorruptEntry(
+                CorruptKind.CHECK_KIND, f"signature {signature_kind.name} needs blake3: pip install 'kvpool[tiers]'"
+            )
         if entry_len != size + payload_len:
             kind = CorruptKind.TRUNCATED if entry_len < size + payload_len else CorruptKind.MALFORMED
             raise CorruptEntry(kind, f"{entry_len - size} payload bytes, header says {payload_len}")
@@ -401,10 +480,9 @@ class EntryCodec:
         if self._secret is not None:
             key_end = head.size - _MAC_SIZE
             view = memoryview(head_bytes)
-            mac = hmac.new(self._secret, view[: _HEADER.size], "sha256")
-            mac.update(view[_HEADER.size : key_end])
-            mac.update(payload)
-            if not hmac.compare_digest(mac.digest(), view[key_end : head.size]):
+            mac = self._mac(head.signature, view[: _HEADER.size], view[_HEADER.size : key_end], payload)
+            if not hmac.compare_digest(mac, view[key_end : head.size]):
                 raise CorruptEntry(
-                    CorruptKind.BAD_SIGNATURE, "HMAC does not match (another secret, or a changed header or payload)"
+                    CorruptKind.BAD_SIGNATURE,
+                    f"{head.signature.name} does not match (another secret, or a changed header or payload)",
                 )
