@@ -1,11 +1,11 @@
 """Secrets: the one way kvpool reads a secret from a file, and the one rule a secret keeps.
 
-A secret keys an HMAC: a server's tenant salts (:mod:`kvpool.tenancy`) and the
-signatures of KV tier entries (:mod:`kvpool.tiers.entry`). Both follow one rule:
+A secret keys a MAC: a server's tenant salts (:mod:`kvpool.tenancy`, HMAC-SHA256) and the
+signatures of KV tier entries (:mod:`kvpool.tiers.entry`, a keyed BLAKE3 or HMAC-SHA256). Both follow one rule:
 
 * a file's secret is its bytes with trailing whitespace (a final newline) removed;
-* a secret holds at least :data:`MIN_SECRET_BYTES` bytes. HMAC-SHA256 takes any
-  length, but a short secret can be guessed offline from one signed value.
+* a secret holds at least :data:`MIN_SECRET_BYTES` bytes. Both MACs take any
+  length (BLAKE3 through a derived key), but a short secret can be guessed offline from one signed value.
 
 Every key or secret file (these and the CURVE key files of :mod:`kvpool.kv_events.transport`) is
 read by :func:`read_key_file`: only a regular file (a link to one is followed), opened without

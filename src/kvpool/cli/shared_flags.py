@@ -89,7 +89,7 @@ ENGINE_OPTIONS: dict[str, Decorator] = {
     ),
     "kv_tier_secret_file": click.option(
         "--kv-tier-secret-file", type=click.Path(dir_okay=False), default=None,
-        help="File holding the secret that signs KV tier entries (HMAC); replicas sharing a tier share it.",
+        help="File holding the secret that signs KV tier entries (a keyed MAC); replicas sharing a tier share it.",
     ),
     "kv_tier_unauthenticated": click.option(
         "--kv-tier-unauthenticated", "kv_tier_unauthenticated", is_flag=True, default=False,

@@ -22,7 +22,7 @@ with its :class:`~kvpool.tiers.kinds.WritePolicy`) and :class:`KVTransferWorker`
 * a byte tier (disk, Redis) receives that same block as bytes through the
   :class:`kvpool.tiers.store.BlockStore` protocol, which wraps it in an entry
   that cannot lie (layout fingerprint with the weights' digest, checksum,
-  optional HMAC);
+  optional MAC);
 * loads are copied into the pool's blocks before the forward pass reads them:
   on CUDA on a side stream, one event per layer, which the runner waits for
   just before that layer (:meth:`KVTransferWorker.wait_for_layer_load`); on

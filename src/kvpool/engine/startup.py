@@ -108,7 +108,7 @@ class EngineOptions:
             ``"disk:/path:50GiB"``, ``"redis://host:6379/0"``; see
             :mod:`kvpool.engine.kv_transfer`); empty means none.
         kv_tier_secret_file: a file holding the secret that signs tier
-            entries (HMAC); replicas sharing a tier share it. A shared tier
+            entries (a keyed MAC); replicas sharing a tier share it. A shared tier
             (disk, Redis) needs it, or ``kv_tier_unauthenticated``
             (:func:`kvpool.tiers.store.check_tier_trust`).
         kv_tier_unauthenticated: open disk and Redis tiers without a secret:
