@@ -27,3 +27,26 @@ def snapshot(mgr: KVCacheManager) -> tuple:
         len(pool.events or []),
         mgr.prefix_cache_stats,
     )
+
+
+def without_modules(*packages: str, announce: bool = True) -> str:
+    """Python source that makes ``packages`` unimportable in the interpreter it runs in (prepend it to ``-c`` code).
+
+    A finder first on ``sys.meta_path`` refuses them (and, with ``announce``, writes ``IMPORTED <name>``
+    to stderr first, so a test can tell which import reached for one), as on an install without them.
+    """
+    say = 'print("IMPORTED " + name, file=sys.stderr, flush=True)' if announce else "pass"
+    return f"""
+import sys
+
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {packages!r}:
+            {say}
+            raise ImportError("blocked: " + name)
+        return None
+
+sys.meta_path.insert(0, _Blocker())
+for _m in [m for m in sys.modules if m.split(".")[0] in {packages!r}]:
+    sys.modules.pop(_m)
+"""

@@ -19,24 +19,12 @@ from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError
 from kvpool.openai_http import protocol
 from kvpool.openai_http.protocol import APIError, GenerationEndpoint, parse_generation
 from kvpool.sampling_params import MAX_LOGPROBS, SamplingParams, field_at_fault
+from tests.helpers import without_modules
 
 HEAVY = ("torch", "transformers", "numpy")
 
-# A finder first on sys.meta_path: any import of a heavy module says so on stderr, then fails.
-PRELUDE = f"""
-import sys
-
-class _Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {HEAVY!r}:
-            print("IMPORTED " + name, file=sys.stderr, flush=True)
-            raise ImportError("blocked: " + name)
-        return None
-
-sys.meta_path.insert(0, _Blocker())
-for m in {HEAVY!r}:
-    sys.modules.pop(m, None)
-"""
+# Any import of a heavy module says so on stderr, then fails.
+PRELUDE = without_modules(*HEAVY)
 
 
 def _run_without_torch(code: str) -> subprocess.CompletedProcess[str]:

@@ -20,28 +20,15 @@ from pathlib import Path
 import pytest
 
 from kvpool.model_names import REQUIRED_FILES, SMOLLM2
+from tests.helpers import without_modules
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("uvicorn")
 
 HEAVY = ("torch", "transformers")
 
-# A finder first on sys.meta_path: any import of a heavy module says so on stderr, then fails.
-PRELUDE = f"""
-import sys
-
-class _Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {HEAVY!r}:
-            print("IMPORTED " + name, file=sys.stderr, flush=True)
-            raise ImportError("blocked: " + name)
-        return None
-
-sys.meta_path.insert(0, _Blocker())
-for m in {HEAVY!r}:
-    sys.modules.pop(m, None)
-from kvpool.cli import main
-"""
+# Any import of a heavy module says so on stderr, then fails.
+PRELUDE = without_modules(*HEAVY) + "from kvpool.cli import main\n"
 
 
 def converted_model(cache: Path) -> Path:

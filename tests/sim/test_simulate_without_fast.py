@@ -14,19 +14,11 @@ import pytest
 
 from kvpool.errors import ConfigError
 from kvpool.sim.options import FALLBACK_HASH, FAST_HASH, SimulateOptions
+from tests.helpers import without_modules
 
 ARGS = ["simulate", "synthetic:multi_turn", "--requests", "40", "--kv-blocks", "300"]
 
-PRELUDE = """
-class _NoXxhash:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "xxhash":
-            raise ImportError("blocked: " + name)
-        return None
-
-sys.meta_path.insert(0, _NoXxhash())
-sys.modules.pop("xxhash", None)
-"""
+PRELUDE = without_modules("xxhash", announce=False)
 
 
 def simulate(*args: str, fast: bool) -> subprocess.CompletedProcess[str]:

@@ -19,25 +19,10 @@ from kvpool import KVCacheManager, Request
 from kvpool.integrations.vllm.plan import TierPlanner, VllmScheduledChunk
 from kvpool.tiers.hierarchy import TierHierarchyConnector
 from kvpool.tiers.policy import ByteTier, HostTier, Placement, TierPolicy
+from tests.integrations.test_vllm_plan import DictStore
 
 BS = 16
 HOST_BLOCKS = 16
-
-
-class DictStore:
-    """The lookup part of a BlockStore over a set of keys."""
-
-    def __init__(self, name: str, keys: Sequence[bytes]) -> None:
-        self.name = name
-        self.keys = set(keys)
-
-    def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        count = 0
-        for key in keys:
-            if key not in self.keys:
-                break
-            count += 1
-        return count
 
 
 @dataclass(frozen=True)
