@@ -42,6 +42,7 @@ __all__ = [
     "check_flag",
     "check_int",
     "counted",
+    "format_bytes",
     "parse_size",
     "parse_token_count",
 ]
@@ -160,3 +161,11 @@ def counted(count: int, noun: str, nouns: str | None = None) -> str:
     ``nouns`` is the plural when it is not ``noun`` + ``"s"``.
     """
     return f"{count} {noun if count == 1 else (nouns or noun + 's')}"
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``'1.50 KiB'`` (binary units): how sizes read in kvpool's logs."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -9,9 +9,10 @@ import torch
 
 from kvpool.engine import model_store
 from kvpool.engine.llm_engine import LLMEngine
-from kvpool.engine.model_store import model_digest
 from kvpool.engine.startup import EngineOptions
 from kvpool.errors import ConfigError
+from kvpool.tiers import weights
+from kvpool.tiers.weights import model_digest
 from tests.engine.test_tiers import PARAMS, TINY_POOL, UNSIGNED, prompts, run
 from tests.engine.tiny_models import build_model, save_model
 
@@ -89,13 +90,13 @@ def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, r
 
 def count_hashes(monkeypatch) -> list[str]:
     hashed: list[str] = []
-    real = model_store._hash_file
+    real = weights._hash_file
 
     def counting(path):
         hashed.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(model_store, "_hash_file", counting)
+    monkeypatch.setattr(weights, "_hash_file", counting)
     return hashed
 
 
@@ -169,7 +170,7 @@ def test_a_namespace_needs_a_tier():
 
 @pytest.mark.engine
 def test_a_namespace_replaces_the_digest(folders, tmp_path, monkeypatch):
-    monkeypatch.setattr(model_store, "_hash_file", lambda path: pytest.fail(f"{path} was hashed"))
+    monkeypatch.setattr(weights, "_hash_file", lambda path: pytest.fail(f"{path} was hashed"))
     lines: list[str] = []
     engine = LLMEngine(
         folders[0],

@@ -54,6 +54,7 @@ from kvpool.secret_files import read_secret_file
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
 from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
 from kvpool.tiers.store import check_tier_trust, parse_specs
+from kvpool.tiers.weights import tier_weights
 
 if TYPE_CHECKING:
     from kvpool.scheduler import Scheduler, SchedulerOutput
@@ -474,25 +475,6 @@ class KVTiers:
 
     def close(self) -> None:
         self.worker.close()
-
-
-def tier_weights(model_folder: str | os.PathLike[str], namespace: str | None, log: Callable[[str], None]) -> str:
-    """What names the model's weights in tier entries: the operator's ``namespace``, else the folder's digest."""
-    if namespace is not None:
-        log(f"KV tier entries name the weights by the namespace {namespace!r} (the model files are not hashed)")
-        return f"namespace:{namespace}"
-    from kvpool.engine.model_store import model_digest
-
-    digest = model_digest(model_folder)
-    how = (
-        f"hashed {digest.hashed_files} of them ({format_bytes(digest.hashed_bytes)}) in {digest.seconds:.2f} s"
-        if digest.hashed_files
-        else f"remembered, checked in {digest.seconds * 1000:.1f} ms"
-    )
-    log(
-        f"KV tier entries name the weights {digest.value[:23]}...: {digest.files} files, {format_bytes(digest.size)}; {how}"
-    )
-    return digest.value
 
 
 def build_kv_tiers(

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from kvpool.checks import format_bytes
 from kvpool.errors import ConfigError
 from kvpool.planner import GiB
 
@@ -52,14 +53,6 @@ __all__ = [
 
 #: Largest KV cache the CPU path picks by itself (pass ``kv_cache_memory`` for more).
 CPU_KV_CACHE_CAP_BYTES = 4 * GiB
-
-
-def format_bytes(n: int) -> str:
-    """``1536`` -> ``'1.50 KiB'`` (binary units)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 class MemorySource(Enum):

@@ -121,7 +121,7 @@ class EngineOptions:
             (printable, no spaces, at most 128 characters). The operator
             vouches that every engine given the same namespace (and the same
             layout) runs the same weights; None hashes the folder once
-            (:func:`kvpool.engine.model_store.model_digest`).
+            (:func:`kvpool.tiers.weights.model_digest`).
         kv_tier_write: when blocks go down to the tiers, a
             :class:`kvpool.tiers.WritePolicy` or its name: ``write-through``
             (when a block fills) or ``write-back`` (when the pool evicts it).

@@ -217,7 +217,7 @@ class LayoutFingerprint:
     """Everything that decides what a block's KV bytes mean; entries of another fingerprint are foreign.
 
     ``weights`` names the weights the KV was computed with: ``"sha256:<hex>"``, a digest of the
-    model folder's files (:func:`kvpool.engine.model_store.model_digest`), or ``"namespace:<name>"``,
+    model folder's files (:func:`kvpool.tiers.weights.model_digest`), or ``"namespace:<name>"``,
     a name the operator vouches for (``--kv-tier-namespace``). Two models of the same shapes (a
     fine-tune, a folder updated in place) therefore never read each other's entries. ``dtype`` is
     the KV cache dtype's name (``"bfloat16"``); ``hash_algo`` a :class:`~kvpool.hashing.HashAlgo`

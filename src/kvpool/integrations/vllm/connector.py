@@ -103,7 +103,7 @@ def vllm_fingerprint(
     if options.namespace is not None or not options.needs_weights:
         weights = f"namespace:{options.namespace or 'host-memory-only'}"
     else:
-        from kvpool.engine.kv_transfer import tier_weights
+        from kvpool.tiers.weights import tier_weights
 
         weights = tier_weights(model_config.model, None, _log.info)
     return LayoutFingerprint(
