@@ -85,3 +85,15 @@ def test_bad_tier_flags_are_one_line_and_exit_2(folder, tmp_path):
     secret.write_text("s3cret")
     result = runner.invoke(cli, ["generate", "w1", "--model", folder, *ENGINE, "--kv-tier-secret-file", str(secret)])
     assert result.exit_code == 2 and "given with kv_tiers" in result.stderr
+
+
+def test_a_redis_password_is_never_logged_nor_shown(folder):
+    """The start-up line names a Redis tier by its URL without the password; so does the target's repr."""
+    from kvpool.tiers.redis_store import RedisTarget
+
+    url = "redis://:not-for-logs-8a1f@127.0.0.1:1/0"  # nothing listens: the tier only misses
+    record, err = generate(folder, url)
+    assert record["num_output_tokens"] > 0
+    assert "not-for-logs-8a1f" not in err
+    assert "KV tier redis: redis://127.0.0.1:1/0" in err
+    assert "not-for-logs-8a1f" not in repr(RedisTarget.parse(url))

@@ -552,7 +552,8 @@ def build_kv_tiers(
             store = open_store(target, codec)
             stores.append(store)
             tiers.append(ByteTier(store))
-            log(f"KV tier {store.name}: {one}" + ("" if secret is None else " (entries signed)"))
+            shown = getattr(target, "display_url", one)  # a Redis URL's password is never logged
+            log(f"KV tier {store.name}: {shown}" + ("" if secret is None else " (entries signed)"))
     except BaseException:
         for store in stores:
             store.close()

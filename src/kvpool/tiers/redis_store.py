@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode
 
@@ -71,10 +71,10 @@ def _import_redis() -> Any:
 class RedisTarget:
     """A Redis tier URL, checked: what redis-py is given, and kvpool's own options taken out of it."""
 
-    url: str  # for redis-py: the scheme without "+cluster", the query without ttl
-    cluster: bool
-    ttl_s: int | None
-    display_url: str  # for logs: no password, no query
+    url: str = field(repr=False)  # for redis-py: the scheme without "+cluster", the query without ttl (a password too)
+    cluster: bool = False
+    ttl_s: int | None = None
+    display_url: str = ""  # for logs: no password, no query
 
     kind: ClassVar[TierKind] = TierKind.REDIS
 
