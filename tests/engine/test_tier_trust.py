@@ -72,3 +72,16 @@ def test_the_commands_map_the_flag_to_the_engine_option(command, monkeypatch, tm
     result = CliRunner().invoke(cli, args, input="")
     assert "stop here" in result.stderr
     assert seen["kv_tier_unauthenticated"] is True
+
+
+def test_engine_options_parse_the_tier_specs_once(monkeypatch):
+    """The specs are parsed once, into ``kv_tier_targets``, which the engine's start-up opens as they are."""
+    from kvpool.engine import startup
+    from kvpool.tiers import CpuTarget
+
+    calls = []
+    real = startup.parse_specs
+    monkeypatch.setattr(startup, "parse_specs", lambda specs: calls.append(tuple(specs)) or real(specs))
+    options = EngineOptions(model="smollm2-135m", kv_tiers=["cpu:1MiB"])
+    assert calls == [("cpu:1MiB",)]
+    assert options.kv_tier_targets == (CpuTarget(2**20),)

@@ -53,7 +53,7 @@ from kvpool.manager import KVCacheManager
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
 from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
-from kvpool.tiers.store import check_tier_trust, parse_specs
+from kvpool.tiers.store import TierTarget, check_tier_trust, parse_specs
 from kvpool.tiers.weights import tier_weights
 
 if TYPE_CHECKING:
@@ -69,10 +69,9 @@ _CPU = TierKind.CPU.value
 
 
 def check_tier_specs(specs: Sequence[str]) -> tuple[str, ...]:
-    """The tier specs, checked as far as it is possible without opening anything (EngineOptions asks)."""
+    """The tier specs as a tuple of strings (EngineOptions asks, then parses them once: ``kv_tier_targets``)."""
     if isinstance(specs, str) or not isinstance(specs, Sequence):
         raise ConfigError(f"kv_tiers must be a list of tier specs such as 'cpu:4GiB', got {specs!r}")
-    parse_specs(specs)
     return tuple(specs)
 
 
@@ -489,6 +488,7 @@ def build_kv_tiers(
     namespace: str | None = None,
     write: WritePolicy = WritePolicy.WRITE_THROUGH,
     unauthenticated: bool = False,
+    targets: Sequence[TierTarget] | None = None,
 ) -> KVTiers | None:
     """Open the tiers ``specs`` name, in lookup order, saving by the ``write`` policy; None when there are none.
 
@@ -497,8 +497,11 @@ def build_kv_tiers(
     an engine never reads another model's entries. A disk or Redis tier is opened with
     ``secret_file``, or with ``unauthenticated`` (:func:`kvpool.tiers.store.check_tier_trust`).
     """
-    targets = parse_specs(specs)  # the one parse: everything below takes the typed targets
+    # ``targets``: ``specs`` already parsed (EngineOptions.kv_tier_targets); parsed here only when not given
+    targets = parse_specs(specs) if targets is None else tuple(targets)
     specs = tuple(specs)
+    if len(targets) != len(specs):
+        raise ConfigError(f"{len(targets)} tier targets for {len(specs)} specs {list(specs)}")
     if not specs and secret_file is not None:
         raise ConfigError("kv_tier_secret_file is given but no KV tier is")
     check_tier_trust(

@@ -187,7 +187,7 @@ class LLMEngine:
             chosen.kv_tiers, chosen.kv_tier_secret_file, setup.kv_caches, self.manager,
             (getattr(setup.model.config, "architectures", None) or [type(setup.model).__name__])[0], record,
             model_folder=setup.model_path, namespace=chosen.kv_tier_namespace, write=chosen.kv_tier_write,
-            unauthenticated=chosen.kv_tier_unauthenticated,
+            unauthenticated=chosen.kv_tier_unauthenticated, targets=chosen.kv_tier_targets,
         )  # fmt: skip
         if self.kv_tiers is not None:
             setup.runner.kv_load_wait = self.kv_tiers.worker.wait_for_layer_load

@@ -69,7 +69,7 @@ from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_
 from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.kinds import WritePolicy
-from kvpool.tiers.store import check_tier_trust, parse_specs
+from kvpool.tiers.store import TierTarget, check_tier_trust, parse_specs
 
 __all__ = ["EngineOptions", "EngineSetup", "start_engine"]
 
@@ -156,6 +156,8 @@ class EngineOptions:
     threads: int | str | None = None
     tenant_weights: TenantWeights = field(default_factory=TenantWeights)
     tensor_parallel_size: int = 1
+    #: ``kv_tiers`` parsed, once, into their typed targets (what the engine's start-up opens).
+    kv_tier_targets: tuple[TierTarget, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not os.fspath(self.model):
@@ -183,6 +185,7 @@ class EngineOptions:
         if not isinstance(self.enable_kv_events, bool):
             raise ConfigError(f"enable_kv_events must be a bool, got {self.enable_kv_events!r}")
         object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
+        object.__setattr__(self, "kv_tier_targets", parse_specs(self.kv_tiers))  # the one parse
         object.__setattr__(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
         parse_threads(self.threads)
         if check_int("tensor_parallel_size", self.tensor_parallel_size) != 1:
@@ -196,7 +199,7 @@ class EngineOptions:
         if secret is not None and (not isinstance(secret, (str, os.PathLike)) or not self.kv_tiers):
             raise ConfigError(f"kv_tier_secret_file must be a file path, given with kv_tiers; got {secret!r}")
         check_tier_trust(
-            parse_specs(self.kv_tiers),
+            self.kv_tier_targets,
             secret=secret is not None,
             unauthenticated=self.kv_tier_unauthenticated,
             secret_name="kv_tier_secret_file (--kv-tier-secret-file)",
