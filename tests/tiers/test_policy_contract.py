@@ -171,3 +171,12 @@ def test_destinations_of_an_unknown_tier_are_refused_naming_it() -> None:
     assert policy.destinations("cpu") == ()
     with pytest.raises(ValueError, match="'disk'"):
         policy.destinations("disk")
+
+
+def test_a_bad_placement_is_refused_naming_it_with_nothing_reserved() -> None:
+    host = HostTier(2)
+    policy = TierPolicy([host])
+    for key, tiers, named in [(b"", ("cpu",), "b''"), ("k", ("cpu",), "'k'"), (b"k", ("disk",), "'disk'")]:
+        with pytest.raises(ValueError, match=named):
+            policy.place(key, tiers)  # type: ignore[arg-type]  # the wrong types are the point
+    assert host.pool.num_free_blocks == 2 and host.num_stored == 0

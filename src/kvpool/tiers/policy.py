@@ -207,7 +207,7 @@ class TierPolicy:
         self._rank = {name: i for i, name in enumerate(names)}
 
     def match(self, keys: Sequence[bytes]) -> tuple[tuple[str, int], ...]:
-        """Runs ``(tier name, blocks)`` that cover the longest prefix of ``keys`` the tiers hold."""
+        """Runs ``(tier name, blocks)`` that cover the longest prefix of ``keys`` the tiers hold (changes no tier)."""
         runs: list[tuple[str, int]] = []
         pos = 0
         while pos < len(keys):
@@ -232,7 +232,14 @@ class TierPolicy:
         return self.names[:rank]
 
     def place(self, key: bytes, tiers: tuple[str, ...]) -> Placement:
-        """Where a save of ``key`` to ``tiers`` goes, a host block reserved for it if the CPU tier is one."""
+        """Where a save of ``key`` to ``tiers`` goes, a host block reserved for it if the CPU tier is one.
+
+        ConfigError, with nothing reserved, for a key that is not bytes or a tier that is not one of these.
+        """
+        if not isinstance(key, bytes) or not key:
+            raise ConfigError(f"a tier key must be non-empty bytes, got {key!r:.80}")
+        if not isinstance(tiers, tuple) or not set(tiers) <= set(self.names):
+            raise ConfigError(f"tiers must be a tuple of {list(self.names)}, got {tiers!r}")
         host = self.host
         if host is None or host.name not in tiers:
             return Placement(tiers)
