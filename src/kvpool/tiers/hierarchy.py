@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpool.block import KVBlock
 from kvpool.connector import (
@@ -46,7 +47,19 @@ from kvpool.tiers.kinds import WritePolicy
 from kvpool.tiers.policy import ByteTier, HostTier, PrefixLookup, Tier, TierCounters, TierPolicy
 
 # HostTier, ByteTier and the rest moved to kvpool.tiers.policy; importable here as before.
-__all__ = ["ByteTier", "HostTier", "PrefixLookup", "Tier", "TierCounters", "TierHierarchyConnector"]
+__all__ = ["ByteTier", "HostTier", "MatchChooser", "PrefixLookup", "Tier", "TierCounters", "TierHierarchyConnector"]
+
+
+class MatchChooser(Protocol):
+    """Decides how much of what the tiers hold is worth loading (:mod:`kvpool.tiers.load_or_compute`)."""
+
+    def choose(self, match: ExternalMatch) -> ExternalMatch:
+        """The leading part of ``match`` to load (the rest is computed). Changes nothing."""
+        ...
+
+    def count(self, offered: ExternalMatch, chosen: ExternalMatch) -> None:
+        """An admitted request was offered ``offered`` by the tiers and loads ``chosen``."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +100,7 @@ class TierHierarchyConnector:
         *,
         write: WritePolicy = WritePolicy.WRITE_THROUGH,
         allow_fast_hash: bool = False,
+        chooser: MatchChooser | None = None,
     ) -> None:
         if not isinstance(manager, KVCacheManager):
             raise ConfigError(f"manager must be a KVCacheManager, got {manager!r}")
@@ -105,6 +119,9 @@ class TierHierarchyConnector:
         self.write = write
         self.block_size = manager.block_size
         self.counters = {name: TierCounters(name) for name in policy.names}
+        #: Load or compute: trims each match to what is worth loading (None: load all the tiers hold).
+        self.chooser = chooser
+        self._offered: dict[str, ExternalMatch] = {}  # the tiers' answer before the chooser, per request asked
         self._pool = manager.pool
         self._host = policy.host
         self._pending_loads: dict[str, list[BlockLoad]] = {}
@@ -130,7 +147,11 @@ class TierHierarchyConnector:
         if first * bs != num_computed_tokens:
             return NO_MATCH  # a partial local hit cannot be extended by whole blocks
         keys = request.block_hashes[first : (request.num_tokens - 1) // bs]
-        return ExternalMatch(tuple(TierRun(name, blocks * bs) for name, blocks in self.policy.match(keys)))
+        match = ExternalMatch(tuple(TierRun(name, blocks * bs) for name, blocks in self.policy.match(keys)))
+        if self.chooser is None or not match.runs:
+            return match
+        self._offered[request.request_id] = match
+        return self.chooser.choose(match)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_local_tokens: int, match: ExternalMatch
@@ -139,6 +160,9 @@ class TierHierarchyConnector:
         bs = self.block_size
         pos = num_local_tokens // bs
         self._saved_upto[rid] = pos
+        offered = self._offered.pop(rid, None)
+        if self.chooser is not None and offered is not None:
+            self.chooser.count(offered, match)
         origin: dict[int, str] = {}
         loads: list[BlockLoad] = []
         if match.runs:
@@ -291,6 +315,7 @@ class TierHierarchyConnector:
         rid = request.request_id
         self._saved_upto.pop(rid, None)
         self._origin.pop(rid, None)
+        self._offered.pop(rid, None)
         if self._pending_loads.pop(rid, None) is not None and rid not in self._saving:
             slots = self._pinned.pop(rid, None)  # loads never sent: nothing will report them
             if slots and self._host is not None:
@@ -306,6 +331,7 @@ class TierHierarchyConnector:
         then frees its blocks at once (no save is awaited).
         """
         self._pending_loads.pop(request_id, None)
+        self._offered.pop(request_id, None)
         self._saving.discard(request_id)
         self._stored.pop(request_id, None)
         slots = self._pinned.pop(request_id, None)
@@ -327,6 +353,7 @@ class TierHierarchyConnector:
         it would have saved (their KV may be what the failed step left).
         """
         self._pending_loads.clear()
+        self._offered.clear()
         self._saved_upto.clear()
         self._origin.clear()
         self._pinned.clear()
