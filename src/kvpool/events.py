@@ -5,9 +5,13 @@ follows these events. They are recorded only when the manager is built with
 ``enable_events=True`` and are drained with ``KVCacheManager.take_events()``;
 :mod:`kvpool.kv_events` puts them on the wire in vLLM's format.
 
-Every event names the ``medium`` that holds (or held) its blocks: ``"GPU"``
-for the manager's own pool; offload tiers set their own (``"CPU"``,
-``"STORAGE"``, ...). A stored block's ``group_id`` is its KV cache group
+Every event names the ``medium`` that holds (or held) its blocks, spelt as
+vLLM spells it: :data:`MEDIUM_GPU` for the manager's own pool,
+:data:`MEDIUM_CPU` for host memory, :data:`MEDIUM_STORAGE` for anything
+below it (a disk, a Redis server; vLLM's file-system and object-store tiers).
+Each kvpool tier's medium is a fact of its backend
+(:func:`kvpool.tiers.store.event_medium`); a router may meet other spellings
+from other servers and takes them as they come. A stored block's ``group_id`` is its KV cache group
 (hybrid models have several), described by ``spec_kind`` (a
 :class:`kvpool.specs.LayerKind` value) and, for sliding-window groups,
 ``sliding_window``.
@@ -19,10 +23,22 @@ from dataclasses import dataclass
 
 from kvpool.hashing import BlockHash, ExtraKey
 
-__all__ = ["MEDIUM_GPU", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheEvent",
+]
 
-#: The medium of blocks in a manager's own pool.
+#: The medium of blocks in a manager's own pool (vLLM: ``vllm.distributed.kv_events.MEDIUM_GPU``).
 MEDIUM_GPU = "GPU"
+#: Host memory below the pool (vLLM: ``Medium.CPU`` of ``vllm.v1.kv_offload.base``).
+MEDIUM_CPU = "CPU"
+#: Storage below host memory, local or shared (vLLM: ``Medium.STORAGE``, its file-system and object tiers).
+MEDIUM_STORAGE = "STORAGE"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

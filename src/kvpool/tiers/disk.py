@@ -556,4 +556,5 @@ BACKEND = TierBackend(
     fleet_wide=False,
     link=(4e9, 100e-6),  # a local NVMe drive
     vllm_hit_source="DISK",
+    event_medium="STORAGE",  # kvpool.events.MEDIUM_STORAGE: vLLM's name for every tier below host memory
 )

@@ -33,11 +33,6 @@ class TierKind(Enum):
     DISK = "disk"
     REDIS = "redis"
 
-    @property
-    def medium(self) -> str:
-        """The ``medium`` of this tier's KV events (vLLM's spelling: capitals)."""
-        return self.value.upper()
-
 
 class WritePolicy(Enum):
     """When a block goes down to the tiers, chosen once when the tier hierarchy is built.
@@ -131,8 +126,11 @@ class TierBackend:
     server), not one machine (the simulator shares its store between replicas);
     ``link``: its default ``(bytes per second, seconds per transfer)``, what the
     simulator assumes when told nothing else;
-    ``vllm_hit_source``: the ``CacheHitSource`` member vLLM files its hits under
-    (its KV events' medium is :attr:`TierKind.medium`).
+    ``vllm_hit_source``: the ``CacheHitSource`` member vLLM files its hits under;
+    ``event_medium``: the ``medium`` its blocks' KV events carry, spelt as vLLM's
+    own tiers spell theirs (:data:`kvpool.events.MEDIUM_CPU` for host memory,
+    :data:`kvpool.events.MEDIUM_STORAGE` for a disk or a server), so a router that
+    credits vLLM's tiers credits kvpool's alike (:func:`kvpool.tiers.store.event_medium`).
     """
 
     kind: TierKind
@@ -145,6 +143,7 @@ class TierBackend:
     fleet_wide: bool
     link: tuple[float, float]
     vllm_hit_source: str
+    event_medium: str
 
     def names(self, spec: str) -> bool:
         return spec.startswith(self.prefixes)

@@ -363,4 +363,5 @@ BACKEND = TierBackend(
     fleet_wide=True,
     link=(1.25e9, 300e-6),  # a Redis server over 10 Gb/s
     vllm_hit_source="EXTERNAL_UNSPECIFIED",
+    event_medium="STORAGE",  # kvpool.events.MEDIUM_STORAGE: vLLM's name for every tier below host memory
 )

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.errors import ConfigError
+from kvpool.events import MEDIUM_CPU
 from kvpool.tiers import disk, redis_store
 from kvpool.tiers.counters import TierStats
 from kvpool.tiers.disk import DiskTarget
@@ -44,6 +45,8 @@ __all__ = [
     "TierStats",
     "TierTarget",
     "check_tier_trust",
+    "event_medium",
+    "medium_links",
     "open_store",
     "parse_size",
     "parse_spec",
@@ -65,6 +68,7 @@ _CPU = TierBackend(
     fleet_wide=False,
     link=(25e9, 10e-6),  # PCIe copies from pinned host memory
     vllm_hit_source="HOST",
+    event_medium=MEDIUM_CPU,
 )
 
 #: Every kind of tier, in the order specs are matched. One line per kind.
@@ -76,6 +80,33 @@ BACKENDS: dict[TierKind, TierBackend] = {
         redis_store.BACKEND,
     )
 }
+
+
+def event_medium(tier_name: str) -> str:
+    """The ``medium`` the KV events of the tier named ``tier_name`` (``"cpu"``, ``"disk"``, ``"redis"``) carry.
+
+    vLLM's spelling (``"CPU"``, ``"STORAGE"``), from the kind's registry line; ConfigError naming an unknown tier.
+    """
+    for kind, backend in BACKENDS.items():
+        if tier_name == kind.value:
+            return backend.event_medium
+    raise ConfigError(f"unknown tier {tier_name!r}; the tiers are {[kind.value for kind in BACKENDS]}")
+
+
+def medium_links() -> dict[str, tuple[float, float]]:
+    """Each event medium's default link, ``(bytes per second, seconds per transfer)``, from the registry.
+
+    Where several kinds share a medium (disk and Redis are both ``"STORAGE"``), the slowest
+    of their links (the lower bandwidth, then the higher latency): a reader of events cannot
+    tell which of them holds a block, and a figure that errs slow never promises a load
+    faster than the one that happens.
+    """
+    links: dict[str, tuple[float, float]] = {}
+    for backend in BACKENDS.values():
+        known = links.get(backend.event_medium)
+        if known is None or backend.link[0] < known[0] or (backend.link[0] == known[0] and backend.link[1] > known[1]):
+            links[backend.event_medium] = backend.link
+    return links
 
 
 def parse_spec(spec: str) -> TierTarget:
