@@ -13,11 +13,12 @@ from kvpool.tiers.entry import Signature
 from tests.tiers.conftest import LAYOUT, block_key
 
 pytest.importorskip("blake3")
+pytest.importorskip("cryptography")
 
 KEY = block_key(7)
 SECRET = b"a shared tier secret"
 PAYLOAD = bytes(range(256)) * 16
-SIGNED = [Signature.HMAC_SHA256, Signature.BLAKE3_KEYED]
+SIGNED = [Signature.HMAC_SHA256, Signature.BLAKE3_KEYED, Signature.GMAC_AES256]
 
 
 def refused(codec: EntryCodec, data: bytes, key: bytes = KEY) -> CorruptKind:
@@ -38,13 +39,55 @@ def test_round_trip_with_each_kind(signature):
     assert codec.decode(KEY, entry) == PAYLOAD
     assert len(entry) == codec.max_entry_bytes(len(KEY)) - LAYOUT.block_bytes + len(PAYLOAD)  # a 32-byte MAC
     head, body = codec.encode_parts(KEY, memoryview(PAYLOAD))
-    assert head + bytes(body) == entry
+    assert codec.decode(KEY, head + bytes(body)) == PAYLOAD
+    if signature is not Signature.GMAC_AES256:  # deterministic; GMAC draws a salt per entry
+        assert head + bytes(body) == entry
 
 
-def test_blake3_is_the_default_where_it_is_installed():
+def test_gmac_is_the_default_where_cryptography_is_installed(monkeypatch):
+    assert Signature.best_available() is Signature.GMAC_AES256
+    assert EntryCodec(LAYOUT, SECRET).signature is Signature.GMAC_AES256
+    assert EntryCodec(LAYOUT).signature is Signature.NONE
+    monkeypatch.setattr(entry_module, "_aesgcm", None)
     assert Signature.best_available() is Signature.BLAKE3_KEYED
     assert EntryCodec(LAYOUT, SECRET).signature is Signature.BLAKE3_KEYED
-    assert EntryCodec(LAYOUT).signature is Signature.NONE
+
+
+def mac_field(entry: bytes) -> tuple[bytes, bytes]:
+    """An entry's MAC field and the bytes it signs (header, key, payload) of a PAYLOAD entry."""
+    mac_at = len(entry) - len(PAYLOAD) - 32
+    return entry[mac_at : mac_at + 32], entry[:mac_at]
+
+
+def test_each_gmac_entry_has_a_key_of_its_own_derived_from_the_secret_and_its_salt():
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    codec = codec_of(Signature.GMAC_AES256, b"k" * 32)
+    first, second = codec.encode(KEY, PAYLOAD), codec.encode(KEY, PAYLOAD)
+    (mac, signed), (other_mac, _signed) = mac_field(first), mac_field(second)
+    assert mac[:16] != other_mac[:16]  # a fresh salt per entry, so no key ever signs two
+    root = hmac.digest(b"k" * 32, entry_module._GMAC_CONTEXT, "sha256")
+    entry_key = hmac.digest(root, mac[:16], "sha256")
+    assert mac[16:] == AESGCM(entry_key).encrypt(bytes(12), signed, PAYLOAD)[-16:]
+    assert mac[16:] != AESGCM(hmac.digest(b"k" * 32, mac[:16], "sha256")).encrypt(bytes(12), signed, PAYLOAD)[-16:]
+
+
+def test_a_gmac_field_taken_from_another_entry_or_another_salt_is_refused():
+    codec = codec_of(Signature.GMAC_AES256)
+    entry = bytearray(codec.encode(KEY, PAYLOAD))
+    other = codec.encode(KEY, b"q" + PAYLOAD[1:])
+    mac_at = len(entry) - len(PAYLOAD) - 32
+    salt_swapped = bytearray(entry)
+    salt_swapped[mac_at : mac_at + 16] = other[mac_at : mac_at + 16]  # the other entry's salt, this entry's tag
+    assert refused(codec, bytes(salt_swapped)) is CorruptKind.BAD_SIGNATURE
+    tag_swapped = bytearray(entry)
+    tag_swapped[mac_at + 16 : mac_at + 32] = other[mac_at + 16 : mac_at + 32]
+    assert refused(codec, bytes(tag_swapped)) is CorruptKind.BAD_SIGNATURE
+    # The other entry's whole field on this payload, with its checksum made good: still refused.
+    forged = bytearray(other)
+    forged[-len(PAYLOAD) :] = PAYLOAD
+    forged[56:72] = entry[56:72]
+    assert refused(codec, bytes(forged)) is CorruptKind.BAD_SIGNATURE
 
 
 def test_the_blake3_key_is_derived_from_the_secret_not_the_secret_itself():
@@ -88,27 +131,48 @@ def test_a_changed_byte_with_its_checksum_made_good_is_refused(signature, where)
     assert refused(codec, bytes(entry)) is CorruptKind.BAD_SIGNATURE
 
 
-def test_a_flipped_payload_byte_without_a_new_checksum_fails_the_checksum_first():
-    entry = bytearray(codec_of(Signature.BLAKE3_KEYED).encode(KEY, PAYLOAD))
+@pytest.mark.parametrize("signature", SIGNED)
+def test_a_flipped_payload_byte_without_a_new_checksum_is_named_damage(signature):
+    entry = bytearray(codec_of(signature).encode(KEY, PAYLOAD))
     entry[-1] ^= 1
-    assert refused(codec_of(Signature.BLAKE3_KEYED), bytes(entry)) is CorruptKind.CHECKSUM
+    assert refused(codec_of(signature), bytes(entry)) is CorruptKind.CHECKSUM
 
 
-@pytest.mark.parametrize("writer, reader", [(SIGNED[0], SIGNED[1]), (SIGNED[1], SIGNED[0])])
+@pytest.mark.parametrize("signature", SIGNED)
+def test_a_signed_reader_makes_one_pass_the_checksum_only_when_the_mac_fails(monkeypatch, signature):
+    """The MAC covers the payload and its checksum field both: a sound signed entry needs no checksum pass."""
+    codec = codec_of(signature)
+    entry = codec.encode(KEY, PAYLOAD)
+    passes = []
+    kind = codec.checksum
+    real = entry_module._CHECKSUMS[kind]
+    assert real is not None
+    monkeypatch.setitem(entry_module._CHECKSUMS, kind, lambda data: passes.append(1) or real(data))
+    assert codec.decode(KEY, entry) == PAYLOAD and passes == []
+    assert EntryCodec(LAYOUT).decode(KEY, entry) == PAYLOAD and passes == [1]  # without the secret: the checksum
+    assert refused(codec_of(signature, b"another secret, just as long"), entry) is CorruptKind.BAD_SIGNATURE
+    assert passes == [1, 1]
+
+
+@pytest.mark.parametrize("writer", SIGNED)
+@pytest.mark.parametrize("reader", SIGNED)
 def test_a_codec_reads_the_other_kind_made_with_the_same_secret(writer, reader):
-    """So a fleet moves over: replicas signing with BLAKE3 read the HMAC-SHA256 entries already stored."""
+    """So a fleet moves over: replicas signing with GMAC read the BLAKE3 and HMAC-SHA256 entries already stored."""
     assert codec_of(reader).decode(KEY, codec_of(writer).encode(KEY, PAYLOAD)) == PAYLOAD
     assert refused(codec_of(reader, b"another secret, just as long"), codec_of(writer).encode(KEY, PAYLOAD)) is (
         CorruptKind.BAD_SIGNATURE
     )
 
 
-def test_the_kind_byte_is_signed_too():
-    """Relabelling an HMAC-SHA256 entry as BLAKE3 (or back) is a bad signature, not a way around one."""
-    codec = codec_of(Signature.BLAKE3_KEYED)
-    entry = bytearray(codec_of(Signature.HMAC_SHA256).encode(KEY, PAYLOAD))
-    entry[6] = Signature.BLAKE3_KEYED.value
-    assert refused(codec, bytes(entry)) is CorruptKind.BAD_SIGNATURE
+@pytest.mark.parametrize("writer", SIGNED)
+@pytest.mark.parametrize("label", SIGNED)
+def test_the_kind_byte_is_signed_too(writer, label):
+    """Relabelling an entry as another kind is a bad signature, not a way around one."""
+    if writer is label:
+        return
+    entry = bytearray(codec_of(writer).encode(KEY, PAYLOAD))
+    entry[6] = label.value
+    assert refused(codec_of(label), bytes(entry)) is CorruptKind.BAD_SIGNATURE
 
 
 def test_an_unsigned_codec_reads_both_kinds():
@@ -116,21 +180,25 @@ def test_an_unsigned_codec_reads_both_kinds():
         assert EntryCodec(LAYOUT).decode(KEY, codec_of(signature).encode(KEY, PAYLOAD)) == PAYLOAD
 
 
-def test_blake3_entries_are_refused_cleanly_where_blake3_is_missing(monkeypatch):
-    entry = codec_of(Signature.BLAKE3_KEYED).encode(KEY, PAYLOAD)
+@pytest.mark.parametrize(
+    "signature, package", [(Signature.BLAKE3_KEYED, "blake3"), (Signature.GMAC_AES256, "cryptography")]
+)
+def test_entries_of_a_kind_are_refused_cleanly_where_its_package_is_missing(monkeypatch, signature, package):
+    entry = codec_of(signature).encode(KEY, PAYLOAD)
     hmac_entry = codec_of(Signature.HMAC_SHA256).encode(KEY, PAYLOAD)
     monkeypatch.setattr(entry_module, "_blake3", None)
+    monkeypatch.setattr(entry_module, "_aesgcm", None)
     assert Signature.best_available() is Signature.HMAC_SHA256
     codec = EntryCodec(LAYOUT, SECRET)
     assert codec.signature is Signature.HMAC_SHA256
-    assert not codec.can_verify(Signature.BLAKE3_KEYED) and codec.can_verify(Signature.HMAC_SHA256)
-    with pytest.raises(CorruptEntry, match="BLAKE3_KEYED needs blake3") as info:
+    assert not codec.can_verify(signature) and codec.can_verify(Signature.HMAC_SHA256)
+    with pytest.raises(CorruptEntry, match=f"{signature.name} needs {package}") as info:
         codec.decode(KEY, entry)
     assert info.value.kind is CorruptKind.CHECK_KIND
     assert codec.decode(KEY, hmac_entry) == PAYLOAD
     assert EntryCodec(LAYOUT).decode(KEY, entry) == PAYLOAD  # no secret: only the checksum is checked
-    with pytest.raises(ConfigError, match="BLAKE3_KEYED needs the blake3 package"):
-        codec_of(Signature.BLAKE3_KEYED)
+    with pytest.raises(ConfigError, match=f"{signature.name} needs the {package} package"):
+        codec_of(signature)
 
 
 def test_mac_comparison_is_constant_time(monkeypatch):
@@ -144,13 +212,14 @@ def test_mac_comparison_is_constant_time(monkeypatch):
     monkeypatch.setattr(entry_module.hmac, "compare_digest", compare)
     for signature in SIGNED:
         codec_of(signature).decode(KEY, codec_of(signature).encode(KEY, PAYLOAD))
-    assert len(calls) == 2
+    assert len(calls) == len(SIGNED)
 
 
 @pytest.mark.parametrize(
     "secret, signature, message",
     [
         (None, Signature.BLAKE3_KEYED, "signature BLAKE3_KEYED needs a secret"),
+        (None, Signature.GMAC_AES256, "signature GMAC_AES256 needs a secret"),
         (None, Signature.HMAC_SHA256, "signature HMAC_SHA256 needs a secret"),
         (SECRET, Signature.NONE, "signature NONE with a secret"),
         (SECRET, "blake3", "signature must be a Signature, got 'blake3'"),

@@ -5,9 +5,9 @@ trust where the bytes came from. One entry, little-endian::
 
     offset  size  field
          0     4  magic            b"KVPE"
-         4     1  format version   3
+         4     1  format version   4
          5     1  checksum kind    1: XXH3-128, 2: CRC-32 (:class:`Checksum`)
-         6     1  signature kind   0: none, 1: HMAC-SHA256, 2: keyed BLAKE3 (:class:`Signature`)
+         6     1  signature kind   0: none, 1: HMAC-SHA256, 2: keyed BLAKE3, 3: AES-256-GMAC (:class:`Signature`)
          7     1  zero
          8     2  key length       K
         10     6  zero
@@ -22,27 +22,39 @@ Integrity and authenticity are separate checks, each at the speed it needs. The 
 cryptographic: it catches damage (a torn write, a flipped bit, a truncated value) at memory speed
 (XXH3-128 with the ``fast`` or ``tiers`` extra, else CRC-32). The signature is what a secret buys:
 a 32-byte MAC over the header, the key and the payload itself, so forging a signed entry for other
-KV needs the secret, whatever the checksum.
+KV needs the secret, whatever the checksum. Every entry carries its checksum, so a reader without
+the secret still checks a signed entry for damage; a reader with the secret checks the MAC alone,
+which covers the payload and the checksum field both (an entry needs its integrity checked once),
+and computes the checksum only when the MAC fails, to tell damage (CHECKSUM) from another secret or
+a forgery (BAD_SIGNATURE).
 
-The MAC is keyed BLAKE3 (``blake3`` package, the ``tiers`` extra), else HMAC-SHA256. Measured over
-one block (BENCHMARKS.md, "Tier stores"), keyed BLAKE3 on one thread runs at about twice
-HMAC-SHA256 (2.7-3.2 against 1.5 GB/s), the fastest keyed hash ``hashlib`` offers (SHA
-extensions; keyed BLAKE2b and BLAKE2s are slower still), which ran below the page cache and
-loopback Redis it guards. One thread, because ``max_threads=AUTO`` measured no faster there.
-BLAKE3 is keyed with a 32-byte key derived from the secret in BLAKE3's key derivation mode under
-:data:`_BLAKE3_CONTEXT`, so the raw secret (of any length) is never the key and the key serves
-only this purpose. The header names the kind, so a codec verifies either kind it can compute: a
-fleet moves from HMAC-SHA256 to BLAKE3 by installing ``blake3``, and reads what it wrote before.
-HMAC over a fast non-cryptographic hash (XXH3, say) is not offered: it is no MAC, since collisions
-of the inner hash are easy to find and a forger swaps in a payload of the same digest.
+The MAC kinds, the fastest this process can compute signing new entries
+(:meth:`Signature.best_available`):
+
+* AES-256-GMAC (``cryptography`` package): a polynomial hash over GF(2^128) keyed by AES, run by
+  AES-NI and carry-less multiplication at several times BLAKE3's speed. Its MAC field is a random
+  16-byte salt and the 16-byte tag. Each entry has a key of its own, HMAC-SHA256 of the salt under
+  a key derived from the secret (:data:`_GMAC_CONTEXT`), so no AES-GCM key ever sees two messages
+  and the 96-bit nonce (zeros) never repeats under one; the tag is AES-GCM's over the header and
+  key (as plaintext, whose ciphertext is dropped) and the payload (as associated data), read in
+  place. A forger who reuses a stored salt faces GHASH under an unknown key: a forgery succeeds
+  with probability below 2^-100 for one block.
+* keyed BLAKE3 (``blake3``): keyed with a 32-byte key derived from the secret in BLAKE3's key
+  derivation mode under :data:`_BLAKE3_CONTEXT`, so the raw secret (of any length) is never the key.
+* HMAC-SHA256 (the standard library's), where neither package is installed.
+
+The header names the kind, so a codec verifies any kind it can compute: a fleet moves to a faster
+kind by installing its package, and reads what it wrote before. HMAC over a fast
+non-cryptographic hash (XXH3, say) is not offered: it is no MAC, since collisions of the inner hash
+are easy to find and a forger swaps in a payload of the same digest.
 
 :meth:`EntryCodec.decode` refuses, with a :class:`CorruptEntry` naming a :class:`CorruptKind`,
-an entry that is truncated or garbled, from another format version (versions 1 and 2 included),
+an entry that is truncated or garbled, from another format version (versions 1 to 3 included),
 from another model or KV layout, longer than any entry of this layout can be, stored under
 another key (a valid entry replayed under another hash), that names a checksum kind this process
 cannot compute (or, when the codec has a secret, a signature kind), whose payload does not match
-its checksum, or, when the codec has a secret, one that is unsigned or signed with another secret. A codec without a secret reads signed
-entries too (it checks the checksum only).
+its checksum, or, when the codec has a secret, one that is unsigned or signed with another secret.
+A codec without a secret reads signed entries too (it checks the checksum only).
 
 Copies: :meth:`EntryCodec.encode_parts` gives the head and the payload apart, for writers that
 send both without joining them (``os.writev``); :meth:`EntryCodec.decode_into` checks an entry
@@ -59,6 +71,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import secrets
 import struct
 import zlib
 from collections.abc import Callable
@@ -88,7 +101,7 @@ __all__ = [
 ]
 
 #: Version of the entry layout above; an entry of any other version is refused.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 #: What ``encode`` takes as a payload: any contiguous buffer of bytes.
 Payload = bytes | bytearray | memoryview
@@ -98,7 +111,9 @@ _HEADER = struct.Struct("<4sBBBBH6sQ32s16s")
 _CHECKSUM_AT = 56  # offset of the checksum field in the header
 #: Offset of the layout digest in an entry (the table above): what names the model and layout an entry is for.
 LAYOUT_DIGEST_AT = 24
-_MAC_SIZE = 32  # every signature kind's MAC: HMAC-SHA256's digest, BLAKE3's default output
+_MAC_SIZE = 32  # every signature kind's MAC field: HMAC-SHA256's digest, BLAKE3's default output, GMAC's salt and tag
+_GMAC_SALT = 16  # GMAC's MAC field: the salt its entry key is derived from, then the 16-byte tag
+_GMAC_NONCE = bytes(12)  # AES-GCM's nonce: fixed, because no entry key is ever used twice
 _MAX_KEY = 0xFFFF
 _ZEROS = bytes(16)
 
@@ -121,10 +136,13 @@ class Signature(Enum):
     NONE = 0
     HMAC_SHA256 = 1
     BLAKE3_KEYED = 2
+    GMAC_AES256 = 3
 
     @classmethod
     def best_available(cls) -> Signature:
-        """Keyed BLAKE3 when ``blake3`` is installed (several GB/s on one core), else HMAC-SHA256 (the standard library's)."""
+        """The fastest kind this process computes: AES-256-GMAC (``cryptography``), keyed BLAKE3 (``blake3``), else HMAC-SHA256."""
+        if _aesgcm is not None:
+            return cls.GMAC_AES256
         return cls.BLAKE3_KEYED if _blake3 is not None else cls.HMAC_SHA256
 
 
@@ -141,6 +159,24 @@ _blake3: ModuleType | None = _import_blake3()
 
 #: BLAKE3's key derivation context for entry MACs: the key is derived from the secret under it.
 _BLAKE3_CONTEXT = "kvpool 2026-12-02 KV tier entry MAC v3"
+
+
+def _import_aesgcm() -> type | None:
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError:
+        return None
+    return AESGCM
+
+
+#: ``cryptography``'s AES-GCM class, or None where it is not installed (tests set it to None to play that).
+_aesgcm: type | None = _import_aesgcm()
+
+#: The package each signature kind beyond the standard library's needs.
+_PACKAGES = {Signature.BLAKE3_KEYED: "blake3", Signature.GMAC_AES256: "cryptography"}
+
+#: What GMAC's root key is derived from the secret under (HMAC-SHA256); each entry's key from the root and its salt.
+_GMAC_CONTEXT = b"kvpool 2026-12-02 KV tier entry GMAC root key v4"
 
 
 def _xxh3_128() -> Callable[[Payload], bytes] | None:
@@ -277,9 +313,9 @@ class EntryCodec:
     checksummed with (default :meth:`Checksum.best_available`); entries of either kind are read.
     ``signature``: what new entries are signed with when there is a secret (default
     :meth:`Signature.best_available`); entries of any kind this process can compute are verified,
-    so a codec that signs with BLAKE3 still reads HMAC-SHA256 entries made with the same secret.
-    Unsigned, each direction costs one checksum pass over the payload (XXH3-128: far above memory
-    bandwidth); signed, one MAC pass more.
+    so a codec that signs with GMAC still reads BLAKE3 and HMAC-SHA256 entries made with the same
+    secret. Unsigned, each direction costs one checksum pass over the payload (XXH3-128: far above
+    memory bandwidth); signed, encoding costs one MAC pass more and decoding the MAC pass alone.
     """
 
     def __init__(
@@ -310,19 +346,25 @@ class EntryCodec:
             if signature is Signature.NONE:
                 raise ConfigError("signature NONE with a secret: a codec with a secret signs every entry")
             signs = Signature.best_available() if signature is None else signature
-            if signs is Signature.BLAKE3_KEYED and _blake3 is None:
-                raise ConfigError("signature BLAKE3_KEYED needs the blake3 package: pip install 'kvpool[tiers]'")
+        # Fixed here, so a codec's behaviour never changes under it: the packages and the keys derived for them.
+        self._secret = secret
+        self._blake3 = _blake3 if secret is not None else None
+        self._blake3_key = (
+            None if self._blake3 is None else self._blake3.blake3(secret, derive_key_context=_BLAKE3_CONTEXT).digest()
+        )
+        self._aesgcm = _aesgcm if secret is not None else None
+        self._gmac_root = (
+            None if secret is None or self._aesgcm is None else hmac.digest(secret, _GMAC_CONTEXT, "sha256")
+        )
+        if secret is not None and not self.can_verify(signs):
+            raise ConfigError(
+                f"signature {signs.name} needs the {_PACKAGES[signs]} package: pip install 'kvpool[tiers]'"
+            )
         self.fingerprint = fingerprint
         self.checksum = kind
         self.signature = signs
         self._checksum = function
         self._layout = fingerprint.digest()
-        self._secret = secret
-        # Fixed here, so a codec's behaviour never changes under it: the blake3 module and the derived key.
-        self._blake3 = _blake3 if secret is not None else None
-        self._blake3_key = (
-            None if self._blake3 is None else self._blake3.blake3(secret, derive_key_context=_BLAKE3_CONTEXT).digest()
-        )
 
     @property
     def namespace(self) -> str:
@@ -334,13 +376,27 @@ class EntryCodec:
         return self._secret is not None
 
     def can_verify(self, signature: Signature) -> bool:
-        """Whether this codec computes ``signature``'s MAC (BLAKE3 needs ``blake3``); False without a secret."""
+        """Whether this codec computes ``signature``'s MAC (BLAKE3 needs ``blake3``, GMAC ``cryptography``); False without a secret."""
         if self._secret is None or signature is Signature.NONE:
             return False
-        return signature is Signature.HMAC_SHA256 or self._blake3 is not None
+        if signature is Signature.BLAKE3_KEYED:
+            return self._blake3 is not None
+        if signature is Signature.GMAC_AES256:
+            return self._aesgcm is not None
+        return True
 
-    def _mac(self, signature: Signature, header: Payload, key: Payload, payload: Payload) -> bytes:
-        """``signature``'s 32-byte MAC of header, key and payload, in that order; the caller checked can_verify."""
+    def _mac(self, signature: Signature, header: Payload, key: Payload, payload: Payload, salt: bytes) -> bytes:
+        """``signature``'s 32-byte MAC field for header, key and payload; the caller checked can_verify.
+
+        ``salt`` (GMAC only; 16 bytes): what the entry's own key is derived from, the field's first half.
+        """
+        if signature is Signature.GMAC_AES256:
+            assert self._aesgcm is not None and self._gmac_root is not None
+            entry_key = hmac.digest(self._gmac_root, salt, "sha256")
+            # The header and key are the plaintext (their ciphertext is dropped), the payload the associated
+            # data: AES-GCM authenticates both, and reads the payload where it lies.
+            sealed: bytes = self._aesgcm(entry_key).encrypt(_GMAC_NONCE, b"".join((header, key)), payload)
+            return salt + sealed[-16:]
         if signature is Signature.BLAKE3_KEYED:
             assert self._blake3 is not None and self._blake3_key is not None
             hasher = self._blake3.blake3(header, key=self._blake3_key)
@@ -392,7 +448,8 @@ class EntryCodec:
         )
         if self._secret is None:
             return header + key, body
-        return b"".join((header, key, self._mac(self.signature, header, key, body))), body
+        salt = secrets.token_bytes(_GMAC_SALT) if self.signature is Signature.GMAC_AES256 else b""
+        return b"".join((header, key, self._mac(self.signature, header, key, body, salt))), body
 
     # -- decoding ---------------------------------------------------------------------------
 
@@ -461,7 +518,8 @@ class EntryCodec:
             raise CorruptEntry(CorruptKind.UNSIGNED, "no signature, and this tier requires one")
         if self._secret is not None and not self.can_verify(signature_kind):
             raise CorruptEntry(
-                CorruptKind.CHECK_KIND, f"signature {signature_kind.name} needs blake3: pip install 'kvpool[tiers]'"
+                CorruptKind.CHECK_KIND,
+                f"signature {signature_kind.name} needs {_PACKAGES[signature_kind]}: pip install 'kvpool[tiers]'",
             )
         if entry_len != size + payload_len:
             kind = CorruptKind.TRUNCATED if entry_len < size + payload_len else CorruptKind.MALFORMED
@@ -469,20 +527,27 @@ class EntryCodec:
         return EntryHead(size=size, payload_len=payload_len, checksum=checksum_kind, signature=signature_kind)
 
     def verify(self, head: EntryHead, head_bytes: Payload, payload: Payload) -> None:
-        """Check ``payload`` against its checksum, and the signature when the codec has a secret; CorruptEntry if not.
+        """Check ``payload``: its MAC when the codec has a secret, else its checksum; CorruptEntry if not.
 
         ``head`` is what :meth:`parse_head` made of ``head_bytes`` (the entry's first ``head.size`` bytes).
+        One pass over the payload: a MAC that matches covers the checksum field and the payload both,
+        so the checksum is computed only when it fails, to name the fault (CHECKSUM: damage;
+        BAD_SIGNATURE: another secret, or a change made with the checksum made good).
         """
-        function = _checksum_function(head.checksum)
-        stored = bytes(memoryview(head_bytes)[_CHECKSUM_AT : _HEADER.size])
-        if function is None or function(payload) != stored:
-            raise CorruptEntry(CorruptKind.CHECKSUM, "payload does not match its checksum")
+        view = memoryview(head_bytes)
         if self._secret is not None:
             key_end = head.size - _MAC_SIZE
-            view = memoryview(head_bytes)
-            mac = self._mac(head.signature, view[: _HEADER.size], view[_HEADER.size : key_end], payload)
-            if not hmac.compare_digest(mac, view[key_end : head.size]):
-                raise CorruptEntry(
-                    CorruptKind.BAD_SIGNATURE,
-                    f"{head.signature.name} does not match (another secret, or a changed header or payload)",
-                )
+            stored = view[key_end : head.size]
+            mac = self._mac(
+                head.signature, view[: _HEADER.size], view[_HEADER.size : key_end], payload, bytes(stored[:_GMAC_SALT])
+            )
+            if hmac.compare_digest(mac, stored):
+                return
+        function = _checksum_function(head.checksum)
+        if function is None or function(payload) != view[_CHECKSUM_AT : _HEADER.size]:
+            raise CorruptEntry(CorruptKind.CHECKSUM, "payload does not match its checksum")
+        if self._secret is not None:
+            raise CorruptEntry(
+                CorruptKind.BAD_SIGNATURE,
+                f"{head.signature.name} does not match (another secret, or a changed header or payload)",
+            )
