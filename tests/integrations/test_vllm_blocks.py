@@ -77,7 +77,7 @@ def test_saved_blocks_load_into_another_process_s_blocks(tmp_path):
     writer, _ = worker(tmp_path, source)
     writer.save(StepPlan(saves=(VllmBlockSave(key=b"k1", block_id=2, tiers=("disk",)),)))
     reader, store = worker(tmp_path, target)
-    failed = reader.load(StepPlan(loads=(VllmBlockLoad(tier="disk", key=b"k1", block_id=4),)))
+    failed = reader.load(StepPlan(loads=(VllmBlockLoad(request_id="r", tier="disk", key=b"k1", block_id=4),)))
     assert failed == set()
     assert all(torch.equal(a[2], b[4]) for a, b in zip(source, target))
     assert reader.figures.loaded["disk"] == 1 and store.stats.hits == 1
@@ -87,7 +87,7 @@ def test_the_host_tier_copies_at_its_slots(tmp_path):
     caches = cpu_caches(1)
     w, _ = worker(tmp_path, caches, host_slots=2)
     w.save(StepPlan(saves=(VllmBlockSave(key=b"k", block_id=1, tiers=("cpu",), slot=2),)))
-    w.load(StepPlan(loads=(VllmBlockLoad(tier="cpu", key=b"k", block_id=3, slot=2),)))
+    w.load(StepPlan(loads=(VllmBlockLoad(request_id="r", tier="cpu", key=b"k", block_id=3, slot=2),)))
     assert all(torch.equal(layer[1], layer[3]) for layer in caches)
     assert w.figures.saved["cpu"] == 1 and w.figures.loaded["cpu"] == 1
 
@@ -107,7 +107,10 @@ def test_corrupt_foreign_and_unsigned_entries_are_failed_loads_counted_and_untou
     before = [layer.clone() for layer in target]
     reader, store = worker(tmp_path, target, secret=secret)
     plan = StepPlan(
-        loads=(VllmBlockLoad(tier="disk", key=b"a", block_id=0), VllmBlockLoad(tier="disk", key=b"b", block_id=1))
+        loads=(
+            VllmBlockLoad(request_id="r", tier="disk", key=b"a", block_id=0),
+            VllmBlockLoad(request_id="r", tier="disk", key=b"b", block_id=1),
+        )
     )
     assert reader.load(plan) == {0}
     assert store.stats.corrupt_by_kind == {"checksum": 1}
@@ -115,10 +118,10 @@ def test_corrupt_foreign_and_unsigned_entries_are_failed_loads_counted_and_untou
     assert reader.figures.failed_loads["disk"] == 1 and reader.figures.loaded["disk"] == 1
     # another weights' reader does not see the entries at all (another namespace): a miss, not a load
     foreign, _ = worker(tmp_path, cpu_caches(3), weights="namespace:other", secret=secret)
-    assert foreign.load(StepPlan(loads=(VllmBlockLoad(tier="disk", key=b"b", block_id=1),))) == {1}
+    assert foreign.load(StepPlan(loads=(VllmBlockLoad(request_id="r", tier="disk", key=b"b", block_id=1),))) == {1}
     # a reader with another secret refuses the signed entry
     other, other_store = worker(tmp_path, cpu_caches(3), secret=b"t" * 16)
-    assert other.load(StepPlan(loads=(VllmBlockLoad(tier="disk", key=b"b", block_id=1),))) == {1}
+    assert other.load(StepPlan(loads=(VllmBlockLoad(request_id="r", tier="disk", key=b"b", block_id=1),))) == {1}
     assert other_store.stats.corrupt_by_kind == {"bad signature": 1}
     assert "1 refused (checksum 1)" in reader.describe()
 
@@ -137,7 +140,7 @@ class RaisingStore:
 def test_a_store_that_raises_costs_loads_and_saves_never_the_step():
     layout = KVBlockLayout(cpu_caches(), BLOCKS, fingerprint().block_bytes)
     w = TierWorker(layout, {"redis": RaisingStore()}, None)  # type: ignore[dict-item]
-    assert w.load(StepPlan(loads=(VllmBlockLoad(tier="redis", key=b"k", block_id=2),))) == {2}
+    assert w.load(StepPlan(loads=(VllmBlockLoad(request_id="r", tier="redis", key=b"k", block_id=2),))) == {2}
     w.save(StepPlan(saves=(VllmBlockSave(key=b"k", block_id=2, tiers=("redis",)),)))
     assert w.figures.failed_saves["redis"] == 1
     assert "redis: 0 loaded, 1 not loaded, 0 saved, 0 refused, 2 errors" in w.describe()

@@ -187,8 +187,8 @@ def test_loaded_blocks_are_loaded_into_their_block_ids_and_promoted_to_the_cpu_t
     plan = planner.build([new_chunk("a", [10, 11, 12, 13], computed=8, scheduled=6)])
     h = request.block_hashes
     assert plan.loads == (
-        VllmBlockLoad(tier="redis", key=h[0], block_id=10),
-        VllmBlockLoad(tier="redis", key=h[1], block_id=11),
+        VllmBlockLoad(request_id="a", tier="redis", key=h[0], block_id=10),
+        VllmBlockLoad(request_id="a", tier="redis", key=h[1], block_id=11),
     )
     # promotions to the tier above, then the computed full block 2 to every tier
     assert [(s.key, s.block_id, s.tiers) for s in plan.saves] == [

@@ -16,10 +16,25 @@ the forward pass (host slots by a tensor copy, stores by one ``get_many`` per ti
 it (one ``put_many`` per tier). A block a store does not return (absent, refused as corrupt,
 foreign or unsigned, the backend down) is a failed load: its vLLM block ID is reported, and
 vLLM recomputes from it (``"kv_load_failure_policy": "recompute"``). Torch, no vLLM.
+
+With :class:`~kvpool.tiers.transfer_threads.TransferThreads`, nothing waits on a store:
+
+* a receiving request's store loads (:attr:`StepPlan.receiving`) are one fetch on a load
+  thread, which only fills bytes this worker owns; :meth:`TierWorker.received` (never
+  blocking) copies them into vLLM's blocks on the caller's thread when the fetch came back in
+  time, and reports the request either way; a fetch that failed or ran past the deadline
+  reports all of its blocks as failed loads, and its late bytes are dropped;
+* saves read vLLM's blocks into bytes on the caller's thread, at once (so vLLM may reuse the
+  blocks when the step ends), and queue the ``put_many`` for the save thread; a save that finds
+  the queue full is dropped and counted (a later miss).
+
+Host slot copies stay on the caller's thread: they are memory copies, and the scheduler's
+bookkeeping of the slots assumes each plan's copies are done in the step it was built for.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -30,6 +45,7 @@ import torch
 from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.plan import StepPlan
 from kvpool.tiers import BlockStore
+from kvpool.tiers.transfer_threads import LoadOutcome, TransferThreads
 
 __all__ = ["KVBlockLayout", "TierWorker", "WorkerFigures"]
 
@@ -96,6 +112,12 @@ class WorkerFigures:
     failed_loads: Counter[str] = field(default_factory=Counter)  # not returned: absent, refused or down
     saved: Counter[str] = field(default_factory=Counter)
     failed_saves: Counter[str] = field(default_factory=Counter)  # a store said it did not keep them
+    dropped_saves: Counter[str] = field(default_factory=Counter)  # the save queue was full
+    timed_out_loads: Counter[str] = field(default_factory=Counter)  # past the load deadline (in failed_loads too)
+
+
+# One receiving request's store loads, by tier: (key, vLLM block ID) in the plan's order.
+_Wanted = dict[str, list[tuple[bytes, int]]]
 
 
 class TierWorker:
@@ -103,51 +125,137 @@ class TierWorker:
 
     ``stores``: the disk and Redis stores by tier name; ``host_slots``: host blocks of the cpu
     tier (None without one), held here as one ``[host_slots + 1, block_bytes]`` uint8 tensor
-    (slot 0 is never named: the host tier's bookkeeping keeps it as its null block).
+    (slot 0 is never named: the host tier's bookkeeping keeps it as its null block);
+    ``transfers``: the threads receiving requests' loads and every store save run on (None:
+    both on the caller's thread, and a plan with receiving requests is refused).
     """
 
-    def __init__(self, layout: KVBlockLayout, stores: Mapping[str, BlockStore], host_slots: int | None) -> None:
+    def __init__(
+        self,
+        layout: KVBlockLayout,
+        stores: Mapping[str, BlockStore],
+        host_slots: int | None,
+        transfers: TransferThreads | None = None,
+    ) -> None:
         self.layout = layout
         self.stores = dict(stores)
         self.host = None if host_slots is None else torch.zeros((host_slots + 1, layout.block_bytes), dtype=torch.uint8)
+        self.transfers = transfers
         self.figures = WorkerFigures()
+        self._fetching: dict[int, tuple[str, _Wanted]] = {}  # ticket -> (request, its store loads)
+        self._received: set[str] = set()  # receiving requests with nothing left to fetch
+
+    # -- loads -------------------------------------------------------------------------------------
 
     def load(self, plan: StepPlan) -> set[int]:
-        """Copy the plan's loads into vLLM's blocks; the block IDs that could not be loaded."""
+        """Copy the plan's loads into vLLM's blocks, or start fetching them; the block IDs that failed now.
+
+        Host slots are copied now. A receiving request's store loads go to a load thread
+        (:meth:`received` reports them); every other request's are read and copied now.
+        """
+        receiving = set(plan.receiving)
+        if receiving and self.transfers is None:
+            raise ConfigError(f"requests {sorted(receiving)[:4]} load asynchronously, and this worker has no threads")
         failed: set[int] = set()
-        by_store: dict[str, list[tuple[bytes, int]]] = {}
+        now: _Wanted = {}
+        later: dict[str, _Wanted] = {request_id: {} for request_id in plan.receiving}
         for load in plan.loads:
             if load.slot is not None and self.host is not None:
                 self.layout.write(load.block_id, self.host[load.slot])
                 self.figures.loaded[load.tier] += 1
             else:
-                by_store.setdefault(load.tier, []).append((load.key, load.block_id))
-        for name, wanted in by_store.items():
-            store = self.stores.get(name)
-            payloads: Sequence[bytes | None]
-            try:
-                payloads = store.get_many([key for key, _ in wanted]) if store is not None else [None] * len(wanted)
-            except Exception as exc:  # noqa: BLE001  # a store's fault is a miss; vLLM recomputes
-                _log.warning("kvpool connector: reading %d blocks from %s failed (%s)", len(wanted), name, exc)
-                payloads = [None] * len(wanted)
-            for (_key, block_id), payload in zip(wanted, payloads):
-                if payload is None or len(payload) != self.layout.block_bytes:
-                    failed.add(block_id)
-                    self.figures.failed_loads[name] += 1
-                    continue
-                self.layout.write(block_id, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-                self.figures.loaded[name] += 1
+                wanted = later[load.request_id] if load.request_id in receiving else now
+                wanted.setdefault(load.tier, []).append((load.key, load.block_id))
+        for name, payloads in self._fetch(now).items():
+            failed |= self._copy(name, now[name], payloads)
+        for request_id, wanted in later.items():
+            if not wanted:
+                self._received.add(request_id)
+                continue
+            assert self.transfers is not None  # checked above
+            ticket = self.transfers.submit_load(functools.partial(self._fetch, wanted))
+            self._fetching[ticket] = (request_id, wanted)
         if failed:
-            _log.warning(
-                "kvpool connector: %d of %d blocks not loaded (%s); vLLM recomputes them",
-                len(failed),
-                len(plan.loads),
-                self.describe(),
-            )
+            self._warn_not_loaded(len(failed), len(plan.loads))
         return failed
 
+    def _fetch(self, wanted: _Wanted) -> dict[str, Sequence[bytes | None]]:
+        """Each tier's payloads for ``wanted`` (None for a block not returned); on a load thread when asynchronous."""
+        out: dict[str, Sequence[bytes | None]] = {}
+        for name, items in wanted.items():
+            store = self.stores.get(name)
+            try:
+                out[name] = store.get_many([key for key, _ in items]) if store is not None else [None] * len(items)
+            except Exception as exc:  # noqa: BLE001  # a store's fault is a miss; vLLM recomputes
+                _log.warning("kvpool connector: reading %d blocks from %s failed (%s)", len(items), name, exc)
+                out[name] = [None] * len(items)
+        return out
+
+    def _copy(self, name: str, items: list[tuple[bytes, int]], payloads: Sequence[bytes | None]) -> set[int]:
+        """Write the payloads that are whole blocks into their vLLM blocks; the block IDs of the others."""
+        failed: set[int] = set()
+        for (_key, block_id), payload in zip(items, payloads):
+            if payload is None or len(payload) != self.layout.block_bytes:
+                failed.add(block_id)
+                self.figures.failed_loads[name] += 1
+                continue
+            self.layout.write(block_id, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self.figures.loaded[name] += 1
+        return failed
+
+    @property
+    def num_receiving(self) -> int:
+        """Receiving requests not yet reported by :meth:`received`."""
+        return len(self._fetching) + len(self._received)
+
+    def received(self) -> tuple[set[str], set[int]]:
+        """The receiving requests whose loads ended since the last call, and the block IDs of theirs that failed.
+
+        Never blocks. A fetch that came back in time is copied into vLLM's blocks here; one that
+        raised or ran past the deadline fails all of its blocks (its bytes, if they come, are dropped).
+        """
+        done, self._received = self._received, set()
+        failed: set[int] = set()
+        outcomes: list[LoadOutcome] = self.transfers.finished_loads() if self.transfers is not None else []
+        for outcome in outcomes:
+            request_id, wanted = self._fetching.pop(outcome.ticket)
+            done.add(request_id)
+            count = sum(len(items) for items in wanted.values())
+            if outcome.ok:
+                payloads = outcome.value
+                assert isinstance(payloads, dict)  # what _fetch returns
+                lost = set().union(*(self._copy(name, items, payloads[name]) for name, items in wanted.items()))
+                if lost:
+                    self._warn_not_loaded(len(lost), count)
+                failed |= lost
+                continue
+            for name, items in wanted.items():
+                self.figures.failed_loads[name] += len(items)
+                if outcome.timed_out:
+                    self.figures.timed_out_loads[name] += len(items)
+                failed.update(block_id for _key, block_id in items)
+            why = f"not back in {outcome.seconds:.3g} s" if outcome.timed_out else f"failed ({outcome.error})"
+            _log.warning(
+                "kvpool connector: %d blocks of request %s %s; vLLM computes them (%s)",
+                count,
+                request_id,
+                why,
+                self.describe(),
+            )
+        return done, failed
+
+    def _warn_not_loaded(self, failed: int, wanted: int) -> None:
+        _log.warning(
+            "kvpool connector: %d of %d blocks not loaded (%s); vLLM recomputes them", failed, wanted, self.describe()
+        )
+
+    # -- saves -------------------------------------------------------------------------------------
+
     def save(self, plan: StepPlan) -> None:
-        """Send the plan's saves down: host slots by a tensor copy, each store by one ``put_many``."""
+        """Send the plan's saves down: host slots by a tensor copy, each store by one ``put_many``.
+
+        With transfer threads the ``put_many`` is queued (the blocks are read into bytes now).
+        """
         by_store: dict[str, list[tuple[bytes, bytes]]] = {}
         for save in plan.saves:
             data = self.layout.read(save.block_id)
@@ -158,23 +266,32 @@ class TierWorker:
                 else:
                     by_store.setdefault(name, []).append((save.key, data.numpy().tobytes()))
         for name, items in by_store.items():
-            store = self.stores.get(name)
-            try:
-                stored = store.put_many(items) if store is not None else 0
-            except Exception as exc:  # noqa: BLE001  # a lost save is a future miss, never a failed request
-                _log.warning("kvpool connector: saving %d blocks to %s failed (%s)", len(items), name, exc)
-                stored = 0
-            self.figures.saved[name] += stored
-            self.figures.failed_saves[name] += len(items) - stored
+            if self.transfers is None:
+                self._put(name, items)
+            elif not self.transfers.submit_save(functools.partial(self._put, name, items)):
+                self.figures.dropped_saves[name] += len(items)
+
+    def _put(self, name: str, items: list[tuple[bytes, bytes]]) -> None:
+        store = self.stores.get(name)
+        try:
+            stored = store.put_many(items) if store is not None else 0
+        except Exception as exc:  # noqa: BLE001  # a lost save is a future miss, never a failed request
+            _log.warning("kvpool connector: saving %d blocks to %s failed (%s)", len(items), name, exc)
+            stored = 0
+        self.figures.saved[name] += stored
+        self.figures.failed_saves[name] += len(items) - stored
 
     def describe(self) -> str:
         """The figures so far, per tier, with each store's refusals by kind."""
         parts = []
-        for name in sorted(set(self.figures.loaded) | set(self.figures.failed_loads) | set(self.figures.saved)):
-            text = (
-                f"{name}: {self.figures.loaded[name]} loaded, {self.figures.failed_loads[name]} not loaded, "
-                f"{self.figures.saved[name]} saved"
-            )
+        f = self.figures
+        for name in sorted(set(f.loaded) | set(f.failed_loads) | set(f.saved) | set(f.dropped_saves)):
+            text = f"{name}: {f.loaded[name]} loaded, {f.failed_loads[name]} not loaded"
+            if f.timed_out_loads[name]:
+                text += f" ({f.timed_out_loads[name]} past the deadline)"
+            text += f", {f.saved[name]} saved"
+            if f.dropped_saves[name]:
+                text += f", {f.dropped_saves[name]} dropped (save queue full)"
             store = self.stores.get(name)
             if store is not None:
                 stats = store.stats
@@ -184,5 +301,8 @@ class TierWorker:
         return "; ".join(parts) or "no block moved"
 
     def close(self) -> None:
+        """Run the queued saves (a few seconds at most), stop the threads, close the stores."""
+        if self.transfers is not None:
+            self.transfers.close()
         for store in self.stores.values():
             store.close()

@@ -9,10 +9,16 @@ they hold, the worker reads and writes them. Everything that decides lives in
 (the worker side); this module only translates vLLM's objects. This is the one module of kvpool
 that imports vLLM.
 
-Transfers are synchronous: loads complete in ``start_load_kv``, before the forward pass;
-saves in ``wait_for_save``, after it. A block that cannot be loaded is reported through
-``get_block_ids_with_load_errors``; with ``"kv_load_failure_policy": "recompute"`` vLLM then
-computes it, and no request fails.
+Loads from a disk or Redis tier are asynchronous (``"async_loads": false`` turns that off):
+``get_num_new_matched_tokens`` answers ``load_async`` for them, so vLLM allocates the request's
+blocks, parks it in ``WAITING_FOR_REMOTE_KVS`` and goes on stepping the others; the worker starts
+the fetch on a load thread in ``start_load_kv`` and reports the request from ``get_finished``
+once its blocks are copied in, or once its fetch failed or ran past ``load_deadline_s``. Host
+tier loads are memory copies, done in ``start_load_kv`` before the forward pass. Saves read the
+blocks in ``wait_for_save`` and queue the store writes for a save thread, so vLLM never holds a
+finished request's blocks for them. A block that cannot be loaded is reported through
+``get_block_ids_with_load_errors``, no later than the step that reports its request received;
+with ``"kv_load_failure_policy": "recompute"`` vLLM then computes it, and no request fails.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from kvpool.secret_files import read_secret_file
 from kvpool.tiers import ByteTier, CpuTarget, EntryCodec, HostTier, LayoutFingerprint, open_store
 from kvpool.tiers.kinds import BlockStore
 from kvpool.tiers.store import BACKENDS
+from kvpool.tiers.transfer_threads import TransferThreads
 
 if TYPE_CHECKING:
     import torch
@@ -148,6 +155,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             t.kind.value: open_store(t, codec) for t in options.tiers if not isinstance(t, CpuTarget)
         }
         self._block_bytes = fingerprint.block_bytes
+        self._load_deadline_s = options.load_deadline_s
         self._planner: TierPlanner | None = None
         self._worker: TierWorker | None = None
         self._load_errors: set[int] = set()
@@ -158,14 +166,16 @@ class KVPoolConnector(KVConnectorBase_V1):
                     tiers.append(HostTier(self._host_slots))
                 else:
                     tiers.append(ByteTier(self._stores[target.kind.value]))
-            self._planner = TierPlanner(tiers, self._block_size)
+            self._planner = TierPlanner(tiers, self._block_size, async_loads=options.async_loads)
         _log.info(
-            "kvpool connector (%s): tiers %s, entries %s (namespace %s), %d bytes per block",
+            "kvpool connector (%s): tiers %s, entries %s (namespace %s), %d bytes per block, %s loads (deadline %s s)",
             role.name.lower(),
             [t.kind.value for t in options.tiers],
             "signed" if codec.signed else "unsigned",
             codec.namespace,
             fingerprint.block_bytes,
+            "asynchronous" if options.async_loads else "synchronous",
+            options.load_deadline_s,
         )
 
     @property
@@ -179,7 +189,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         if missing:
             raise ConfigError(f"vLLM registered no KV cache for layers {missing[:4]}")
         layout = KVBlockLayout([kv_caches[name] for name in self._layer_names], self._num_blocks, self._block_bytes)
-        self._worker = TierWorker(layout, self._stores, self._host_slots)
+        transfers = TransferThreads("vllm", load_deadline_s=self._load_deadline_s)
+        self._worker = TierWorker(layout, self._stores, self._host_slots, transfers)
 
     def _plan(self) -> StepPlan | None:
         if self._worker is None or not self.has_connector_metadata():
@@ -193,7 +204,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._load_errors |= self._worker.load(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load is in place before the forward pass starts
+        return  # synchronous loads are in place before the forward pass; vLLM schedules no asynchronous one
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -205,15 +216,31 @@ class KVPoolConnector(KVConnectorBase_V1):
         if plan is not None and plan.saves and self._worker is not None:
             self._worker.save(plan)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # vLLM holds a request in WAITING_FOR_REMOTE_KVS, and an aborted one's blocks, until it is
+        # reported here; its failed blocks go out through get_block_ids_with_load_errors in the same pass.
+        if self._worker is None or not self._worker.num_receiving:
+            return None, None
+        received, failed = self._worker.received()
+        self._load_errors |= failed
+        return None, received or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            _log.info("kvpool connector: %s", self._worker.describe())
-        for store in self._stores.values():
-            store.close()
+            transfers = self._worker.transfers
+            _log.info(
+                "kvpool connector: %s; transfers %s",
+                self._worker.describe(),
+                transfers.figures.as_dict() if transfers is not None else {},
+            )
+            self._worker.close()  # runs the queued saves, then closes the stores
+        else:
+            for store in self._stores.values():
+                store.close()
 
     # -- scheduler side ---------------------------------------------------------------------------
 
@@ -226,7 +253,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._scheduler().add(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler().match(request, num_computed_tokens), False
+        planner = self._scheduler()
+        tokens = planner.match(request, num_computed_tokens)
+        return tokens, tokens > 0 and planner.loads_async(request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens:
@@ -273,7 +302,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler().finished(request.request_id)
-        return False, None  # saves are done within the step that fills a block
+        return False, None  # saves read the blocks within the step that fills them; the store writes follow
 
     def reset_cache(self) -> bool | None:
         self._scheduler().reset()

@@ -16,11 +16,17 @@ output and block IDs into keys and back. What one step does, as :meth:`TierPlann
 
     admission      match(): after vLLM's local hit, each next block from the first tier holding it
                    (the host tier first, then the stores in the order given; the next block again
-                   from the first), never the last token
+                   from the first), never the last token; loads_async(): whether vLLM should wait
+                   for them off its step (a store serves one of them)
     allocation     allocated(): the matched blocks' vLLM block IDs become loads
     end of step    build(): loads (host slots pinned first), then saves: every block that becomes
                    full in this step and was neither a local hit nor loaded goes to every tier; a
                    loaded block goes to the tiers above the one it came from
+
+An asynchronous load (:attr:`StepPlan.receiving`) is planned in the step its blocks are allocated,
+while vLLM holds the request in ``WAITING_FOR_REMOTE_KVS``; the request is scheduled in a later
+step, once the worker reported it received. Its promotions wait for that step, and cover only the
+blocks below where vLLM resumes it (a block that failed to load is computed, and saved as computed).
 
 The host tier's bookkeeping is kvpool's :class:`~kvpool.tiers.policy.HostTier` (an LRU of host
 slots); the worker holds the memory and copies at the slots named here. Slots are pinned only
@@ -34,11 +40,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvpool.checks import check_flag
 from kvpool.errors import ConfigError
 from kvpool.tiers import ByteTier, CpuTarget, HostTier, parse_specs
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.policy import TierPolicy
 from kvpool.tiers.store import BACKENDS, TierTarget, check_tier_trust
+from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S
 
 __all__ = [
     "VllmBlockLoad",
@@ -50,7 +58,7 @@ __all__ = [
     "TierPlanner",
 ]
 
-_OPTION_KEYS = frozenset({"tiers", "secret_file", "unauthenticated", "namespace"})
+_OPTION_KEYS = frozenset({"tiers", "secret_file", "unauthenticated", "namespace", "async_loads", "load_deadline_s"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,13 +69,19 @@ class ConnectorOptions:
     ``secret_file``: signs and checks every disk and Redis entry (at least 16 bytes); a disk or
     Redis tier needs it, or ``unauthenticated`` (true: the operator accepts entries anyone who can
     write to the tier may have planted; :func:`kvpool.tiers.store.check_tier_trust`);
-    ``namespace``: names the weights instead of hashing the model folder's files.
+    ``namespace``: names the weights instead of hashing the model folder's files;
+    ``async_loads`` (default true): loads from a disk or Redis tier run off vLLM's step, vLLM
+    holding only the requests that wait on them; ``load_deadline_s``: how long such a load may take
+    before its request computes those blocks instead (checked where the worker's transfer threads
+    start, :class:`~kvpool.tiers.transfer_threads.TransferThreads`).
     """
 
     tiers: tuple[TierTarget, ...]
     secret_file: str | None = None
     unauthenticated: bool = False
     namespace: str | None = None
+    async_loads: bool = True
+    load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object]) -> ConnectorOptions:
@@ -97,7 +111,16 @@ class ConnectorOptions:
             secret_name="kv_connector_extra_config 'secret_file'",
             unauthenticated_name="kv_connector_extra_config 'unauthenticated'",
         )
-        return cls(tiers=tiers, secret_file=secret_file, unauthenticated=unauthenticated, namespace=namespace)
+        async_loads = check_flag("kv_connector_extra_config 'async_loads'", extra.get("async_loads", True))
+        deadline = extra.get("load_deadline_s", DEFAULT_LOAD_DEADLINE_S)
+        return cls(
+            tiers=tiers,
+            secret_file=secret_file,
+            unauthenticated=unauthenticated,
+            namespace=namespace,
+            async_loads=async_loads,
+            load_deadline_s=deadline,  # type: ignore[arg-type]  # TransferThreads checks it, naming it
+        )
 
     @property
     def needs_weights(self) -> bool:
@@ -122,8 +145,12 @@ class ConnectorOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VllmBlockLoad:
-    """Copy the block stored under ``key`` in ``tier`` into vLLM block ``block_id`` (at host ``slot`` for cpu)."""
+    """Copy the block stored under ``key`` in ``tier`` into vLLM block ``block_id`` (at host ``slot`` for cpu).
 
+    ``request_id``: the request it is loaded for (an asynchronous load is reported by request).
+    """
+
+    request_id: str
     tier: str
     key: bytes
     block_id: int
@@ -142,10 +169,16 @@ class VllmBlockSave:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One step's transfers: loads before the forward pass, saves after it (promotions of loads included)."""
+    """One step's transfers: loads before the forward pass, saves after it (promotions of loads included).
+
+    ``receiving``: the requests whose loads vLLM waits for off its step (``WAITING_FOR_REMOTE_KVS``);
+    each is reported received once, when its blocks are in place or reported as load errors.
+    The other requests' loads are in place before the forward pass.
+    """
 
     loads: tuple[VllmBlockLoad, ...] = ()
     saves: tuple[VllmBlockSave, ...] = ()
+    receiving: tuple[str, ...] = ()
 
 
 class PlannedRequest(Protocol):
@@ -185,6 +218,9 @@ class _Tracked:
     first_block: int = 0  # where the last match started
     runs: tuple[tuple[str, int], ...] = ()  # the last match: (tier, blocks) in lookup order
     loads: list[tuple[str, bytes, int]] = field(default_factory=list)  # allocated, not yet planned
+    load_async: bool = False  # the allocated loads are waited for off vLLM's step
+    # an asynchronous load's promotions, planned when vLLM schedules the request: (index, key, block, tiers)
+    promotions: list[tuple[int, bytes, int, tuple[str, ...]]] = field(default_factory=list)
 
 
 class TierPlanner:
@@ -192,10 +228,11 @@ class TierPlanner:
 
     Each tier answers ``contains_prefix`` (a :class:`~kvpool.tiers.hierarchy.HostTier` or a
     :class:`~kvpool.tiers.hierarchy.ByteTier`, which turns a store's fault into a miss).
+    ``async_loads``: a match that a store serves is loaded off vLLM's step (:meth:`loads_async`).
     O(blocks looked up) per match, O(blocks moved) per plan.
     """
 
-    def __init__(self, tiers: Sequence[HostTier | ByteTier], block_size: int) -> None:
+    def __init__(self, tiers: Sequence[HostTier | ByteTier], block_size: int, *, async_loads: bool = False) -> None:
         names = [t.name for t in tiers]
         if not tiers or len(set(names)) != len(names):
             raise ConfigError(f"the connector needs tiers of distinct kinds, got {names}")
@@ -207,7 +244,9 @@ class TierPlanner:
         self.tiers = self.policy.tiers
         self.block_size = block_size
         self.host = self.policy.host
+        self.async_loads = check_flag("async_loads", async_loads)
         self._requests: dict[str, _Tracked] = {}
+        self._allocated: dict[str, None] = {}  # requests with loads not yet planned, in allocation order
         #: Cumulative blocks matched per tier (what vLLM was told it can load).
         self.matched_blocks: dict[str, int] = dict.fromkeys(names, 0)
         #: Cumulative blocks planned to be saved per tier.
@@ -238,6 +277,17 @@ class TierPlanner:
         runs = self.policy.match(keys)
         tracked.first_block, tracked.runs = first, runs
         return sum(blocks for _name, blocks in runs) * self.block_size
+
+    def loads_async(self, request_id: str) -> bool:
+        """Whether the last match of ``request_id`` is loaded off vLLM's step: a disk or Redis tier serves part of it.
+
+        A match the host tier serves alone is a memory copy, done before the forward pass.
+        """
+        tracked = self._requests.get(request_id)
+        if not self.async_loads or tracked is None:
+            return False
+        host_name = self.host.name if self.host is not None else None
+        return any(name != host_name for name, _blocks in tracked.runs)
 
     def hit_tokens_by_tier(self, request_id: str) -> dict[str, int]:
         """The last match of ``request_id``, in tokens per tier (only tiers that hold some)."""
@@ -271,30 +321,40 @@ class TierPlanner:
                 loads.append((name, bytes(request.block_hashes[index]), block_ids[index]))
                 index += 1
         tracked.loads = loads
+        tracked.load_async = self.loads_async(request.request_id)
+        self._allocated[request.request_id] = None
         for name, _key, _block in loads:
             self.matched_blocks[name] += 1
 
     def build(self, chunks: Sequence[VllmScheduledChunk]) -> StepPlan:
-        """The step's loads and saves for vLLM's scheduled ``chunks``; resets what allocation queued."""
+        """The step's loads and saves for vLLM's scheduled ``chunks``; resets what allocation queued.
+
+        Loads are those allocated since the last plan, whether or not their request is scheduled
+        now (an asynchronous load's request is not, until it is received).
+        """
         loads: list[VllmBlockLoad] = []
         saves: list[VllmBlockSave] = []
+        receiving: list[str] = []
         pinned: list[int] = []
         host_name = self.host.name if self.host is not None else None
         promotions: list[tuple[bytes, int, tuple[str, ...]]] = []
-        for chunk in chunks:
-            tracked = self._requests.get(chunk.request_id)
-            if tracked is None:
-                continue
-            for name, key, block_id in tracked.loads:
+        for request_id in self._allocated:
+            loading = self._requests[request_id]
+            if loading.load_async:
+                receiving.append(request_id)
+            for index, (name, key, block_id) in enumerate(loading.loads, start=loading.first_block):
                 slot = None
                 if name == host_name and self.host is not None:
                     slot = self.host.pin(key)  # nothing is reserved between a match and this plan
                     pinned.append(slot)
-                loads.append(VllmBlockLoad(tier=name, key=key, block_id=block_id, slot=slot))
+                loads.append(VllmBlockLoad(tier=name, key=key, block_id=block_id, slot=slot, request_id=request_id))
                 above = self.policy.destinations(name)
-                if above:
+                if above and loading.load_async:
+                    loading.promotions.append((index, key, block_id, above))
+                elif above:
                     promotions.append((key, block_id, above))
-            tracked.loads = []
+            loading.loads = []
+        self._allocated.clear()
         for key, block_id, tiers in promotions:
             save = self._save(key, block_id, tiers, pinned)
             if save is not None:
@@ -303,6 +363,13 @@ class TierPlanner:
             tracked = self._requests.get(chunk.request_id)
             if tracked is None:
                 continue
+            if tracked.promotions:  # received: promote what vLLM counts as loaded
+                loaded = chunk.num_computed_tokens // self.block_size
+                for index, key, block_id, tiers in tracked.promotions:
+                    save = self._save(key, block_id, tiers, pinned) if index < loaded else None
+                    if save is not None:
+                        saves.append(save)
+                tracked.promotions = []
             if chunk.replace:
                 tracked.block_ids = list(chunk.block_ids)
             else:
@@ -325,7 +392,7 @@ class TierPlanner:
             tracked.saved_upto = max(tracked.saved_upto, full)
         if self.host is not None and pinned:
             self.host.release(pinned)
-        return StepPlan(tuple(loads), tuple(saves))
+        return StepPlan(tuple(loads), tuple(saves), tuple(receiving))
 
     def _save(self, key: bytes, block_id: int, tiers: tuple[str, ...], pinned: list[int]) -> VllmBlockSave | None:
         placement = self.policy.place(key, tiers)  # a host slot when the cpu tier is among them
@@ -341,6 +408,7 @@ class TierPlanner:
     def finished(self, request_id: str) -> None:
         """Forget ``request_id`` (finished or aborted); its saves were planned as its blocks filled."""
         self._requests.pop(request_id, None)
+        self._allocated.pop(request_id, None)
 
     def reset(self) -> None:
         """Forget every host block (vLLM's ``reset_prefix_cache``); disk and Redis entries stay."""
