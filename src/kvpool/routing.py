@@ -45,6 +45,18 @@ remembers which replica it sent each prefix to, in a bounded LRU: for servers th
 publish no events), or ``auto`` (precise for every replica whose events the router
 follows, approximate for the others; the default).
 
+Tier credit (:class:`TierCredit`): a replica's cached prefix is not all alike. Its
+leading blocks in the replica's own pool (GPU memory) are served as they are; the
+blocks after them that only a tier below holds (host memory, storage) must be loaded
+first, which saves only what loading is faster than computing. For those blocks the
+credit is the prefill time the best load saves, in tokens at the replica's prefill
+rate: loading the first ``k`` of them costs one latency per medium touched plus their
+tokens at each medium's per-token time, computing them costs their tokens at the
+prefill rate, and the credit is the largest ``compute(k) - load(k)`` over ``k`` (none
+when it is never positive). With no latency and one medium that is, per block,
+``block_size * max(0, 1 - load_time / prefill_time)``. The rule ranks by these
+credited tokens; which blocks a replica holds is unchanged.
+
 Every rule is O(n) in the number of replicas.
 Bad figures (no replicas, lengths that differ, a negative or non-finite number) raise
 :class:`~kvpool.errors.ConfigError` naming the value.
@@ -54,20 +66,24 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpool.errors import ConfigError
 
 __all__ = [
     "LeastLoaded",
+    "MediumCost",
     "PrefixAware",
     "PrefixMode",
     "ReplicaChooser",
     "RoundRobin",
     "Routing",
+    "TierCredit",
     "chooser",
     "least_loaded",
+    "most_saved",
     "prefix_aware",
 ]
 
@@ -214,3 +230,112 @@ def chooser(rule: Routing, *, load_cost: float = 1.0) -> ReplicaChooser:
     if rule is Routing.LEAST_LOADED:
         return LeastLoaded()
     raise ConfigError(f"unknown routing rule {rule!r}; choose one of {[r.value for r in Routing]}")
+
+
+# -- tier credit ---------------------------------------------------------------------------
+
+
+def _check_seconds(name: str, value: object, *, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    if positive and value == 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MediumCost:
+    """What loading blocks from one medium costs a replica: one latency per fetch, then seconds per token.
+
+    ``seconds_per_token`` is a token's KV bytes over the medium's bandwidth.
+    """
+
+    latency_s: float
+    seconds_per_token: float
+
+    def __post_init__(self) -> None:
+        _check_seconds("a medium's latency_s", self.latency_s)
+        _check_seconds("a medium's seconds_per_token", self.seconds_per_token)
+
+    @classmethod
+    def of_link(cls, bandwidth_bytes_per_s: float, latency_s: float, *, kv_bytes_per_token: int) -> MediumCost:
+        """The cost over a link of ``bandwidth_bytes_per_s`` and ``latency_s``, for tokens of ``kv_bytes_per_token``."""
+        _check_seconds("a medium's bandwidth", bandwidth_bytes_per_s, positive=True)
+        if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token < 1:
+            raise ConfigError(f"kv_bytes_per_token must be an integer >= 1, got {kv_bytes_per_token!r}")
+        return cls(latency_s=latency_s, seconds_per_token=kv_bytes_per_token / bandwidth_bytes_per_s)
+
+    def seconds(self, num_tokens: int) -> float:
+        """One fetch of ``num_tokens`` tokens (0.0 for none)."""
+        return 0.0 if num_tokens == 0 else self.latency_s + num_tokens * self.seconds_per_token
+
+
+def most_saved(blocks: Sequence[MediumCost], block_size: int, prefill_tokens_per_s: float) -> tuple[int, float]:
+    """The leading blocks worth loading and the seconds that saves: the ``k`` with the largest ``compute - load``.
+
+    ``blocks[i]`` is the cost of the medium block ``i`` loads from; each distinct cost the first
+    ``k`` blocks touch pays its latency once (one fetch per medium). Returns ``(0, 0.0)`` when loading never beats computing.
+    O(len(blocks)).
+    """
+    best_k, best = 0, 0.0
+    load = 0.0
+    touched: set[MediumCost] = set()
+    compute_per_block = block_size / prefill_tokens_per_s
+    for k, cost in enumerate(blocks, start=1):
+        if cost not in touched:
+            touched.add(cost)
+            load += cost.latency_s
+        load += block_size * cost.seconds_per_token
+        saved = k * compute_per_block - load
+        if saved > best:
+            best_k, best = k, saved
+    return best_k, best
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierCredit:
+    """How many tokens of a cached prefix a replica is credited with, by where it holds each block.
+
+    ``main_pool``: the media of the replica's own pool (its GPU blocks; ``None`` for claims that
+    name none), credited in full while they run from the prefix's start. ``media``: each tier
+    medium's :class:`MediumCost`; ``other``: the cost of a medium not in ``media`` (None: such a
+    block is not credited, as a miss). ``prefill_tokens_per_s``: the replica's prefill rate.
+
+    Past the pool's leading run, each block loads from the cheapest tier medium holding it (a
+    block only the pool holds there cannot be used: the pool's hit stops at its first miss, and
+    so the credit stops there too); the credit for those blocks is :func:`most_saved`'s seconds
+    at the prefill rate, rounded down to whole tokens.
+    """
+
+    prefill_tokens_per_s: float
+    main_pool: frozenset[str | None]
+    media: Mapping[str, MediumCost] = field(default_factory=dict)
+    other: MediumCost | None = None
+
+    def __post_init__(self) -> None:
+        _check_seconds("prefill_tokens_per_s", self.prefill_tokens_per_s, positive=True)
+        for medium, cost in self.media.items():
+            if not isinstance(medium, str) or not isinstance(cost, MediumCost):
+                raise ConfigError(f"a tier credit maps a medium's name to its MediumCost, got {medium!r}: {cost!r}")
+            if medium in self.main_pool:
+                raise ConfigError(f"medium {medium!r} is the replica's own pool; it has no load cost")
+
+    def _cost(self, held: Collection[str | None]) -> MediumCost | None:
+        costs = [self.media.get(m, self.other) for m in held if m is not None and m not in self.main_pool]
+        known = [c for c in costs if c is not None]
+        return min(known, key=lambda c: (c.seconds_per_token, c.latency_s)) if known else None
+
+    def credited_tokens(self, held: Sequence[Collection[str | None]], block_size: int) -> int:
+        """The tokens a cached prefix is worth: ``held[i]`` is the media holding its block ``i``. O(blocks x media)."""
+        on_pool = 0
+        for media in held:
+            if self.main_pool.isdisjoint(media):
+                break
+            on_pool += 1
+        loads: list[MediumCost] = []
+        for media in held[on_pool:]:
+            cost = self._cost(media)
+            if cost is None:
+                break
+            loads.append(cost)
+        _, saved_s = most_saved(loads, block_size, self.prefill_tokens_per_s)
+        return on_pool * block_size + int(saved_s * self.prefill_tokens_per_s + 1e-6)  # not 63.999... for 64

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.errors import ConfigError
-from kvpool.router.index import BlockIndex, MemoryIndex, RedisIndex, index_from_url
+from kvpool.router.index import BlockIndex, Group, MemoryIndex, RedisIndex, index_from_url
 from kvpool.router.index_guard import GuardedIndex, guarded
 
 A, B, C = "http://a:1", "http://b:2", "http://c:3"
@@ -53,6 +53,30 @@ def test_a_block_stays_while_any_medium_holds_it(index: BlockIndex) -> None:
     index.remove(A, H[:1], "CPU")
     assert index.match(H[:3], [A]) == [0]
     assert index.num_blocks(A) == 2
+
+
+def test_match_media_names_where_each_matched_block_is_held(index: BlockIndex) -> None:
+    index.store(A, H[:2], "GPU")
+    index.store(A, H[:4], "CPU")
+    index.store(A, H[3:5], "STORAGE")
+    index.store(B, H[:1])  # a claim that names no medium: the main pool
+    index.store(C, H[:1], "GPU")
+    index.store(C, H[:1], "CPU", Group(1, tail=1))  # a second group's claim: its medium is the same word
+    gpu, cpu, storage = "GPU", "CPU", "STORAGE"
+    assert index.match_media(H[:6], [A, B, C]) == [
+        (
+            frozenset({gpu, cpu}),
+            frozenset({gpu, cpu}),
+            frozenset({cpu}),
+            frozenset({cpu, storage}),
+            frozenset({storage}),
+        ),
+        (frozenset({None}),),
+        (frozenset({gpu, cpu}),),
+    ]
+    assert [len(held) for held in index.match_media(H[:6], [A, B, C])] == index.match(H[:6], [A, B, C])
+    assert index.match_media([], [A]) == [()]
+    assert index.match_media(H[6:], [A, B]) == [(), ()]
 
 
 def test_clear_drops_one_replica_only(index: BlockIndex) -> None:

@@ -107,6 +107,7 @@ def test_a_dead_index_answers_nothing_cached_and_logs_one_line_per_outage(
         assert dead_index.calls == 1  # one try per retry interval (the clock stands still), not one per call
         assert guard.failures == 100 and guard.outages == 1 and not guard.available
         assert sum("does not answer" in r.getMessage() for r in caplog.records) == 1
+        assert guard.match_media(H, ["r0", "r1"]) == [(), ()]  # no media either: every replica credited nothing
         # the server comes back (here: the same index, reached at the real server)
         guard.inner = RedisIndex(client_for(redis_url), prefix=f"test:{time.monotonic_ns()}")
         guard.inner.store("r0", H[:2])  # a claim a lost removal would have left behind

@@ -122,6 +122,31 @@ def _warn(line: str) -> None:
     help="Cached 16-token blocks that one request in flight at a replica is worth (128 tokens at 8), whatever the replicas' block size.",
 )
 @click.option(
+    "--prefill-rate",
+    "prefill_tokens_per_s",
+    type=FiniteFloatRange(min=0, min_open=True),
+    default=20_000.0,
+    show_default=True,
+    help="Prompt tokens per second a replica computes: what a prefix held only below its GPU memory "
+    "(a CPU or STORAGE tier, by its KV events' medium) is credited with is the prefill time loading it saves.",
+)
+@click.option(
+    "--kv-bytes-per-token",
+    type=click.IntRange(min=1),
+    default=131072,
+    show_default=True,
+    help="KV bytes of one token at a replica (what a tier load moves; 131072: an 8B model with 8 KV heads in bf16).",
+)
+@click.option(
+    "--medium-link",
+    "medium_links",
+    multiple=True,
+    metavar="MEDIUM=BANDWIDTH[,LATENCY]",
+    help="How fast a replica loads from a tier medium its events name, in bytes per second and seconds per fetch "
+    "(STORAGE=2GB,0.0005); defaults: the tier registry's links (CPU at PCIe speed, STORAGE at the slowest of "
+    "disk and Redis). Repeat for each medium.",
+)
+@click.option(
     "--health-interval",
     type=FiniteFloatRange(min=0.05),
     default=0.5,

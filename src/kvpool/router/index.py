@@ -27,6 +27,9 @@ Operations and their cost (``k`` hashes in the call, ``r`` replicas):
   trusted; O(blocks it held).
 * :meth:`match`: O(matched blocks x replicas holding them) in memory; one
   pipelined round trip in Redis.
+* :meth:`match_media`: :meth:`match`, and the media holding each matched block (what
+  the router's tier credit weighs, :class:`kvpool.routing.TierCredit`); in Redis one
+  more round trip, for the matched blocks only.
 
 The in-memory index is bounded: a replica's claims are capped (by default
 :data:`MAX_BLOCKS_PER_REPLICA`, or what the replica says it can hold when it says so,
@@ -57,6 +60,7 @@ __all__ = [
     "MAX_BLOCKS_PER_REPLICA",
     "BlockIndex",
     "Group",
+    "HeldMedia",
     "MemoryIndex",
     "RedisIndex",
     "index_from_url",
@@ -71,6 +75,8 @@ MAX_BLOCKS = 2**20
 ExternalHash = bytes | int
 #: The storage medium an event names (``None``: the replica's main pool).
 Medium = str | None
+#: One replica's matched prefix: for each of its blocks, the media that hold it there.
+HeldMedia = tuple[frozenset[Medium], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,9 @@ class BlockIndex(Protocol):
 
     def match(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[int]:
         """For each of ``replicas``, how many leading blocks of ``hashes`` it holds."""
+
+    def match_media(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[HeldMedia]:
+        """For each of ``replicas``, the media holding each leading block of ``hashes`` it holds (as :meth:`match`)."""
 
     def num_blocks(self, replica: str) -> int:
         """How many distinct blocks ``replica`` holds (any medium)."""
@@ -267,6 +276,14 @@ class MemoryIndex:
                     held.move_to_end(key)
         return [matched[r] for r in replicas]
 
+    def match_media(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[HeldMedia]:
+        depths = self.match(hashes, replicas)
+        keys = [_key(h) for h in hashes[: max(depths, default=0)]]
+        return [
+            tuple(frozenset(m for m, _ in self._held[r][key]) for key in keys[:depth]) if depth else ()
+            for r, depth in zip(replicas, depths)
+        ]
+
     @staticmethod
     def _usable(
         held: OrderedDict[bytes, set[tuple[Medium, int]]], keys: list[bytes], groups: dict[int, int | None]
@@ -400,6 +417,24 @@ class RedisIndex:
         keys = [self._block(_text_key(h)) for h in hashes]
         found: list[Any] = self._match(keys=keys, args=list(replicas))
         return [int(n) for n in found]
+
+    def match_media(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[HeldMedia]:
+        depths = self.match(hashes, replicas)
+        deepest = max(depths, default=0)
+        if not deepest:
+            return [() for _ in replicas]
+        pipe = self._redis.pipeline(transaction=False)
+        for h in hashes[:deepest]:
+            pipe.smembers(self._block(_text_key(h)))
+        holders: list[dict[str, set[Medium]]] = []
+        for members in pipe.execute():
+            by_replica: dict[str, set[Medium]] = {}
+            for member in members:  # b"<replica>|<medium>[#<group>]"
+                replica, _, claim = member.decode().rpartition("|")
+                medium = claim.partition("#")[0]
+                by_replica.setdefault(replica, set()).add(medium or None)
+            holders.append(by_replica)
+        return [tuple(frozenset(holders[i].get(r, ())) for i in range(depth)) for r, depth in zip(replicas, depths)]
 
     def num_blocks(self, replica: str) -> int:
         media: set[bytes] = self._redis.smembers(self._media(replica))  # type: ignore[assignment]  # the sync client returns the set itself

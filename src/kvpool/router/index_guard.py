@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from kvpool.checks import counted
-from kvpool.router.index import WHOLE, BlockIndex, ExternalHash, Group, Medium, RedisIndex
+from kvpool.router.index import WHOLE, BlockIndex, ExternalHash, Group, HeldMedia, Medium, RedisIndex
 
 __all__ = ["GuardedIndex", "guarded"]
 
@@ -130,6 +130,9 @@ class GuardedIndex:
 
     def match(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[int]:
         return self._call(lambda: self.inner.match(hashes, replicas), [0] * len(replicas))
+
+    def match_media(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[HeldMedia]:
+        return self._call(lambda: self.inner.match_media(hashes, replicas), [() for _ in replicas])
 
     def num_blocks(self, replica: str) -> int:
         return self._call(lambda: self.inner.num_blocks(replica), 0)

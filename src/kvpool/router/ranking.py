@@ -8,7 +8,10 @@ rule (:mod:`kvpool.routing`) weighs cached tokens, counted in blocks of
 :data:`LOAD_COST_TOKENS` tokens whatever a replica's block size, against each replica's
 load; its ties go round the replicas in turn, so new prefixes spread out. In precise mode
 the blocks of the requests a replica is computing now count as held there too: their
-events come only once they are computed.
+events come only once they are computed. A prefix the events say a replica holds only in
+a tier below its GPU memory (medium ``CPU``, ``STORAGE``) is credited with the prefill
+time loading it saves (:class:`~kvpool.routing.TierCredit`, ``options.credit``); the
+router's own memory (approximate mode) knows no media and credits every block in full.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpool.hashing import BlockHash, BlockHasher
-from kvpool.router.index import BlockIndex
+from kvpool.router.index import BlockIndex, HeldMedia
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompt_hashes import block_hashes
 from kvpool.router.replicas import Hashing, Replica
@@ -50,6 +53,9 @@ class PromptKeys:
 
 #: A request that could not be keyed: routed by load.
 NO_KEYS = PromptKeys()
+
+#: The media of a block being computed in a replica's pool (its event, when it comes, names the pool).
+_IN_POOL: frozenset[str | None] = frozenset({None})
 
 
 class Ranker:
@@ -149,8 +155,7 @@ class Ranker:
         candidates = [r for r in self.replicas if r.up]
         ranked: list[tuple[Replica, int]] = []
         if candidates:
-            cached = self._cached_blocks(candidates, keys)
-            tokens = [n * self.block_size(r, keys) for r, n in zip(candidates, cached)]
+            cached, tokens = self._cached(candidates, keys)
             i = self.rule.choose(tokens, [r.load for r in candidates])  # its ties rotate: new prefixes spread
             while True:
                 ranked.append((candidates.pop(i), cached.pop(i)))
@@ -161,8 +166,10 @@ class Ranker:
                 i = prefix_aware(tokens, [r.load for r in candidates], load_cost=self.load_cost)
         return ranked
 
-    def _cached_blocks(self, candidates: Sequence[Replica], keys: PromptKeys) -> list[int]:
+    def _cached(self, candidates: Sequence[Replica], keys: PromptKeys) -> tuple[list[int], list[int]]:
+        """Per candidate, the prompt's leading blocks it holds, and the tokens they are credited with."""
         cached = [0] * len(candidates)
+        tokens = [0] * len(candidates)
         for hashing, prompt in keys.hashes.items():
             group = [
                 i
@@ -170,19 +177,27 @@ class Ranker:
                 if r.events is not None and r.events.hashing == hashing and self.precise_for(r)
             ]
             if group and prompt:
-                found = self.index.match(prompt, [candidates[i].url for i in group])
-                for i, n in zip(group, found):
-                    computing = self.computing.get(candidates[i].url)
-                    while computing and n < len(prompt) and prompt[n] in computing:
-                        n += 1  # held, then being computed there now: its events are on their way
-                    cached[i] = n
+                media = self.index.match_media(prompt, [candidates[i].url for i in group])
+                for i, matched in zip(group, media):
+                    held = matched + self._computing_after(candidates[i], prompt, len(matched))
+                    cached[i] = len(held)
+                    tokens[i] = self.options.credit.credited_tokens(held, self.block_size(candidates[i], keys))
         if keys.approx:
-            # in the approximate unit; the rule compares blocks, so scale to the events' unit where both meet
+            # in the approximate unit; the rule compares tokens, so each replica counts in its own unit
             group = [i for i, r in enumerate(candidates) if self.approximate_for(r)]
             found = self.approx.match(keys.approx, [candidates[i].url for i in group])
             for i, n in zip(group, found):
                 cached[i] = n
-        return cached
+                tokens[i] = n * self.block_size(candidates[i], keys)
+        return cached, tokens
+
+    def _computing_after(self, replica: Replica, prompt: Sequence[BlockHash], held: int) -> HeldMedia:
+        """The prompt's blocks after the ``held`` ones that ``replica`` is computing now: in its pool once computed."""
+        computing = self.computing.get(replica.url)
+        n = held
+        while computing and n < len(prompt) and prompt[n] in computing:
+            n += 1  # held, then being computed there now: its events are on their way
+        return (_IN_POOL,) * (n - held)
 
     def predicted_tokens(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
         """The prompt tokens ``replica`` should serve from its cache: whole blocks, never the prompt's last token."""
