@@ -33,9 +33,16 @@ Contracts a connector must keep:
   position 0, whose KV is in place; the scheduler then moves that request's
   chunk back to start there, so the failed tokens are computed in the same
   step (the chunk grows past the token budget by that much).
-* Blocks filled by a load are in the prefix cache as soon as they are
-  allocated, like computed blocks; a load therefore completes (or is reported
-  failed) before the step's forward pass reads them.
+* Blocks filled by a synchronous load are in the prefix cache as soon as
+  they are allocated, like computed blocks; such a load therefore completes
+  (or is reported failed) before the step's forward pass reads them.
+* An asynchronous match (:attr:`ExternalMatch.asynchronous`) leaves the
+  request waiting for its loads, with its blocks held and kept out of the
+  prefix cache (nobody can read KV that has not arrived). Every asynchronous
+  load is eventually reported: the request in ``finished_loads`` (and in
+  ``failed_loads`` with the tokens in place, for a load that failed or ran
+  past its deadline). Its blocks are then cached and it is scheduled again,
+  computing what did not arrive.
 * ``request_finished`` returning True keeps a finished request's blocks out
   of the free queue until a later :class:`TransferResult` lists the request
   in ``finished_saves``.
@@ -87,9 +94,17 @@ class TierRun:
 
 @dataclass(frozen=True, slots=True)
 class ExternalMatch:
-    """What a connector can supply beyond the local prefix hit: runs of tokens, in position order."""
+    """What a connector can supply beyond the local prefix hit: runs of tokens, in position order.
+
+    ``asynchronous``: the loads finish in a later step (vLLM's ``load_async``).
+    The request then holds its blocks and waits, computing nothing, until the
+    worker lists it in :attr:`TransferResult.finished_loads`; the rest of the
+    batch steps meanwhile. A synchronous match is loaded before the forward
+    pass of the very step that admits the request.
+    """
 
     runs: tuple[TierRun, ...] = ()
+    asynchronous: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +125,7 @@ class ExternalMatch:
                 break
             runs.append(TierRun(run.tier, min(run.num_tokens, left)))
             left -= run.num_tokens
-        return ExternalMatch(tuple(runs))
+        return ExternalMatch(tuple(runs), self.asynchronous)
 
 
 #: Nothing beyond the local hit.
@@ -123,7 +138,8 @@ class BlockLoad:
 
     ``position`` is the block's index in the request (its tokens start at
     ``position * block_size``); ``host_slot`` is the CPU tier's host block
-    holding it (None for byte tiers).
+    holding it (None for byte tiers). ``asynchronous``: part of an asynchronous
+    match (:attr:`ExternalMatch.asynchronous`), reported in a later step.
     """
 
     request_id: str
@@ -132,6 +148,7 @@ class BlockLoad:
     key: bytes
     tier: str
     host_slot: int | None = None
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -307,6 +307,7 @@ class KVCacheManager:
         *,
         num_encoder_tokens: int = 0,
         num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> tuple[list[int], ...] | None:
         """Make room for ``num_new_tokens`` new tokens of ``request``.
 
@@ -331,6 +332,9 @@ class KVCacheManager:
                 computing them (first allocation of a request only). They get
                 slots like new tokens, count as computed, and their full
                 blocks are cached at once, like computed ones.
+            delay_cache_blocks: cache nothing now (an asynchronous load: its
+                blocks must not be found before their KV arrives);
+                :meth:`cache_loaded_blocks` caches them once it has.
 
         Returns:
             The newly allocated block IDs, one list per group, or None when the
@@ -364,6 +368,7 @@ class KVCacheManager:
             and num_lookahead_tokens is _ZERO
             and num_encoder_tokens is _ZERO
             and num_external_computed_tokens is _ZERO
+            and delay_cache_blocks is False
         ):
             # The common step of a running request (a decode or a prefill chunk)
             # in a single-group model: the same checks and decisions as the
@@ -395,6 +400,10 @@ class KVCacheManager:
         ):
             if type(count) is not int or count < 0:
                 raise RequestStateError(f"request {rid!r}: {name}={count!r}, expected a non-negative int")
+        if type(delay_cache_blocks) is not bool:
+            raise RequestStateError(
+                f"request {rid!r}: delay_cache_blocks={delay_cache_blocks!r}, expected True or False"
+            )
         if num_encoder_tokens and not any(g.uses_encoder_tokens for g in self.groups):
             raise RequestStateError(
                 f"request {rid!r}: num_encoder_tokens={num_encoder_tokens} but the model has no cross-attention group"
@@ -467,10 +476,36 @@ class KVCacheManager:
             coordinator.add_hit_blocks(rid, hits or tuple([] for _ in self.groups), local)
             new_blocks = coordinator.allocate_new_blocks(rid, need, num_encoder_tokens)
             self._owners[rid] = _Held(request, total_computed, need)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             cached = total_computed + num_new_tokens
             coordinator.cache_blocks(request, cached if cached < num_tokens else num_tokens)
         return tuple(map(block_ids, new_blocks))
+
+    def cache_loaded_blocks(self, request: Request, num_tokens: int) -> None:
+        """The first ``num_tokens`` tokens of ``request`` have their KV in place: cache their full blocks.
+
+        For an admission made with ``delay_cache_blocks`` (an asynchronous
+        load), once its loads are done. ``num_tokens`` is at least what the
+        request already has cached (its local hit) and at most what that
+        admission counted as computed; less (a load that failed part-way)
+        becomes the request's progress, and the tokens past it are computed.
+        """
+        _check_request(request)
+        rid = request.request_id
+        check_int("num_tokens", num_tokens, minimum=0)
+        held = self._owners.get(rid)
+        if held is None or held.request is not request:
+            raise RequestStateError(f"request {rid!r} holds no blocks here; nothing was loaded for it")
+        cached = max((g.num_cached.get(rid, 0) * g.block_size for g in self.groups), default=0)
+        if not cached <= num_tokens <= held.computed:
+            raise RequestStateError(
+                f"request {rid!r}: num_tokens={num_tokens} loaded, expected {cached} (its cached tokens) "
+                f"to {held.computed} (what its admission counted as computed)"
+            )
+        held.computed = num_tokens
+        held.quiet = 0
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, min(num_tokens, request.num_tokens))
 
     @staticmethod
     def _check_progress(rid: str, held: _Held, computed: int) -> None:

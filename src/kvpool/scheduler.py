@@ -59,7 +59,7 @@ from kvpool.connector import GPU, NO_MATCH, ConnectorMetadata, ExternalMatch, KV
 from kvpool.errors import CapacityError, ConfigError, InvalidTokenError, RequestStateError
 from kvpool.fair_share import StepShares, TenantWeights
 from kvpool.hashing import TOKEN_LIMIT, to_token_array
-from kvpool.manager import KVCacheManager
+from kvpool.manager import HitBlocks, KVCacheManager
 from kvpool.request import Request
 
 __all__ = [
@@ -77,6 +77,8 @@ __all__ = [
 
 class RequestStatus(Enum):
     WAITING = "waiting"
+    #: Admitted with an asynchronous external match: it holds its blocks and waits for their KV.
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -238,6 +240,7 @@ class _Entry:
         "num_cached_total",
         "cached_by_tier",
         "loading",
+        "loaded",
     )
 
     def __init__(self, request: Request, stop: StopConditions, arrival_time: float, tenant: str | None) -> None:
@@ -256,6 +259,8 @@ class _Entry:
         self.cached_by_tier: dict[str, int] = {}
         # The latest admission's external match and where it starts, until its loads are reported.
         self.loading: tuple[int, ExternalMatch] | None = None
+        # Its asynchronous loads are done: it waits again, holding its blocks, to compute the rest.
+        self.loaded = False
 
     def metrics(self) -> RequestMetrics:
         r = self.request
@@ -332,6 +337,10 @@ class Scheduler:
         self.connector = connector
         #: Finished requests whose blocks wait for the connector's saves, by ID.
         self._saving: dict[str, _Entry] = {}
+        #: Requests waiting for asynchronous loads (WAITING_FOR_KV), by ID, in admission order.
+        self._loading: dict[str, _Entry] = {}
+        #: Finished requests whose blocks wait for asynchronous loads still in flight, by ID.
+        self._unloaded: dict[str, _Entry] = {}
         #: Prompt tokens taken from each source since the start (``"gpu"`` and each connector tier).
         self.cached_tokens_by_tier: dict[str, int] = {}
 
@@ -405,17 +414,19 @@ class Scheduler:
         if entry is None or entry.status is RequestStatus.FINISHED:
             return False
         now = self.clock()
-        was_waiting = entry.status is not RequestStatus.RUNNING
+        status = entry.status
         self._finish(entry, reason, now)  # the blocks go back first: the one step that could refuse
-        if was_waiting:
+        if status is RequestStatus.RUNNING:
+            self.running.remove(entry)
+        elif status is RequestStatus.WAITING_FOR_KV:
+            del self._loading[request_id]
+        else:
             self.waiting.remove(entry)
             self._waiting_changed = True
-        else:
-            self.running.remove(entry)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._loading)
 
     def _lookup(self, request_id: str) -> _Entry | None:
         if not isinstance(request_id, str):
@@ -514,15 +525,28 @@ class Scheduler:
                     break
                 entry = next(e for e in self.waiting if e.tenant == tenant)
             request = entry.request
-            hit, num_hit = mgr.get_computed_blocks(request)
-            match = NO_MATCH if connector is None else self._external_match(request, num_hit)
+            if entry.loaded:  # back from its asynchronous loads, holding its blocks: no lookup
+                hit, num_hit, match = None, request.num_computed_tokens, NO_MATCH
+            else:
+                hit, num_hit = mgr.get_computed_blocks(request)
+                match = NO_MATCH if connector is None else self._external_match(request, num_hit)
             num_loaded = match.num_tokens
+            if match.asynchronous and num_loaded:
+                if self._admit_loading(entry, hit, num_hit, match):
+                    continue
+                if shares is None:
+                    break
+                shares.block(entry.tenant)
+                continue
             todo = min(request.num_tokens - num_hit - num_loaded, budget)
             if shares is not None:
                 todo = min(todo, shares.left[entry.tenant])
             while True:
                 admitted = len(self.running) < max_seqs and (
-                    mgr.allocate_slots(request, todo, num_hit, hit, num_external_computed_tokens=num_loaded) is not None
+                    mgr.allocate_slots(request, todo) is not None
+                    if entry.loaded
+                    else mgr.allocate_slots(request, todo, num_hit, hit, num_external_computed_tokens=num_loaded)
+                    is not None
                 )
                 if admitted or shares is None:
                     break
@@ -545,9 +569,12 @@ class Scheduler:
             entry.status = RequestStatus.RUNNING
             self._admissions += 1
             entry.admission = self._admissions
-            entry.num_cached_total += num_hit + num_loaded
-            self._count_cached(entry, GPU, num_hit)
-            if connector is not None:
+            if entry.loaded:
+                entry.loaded = False  # its cached tokens were counted when it was admitted to load
+            else:
+                entry.num_cached_total += num_hit + num_loaded
+                self._count_cached(entry, GPU, num_hit)
+            if connector is not None and hit is not None:
                 for tier, tokens in match.tokens_by_tier().items():
                     self._count_cached(entry, tier, tokens)
                 entry.loading = (num_hit, match) if num_loaded else None
@@ -576,6 +603,98 @@ class Scheduler:
         self._issued = output
         self._in_flight = tuple(scheduled)
         return output
+
+    def _admit_loading(self, entry: _Entry, hit: HitBlocks | None, num_hit: int, match: ExternalMatch) -> bool:
+        """Admit ``entry`` to wait for its asynchronous loads: blocks, uncached, for its hit and its loads only."""
+        request = entry.request
+        num_loaded = match.num_tokens
+        blocks = self.manager.allocate_slots(
+            request, 0, num_hit, hit, num_external_computed_tokens=num_loaded, delay_cache_blocks=True
+        )
+        if blocks is None:
+            return False
+        self.waiting.remove(entry)
+        self._waiting_changed = True
+        request.num_computed_tokens = num_hit + num_loaded
+        entry.status = RequestStatus.WAITING_FOR_KV
+        entry.num_cached_total += num_hit + num_loaded
+        self._count_cached(entry, GPU, num_hit)
+        for tier, tokens in match.tokens_by_tier().items():
+            self._count_cached(entry, tier, tokens)
+        entry.loading = (num_hit, match)
+        self._loading[request.request_id] = entry
+        self.connector.update_state_after_alloc(  # type: ignore[union-attr]  # a match comes from a connector
+            request, self.manager.get_block_ids(request.request_id)[0], num_hit, match
+        )
+        return True
+
+    def _take_async_loads(self, result: TransferResult) -> None:
+        """Requests whose asynchronous loads the worker reports done wait again, first, to compute the rest."""
+        done = [rid for rid in result.finished_loads if rid in self._loading or rid in self._unloaded]
+        if not done:
+            return
+        failed = result.failed_loads
+        for rid in done:  # every report is checked before anything changes
+            entry = self._loading.get(rid)
+            if entry is None or rid not in failed:
+                continue
+            num_hit, match = entry.loading  # type: ignore[misc]  # set while it waits for its loads
+            valid = failed[rid]
+            if type(valid) is not int or not num_hit <= valid <= num_hit + match.num_tokens:
+                raise RequestStateError(
+                    f"request {rid!r}: a failed load leaves {valid!r} tokens in place; expected an int from "
+                    f"{num_hit} (the local hit) to {num_hit + match.num_tokens} (the promised tokens)"
+                )
+        resumed: list[_Entry] = []
+        for rid in done:
+            gone = self._unloaded.pop(rid, None)
+            if gone is not None:  # finished while its loads ran: its blocks go back now
+                if rid not in self._saving:
+                    self.manager.free(gone.request)
+                continue
+            entry = self._loading.pop(rid)
+            num_hit, match = entry.loading  # type: ignore[misc]  # set while it waits for its loads
+            promised = num_hit + match.num_tokens
+            valid = failed.get(rid, promised)
+            if valid < promised:
+                kept = match.truncated(valid - num_hit)
+                lost = match.tokens_by_tier()
+                for tier, tokens in kept.tokens_by_tier().items():
+                    lost[tier] -= tokens
+                for tier, tokens in lost.items():
+                    self._count_cached(entry, tier, -tokens)
+                entry.num_cached_total -= promised - valid
+            self.manager.cache_loaded_blocks(entry.request, valid)
+            entry.request.num_computed_tokens = valid
+            entry.loading = None
+            entry.loaded = True
+            entry.status = RequestStatus.WAITING
+            resumed.append(entry)
+        self.waiting.extendleft(reversed(resumed))
+        self._waiting_changed = self._waiting_changed or bool(resumed)
+
+    def take_transfers(self, result: TransferResult) -> None:
+        """Take a worker's report outside a step (after :meth:`update`, before the next :meth:`schedule`).
+
+        What it may hold then: asynchronous loads that finished (or failed, or
+        ran past their deadline) and saves that finished. A request whose
+        asynchronous loads are done waits again at the front of the queue and
+        computes what did not arrive.
+        """
+        if not isinstance(result, TransferResult):
+            raise RequestStateError(f"take_transfers takes a TransferResult, got {result!r}")
+        if self._issued is not None and any(e.status is RequestStatus.RUNNING for e in self._in_flight):
+            raise RequestStateError(f"step {self._issued.step} is in flight; report its transfers with apply_transfers")
+        self._take_async_loads(result)
+        if self.connector is not None and result:
+            self.connector.update_finished(result)
+        self._free_saved(result)
+
+    def _free_saved(self, result: TransferResult) -> None:
+        for rid in result.finished_saves:
+            entry = self._saving.pop(rid, None)
+            if entry is not None and rid not in self._unloaded:
+                self.manager.free(entry.request)
 
     def _step_shares(self, budget: int) -> StepShares:
         mgr = self.manager
@@ -678,12 +797,10 @@ class Scheduler:
             raise RequestStateError(f"apply_transfers takes a TransferResult, got {result!r}")
         if self._issued is None or output is not self._issued:
             raise RequestStateError("apply_transfers takes the latest schedule() output, before update()")
+        self._take_async_loads(result)
         if self.connector is not None and result:
             self.connector.update_finished(result)
-        for rid in result.finished_saves:
-            entry = self._saving.pop(rid, None)
-            if entry is not None:
-                self.manager.free(entry.request)
+        self._free_saved(result)
         failed = result.failed_loads
         if not failed:
             return output
@@ -815,11 +932,14 @@ class Scheduler:
         request = entry.request
         connector = self.connector
         entry.loading = None
-        if connector is not None and connector.request_finished(
-            request, self.manager.get_block_ids(request.request_id)[0]
-        ):
-            self._saving[request.request_id] = entry  # its blocks go back when the saves are done
-        else:
+        entry.loaded = False
+        rid = request.request_id
+        saving = connector is not None and connector.request_finished(request, self.manager.get_block_ids(rid)[0])
+        if saving:
+            self._saving[rid] = entry  # its blocks go back when the saves are done
+        if entry.status is RequestStatus.WAITING_FOR_KV:
+            self._unloaded[rid] = entry  # and when its loads are: nothing may write a block it gave back
+        if not saving and rid not in self._unloaded:
             self.manager.free(request)
         entry.status = RequestStatus.FINISHED
         entry.finish_reason = reason
@@ -839,6 +959,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their asynchronous loads (WAITING_FOR_KV)."""
+        return len(self._loading)
 
     @property
     def num_saving(self) -> int:

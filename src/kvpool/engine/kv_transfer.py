@@ -27,15 +27,25 @@ with its :class:`~kvpool.tiers.kinds.WritePolicy`) and :class:`KVTransferWorker`
   on CUDA on a side stream, one event per layer, which the runner waits for
   just before that layer (:meth:`KVTransferWorker.wait_for_layer_load`); on
   the CPU at once;
+* with transfer threads (:class:`~kvpool.tiers.transfer_threads.TransferThreads`,
+  the default), byte tiers never run on the step: a request's disk or Redis
+  blocks are fetched on a load thread into memory of its own while the batch
+  steps on, and copied into the pool by :meth:`KVTransferWorker.get_finished`
+  once they are all there; a fetch that fails or passes the load deadline is a
+  failed load, and the request computes those tokens. Saves to byte tiers are
+  copied out of the pool on the step and stored by the save thread; one that
+  finds the save queue full is dropped and counted;
 * a byte tier that misses, fails or returns a payload of the wrong size makes
   that block and the request's later ones a failed load: the scheduler has
-  them computed in the same step. Faults never stop serving.
+  them computed (in the same step for a synchronous load). Faults never stop
+  serving.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -48,12 +58,13 @@ import torch
 from kvpool.connector import BlockLoad, BlockSave, ConnectorMetadata, TransferResult
 from kvpool.engine.kv_cache import KVCaches
 from kvpool.engine.memory import format_bytes
-from kvpool.errors import ConfigError, KVPoolError
+from kvpool.errors import ConfigError
 from kvpool.manager import KVCacheManager
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
 from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
 from kvpool.tiers.store import TierTarget, check_tier_trust, parse_specs
+from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads
 from kvpool.tiers.weights import tier_weights
 
 if TYPE_CHECKING:
@@ -123,6 +134,15 @@ def _one_pair_per_layer(kv_caches: KVCaches) -> bool:
 
 
 @dataclass(slots=True)
+class _AsyncFetch:
+    """One request's byte-tier blocks, fetched on a load thread into ``staging`` (row ``i``: ``loads[i]``)."""
+
+    request_id: str
+    loads: tuple[BlockLoad, ...]
+    staging: torch.Tensor
+
+
+@dataclass(slots=True)
 class TierFigures:
     """What the worker moved through one tier (cumulative)."""
 
@@ -135,6 +155,8 @@ class TierFigures:
     save_seconds: float = 0.0
     failed_loads: int = 0  # blocks promised but not delivered (miss, fault, bad payload): computed instead
     failed_saves: int = 0  # blocks the store did not take
+    timed_out_loads: int = 0  # blocks of fetches past the load deadline (counted in failed_loads too)
+    dropped_saves: int = 0  # blocks not saved because the save queue was full
 
     def as_dict(self) -> dict[str, float | int]:
         figures: dict[str, float | int] = dataclasses.asdict(self)
@@ -149,9 +171,16 @@ class KVTransferWorker:
         kv_caches: the pool's memory; one tensor pair per layer (no shared slots).
         host_blocks: blocks of the CPU tier (0: none).
         stores: the byte tiers, by their ``name``.
+        threads: where byte-tier fetches and stores run (None: on the caller's thread, in the step).
     """
 
-    def __init__(self, kv_caches: KVCaches, host_blocks: int, stores: Sequence[BlockStore]) -> None:
+    def __init__(
+        self,
+        kv_caches: KVCaches,
+        host_blocks: int,
+        stores: Sequence[BlockStore],
+        threads: TransferThreads | None = None,
+    ) -> None:
         if not _one_pair_per_layer(kv_caches):
             raise ConfigError("KV tiers need one KV tensor pair per layer (models with one layer group)")
         spec = kv_caches.spec
@@ -183,6 +212,9 @@ class KVTransferWorker:
         self._loaded: set[str] = set()
         self._saved: set[str] = set()
         self._failed: dict[str, int] = {}
+        self.threads = threads
+        self._fetches: dict[int, _AsyncFetch] = {}  # ticket -> what it fetches
+        self._fetching: dict[str, int] = {}  # request -> the first position of its asynchronous loads
 
     def _rows(self, purpose: str, n: int) -> torch.Tensor:
         """``n`` blocks of host staging for ``purpose`` (``"load"`` or ``"save"``), grown on demand."""
@@ -206,6 +238,13 @@ class KVTransferWorker:
             self.save(ConnectorMetadata(saves=meta.spills))  # before anything writes those blocks again
         if not meta.loads:
             return
+        later = [load for load in meta.loads if load.asynchronous]
+        if later:
+            self._start_async(later)
+            now = tuple(load for load in meta.loads if not load.asynchronous)
+            if not now:
+                return
+            meta = dataclasses.replace(meta, loads=now)
         failed: dict[str, int] = {}  # request -> first block position that did not arrive
         byte_loads = [i for i, load in enumerate(meta.loads) if load.tier != _CPU]
         staging = self._rows("load", len(byte_loads))
@@ -244,6 +283,109 @@ class KVTransferWorker:
         self._loaded.update(load.request_id for load in meta.loads)
         for rid, position in failed.items():
             self._failed[rid] = position * self.block_size
+
+    def _start_async(self, loads: Sequence[BlockLoad]) -> None:
+        """Begin asynchronous loads: host blocks are copied now, each request's byte-tier blocks fetched off the step."""
+        threads = self.threads
+        by_request: dict[str, list[BlockLoad]] = {}
+        for load in loads:
+            by_request.setdefault(load.request_id, []).append(load)
+        for rid, mine in by_request.items():
+            self._fetching[rid] = min(load.position for load in mine)
+            from_host = [load for load in mine if load.tier == _CPU]
+            fetched = tuple(load for load in mine if load.tier != _CPU)
+            if from_host:
+                self._copy_in_now(from_host, [], None)
+                self._count_loaded(from_host, 0.0)
+            if not fetched:
+                self._loaded.add(rid)  # nothing to wait for (a match of the CPU tier only)
+                del self._fetching[rid]
+                continue
+            staging = torch.empty((len(fetched), *self.block_shape), dtype=self.kv_caches.spec.dtype)
+            job = _AsyncFetch(rid, fetched, staging)
+            if threads is None:  # no threads: the fetch runs here, and is reported at the next get_finished
+                self._land(job, self._fetch(job), None)
+                continue
+            self._fetches[threads.submit_load(functools.partial(self._fetch, job))] = job
+
+    def _fetch(self, job: _AsyncFetch) -> list[bool]:
+        """On a load thread: every byte-tier block of one request into its staging rows, tier by tier, in order."""
+        arrived: list[bool] = []
+        rows = list(range(len(job.loads)))
+        start = 0
+        while start < len(job.loads):
+            tier = job.loads[start].tier
+            stop = start
+            while stop < len(job.loads) and job.loads[stop].tier == tier:
+                stop += 1
+            started = time.perf_counter()
+            got = self._fetch_into(tier, job.loads[start:stop], job.staging, rows[start:stop])
+            self.figures[tier].load_seconds += time.perf_counter() - started
+            arrived.extend(got)
+            if not all(got):
+                arrived.extend([False] * (len(job.loads) - stop))  # the request computes from the first miss
+                break
+            start = stop
+        return arrived
+
+    def _land(self, job: _AsyncFetch, arrived: list[bool] | None, reason: str | None) -> None:
+        """On the caller's thread: copy what a fetch brought into the pool, up to its first miss, and report it."""
+        rid = job.request_id
+        self._fetching.pop(rid, None)
+        if arrived is None:  # the fetch raised or ran past its deadline: none of it arrived
+            arrived = [False] * len(job.loads)
+            _LOGGER.warning("KV tier load for request %s: %s; its tokens are computed instead", rid, reason)
+        kept = 0
+        while kept < len(arrived) and arrived[kept]:
+            kept += 1
+        if kept:
+            self._copy_in_now([], [(load, row) for row, load in enumerate(job.loads[:kept])], job.staging)
+            self._count_loaded(job.loads[:kept], 0.0)
+        for load in job.loads[kept:]:
+            figures = self.figures[load.tier]
+            figures.failed_loads += 1
+            if reason == "timed out":
+                figures.timed_out_loads += 1
+        self._loaded.add(rid)
+        if kept < len(job.loads):
+            self._failed[rid] = job.loads[kept].position * self.block_size
+
+    def _copy_in_now(
+        self, from_host: list[BlockLoad], from_bytes: list[tuple[BlockLoad, int]], staging: torch.Tensor | None
+    ) -> None:
+        """Copy loads into the pool outside the forward pass's layer waits (ordered before later work on CUDA)."""
+        events = self._events
+        self._copy_in(from_host, from_bytes, staging)  # type: ignore[arg-type]  # staging is read only for byte loads
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._events = events
+
+    def _count_loaded(self, loads: Sequence[BlockLoad], seconds: float) -> None:
+        for load in loads:
+            figures = self.figures[load.tier]
+            figures.blocks_loaded += 1
+            figures.bytes_loaded += self.block_bytes
+            figures.load_seconds += seconds
+
+    def drop_async_loads(self) -> dict[str, int]:
+        """Forget every asynchronous load in flight (their late bytes are never copied); request -> its first token.
+
+        What the engine reports as failed loads, when what it planned is void.
+        """
+        dropped = {rid: position * self.block_size for rid, position in self._fetching.items()}
+        self._fetches.clear()
+        self._fetching.clear()
+        return dropped
+
+    @property
+    def num_fetching(self) -> int:
+        """Requests whose asynchronous loads are in flight."""
+        return len(self._fetching)
+
+    def wait_for_fetches(self, timeout: float) -> None:
+        """Block until a fetch in flight ends or reaches its deadline, at most ``timeout`` seconds."""
+        if self.threads is not None and self._fetches:
+            self.threads.wait_for_loads(timeout)
 
     def _fetch_into(self, tier: str, loads: Sequence[BlockLoad], staging: torch.Tensor, rows: list[int]) -> list[bool]:
         """Read the blocks from a byte tier straight into their staging ``rows``; whether each arrived, verified."""
@@ -321,7 +463,11 @@ class KVTransferWorker:
         started = time.perf_counter()
         to_host = [j for j, s in enumerate(saves) if _CPU in s.tiers]
         to_bytes = [j for j, s in enumerate(saves) if any(t != _CPU for t in s.tiers)]
-        staging = self._rows("save", len(to_bytes))
+        threads = self.threads
+        if threads is None or not to_bytes:
+            staging = self._rows("save", len(to_bytes))
+        else:  # the save thread reads it later: its own memory, not the reused staging rows
+            staging = torch.empty((len(to_bytes), *self.block_shape), dtype=self.kv_caches.spec.dtype)
         self._copy_out(saves, to_host, to_bytes, staging)
         copied = (time.perf_counter() - started) / len(saves)
         by_tier: dict[str, list[int]] = {}
@@ -334,15 +480,27 @@ class KVTransferWorker:
             figures.blocks_saved += len(to_host)
             figures.bytes_saved += len(to_host) * self.block_bytes
             figures.save_seconds += copied * len(to_host)
-        for tier, rows in by_tier.items():
+        jobs = [(tier, [saves[to_bytes[row]].key for row in rows], rows) for tier, rows in by_tier.items()]
+        if threads is None:
+            self._store_rows(jobs, staging, copied)
+        elif jobs and not threads.submit_save(lambda: self._store_rows(jobs, staging, copied)):
+            for tier, _keys, rows in jobs:
+                self.figures[tier].dropped_saves += len(rows)
+        # Reported done once copied out: the pool's blocks are free to go, whatever the store does later.
+        self._saved.update(s.request_id for s in saves if s.request_id is not None)  # a spill has none
+
+    def _store_rows(
+        self, jobs: Sequence[tuple[str, list[bytes], list[int]]], staging: torch.Tensor, copied: float
+    ) -> None:
+        """Put staged rows into their byte tiers (on the save thread, or here without threads)."""
+        for tier, keys, rows in jobs:
             figures = self.figures[tier]
             started = time.perf_counter()
-            stored = self._put(tier, [saves[to_bytes[row]].key for row in rows], rows, staging)
+            stored = self._put(tier, keys, rows, staging)
             figures.save_seconds += time.perf_counter() - started + copied * len(rows)
             figures.blocks_saved += stored
             figures.bytes_saved += stored * self.block_bytes
             figures.failed_saves += len(rows) - stored
-        self._saved.update(s.request_id for s in saves if s.request_id is not None)  # a spill has none
 
     def _copy_out(
         self, saves: Sequence[BlockSave], to_host: list[int], to_bytes: list[int], staging: torch.Tensor
@@ -379,6 +537,16 @@ class KVTransferWorker:
             return 0
 
     def get_finished(self) -> TransferResult:
+        threads = self.threads
+        if threads is not None and self._fetches:
+            for outcome in threads.finished_loads():
+                job = self._fetches.pop(outcome.ticket, None)
+                if job is None:
+                    continue  # dropped meanwhile
+                if outcome.ok:
+                    self._land(job, outcome.value, None)  # type: ignore[arg-type]  # _fetch returns list[bool]
+                else:
+                    self._land(job, None, "timed out" if outcome.timed_out else f"failed ({outcome.error!r})")
         result = TransferResult(frozenset(self._loaded), frozenset(self._saved), dict(self._failed))
         self._loaded.clear()
         self._saved.clear()
@@ -386,6 +554,8 @@ class KVTransferWorker:
         return result
 
     def close(self) -> None:
+        if self.threads is not None:
+            self.threads.close()
         for store in self.stores.values():
             try:
                 store.close()
@@ -406,6 +576,17 @@ class KVTiers:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.connector.tiers)
+
+    def poll(self, scheduler: Scheduler) -> None:
+        """Before a step is planned: hand the scheduler the asynchronous loads that ended since the last step."""
+        if self.worker.num_fetching:
+            result = self.worker.get_finished()
+            if result:
+                scheduler.take_transfers(result)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Nothing to compute: block until a load in flight ends (at most ``timeout`` s, to take new requests)."""
+        self.worker.wait_for_fetches(timeout)
 
     def before_forward(self, scheduler: Scheduler, plan: SchedulerOutput) -> SchedulerOutput:
         """Start the step's loads; the plan to run (failed loads are computed instead)."""
@@ -439,20 +620,6 @@ class KVTiers:
         )
         for rid in request_ids:
             self.connector.forget_request(rid, unwritten)
-
-    def recover(self, scheduler: Scheduler, plan: SchedulerOutput) -> None:
-        """After the step of ``plan`` failed: drop its transfers, so that no tier keeps what was never written."""
-        self.worker.get_finished()  # whatever it had finished belongs to the failed step
-        self.connector.reset()
-        meta = plan.connector_meta
-        if meta:
-            rids = frozenset(
-                [*(t.request_id for t in meta.loads), *(t.request_id for t in meta.saves if t.request_id is not None)]
-            )
-            try:
-                scheduler.apply_transfers(plan, TransferResult(finished_loads=rids, finished_saves=rids))
-            except KVPoolError:
-                pass  # the plan was already applied or superseded: nothing waits on it
 
     def figures(self) -> dict[str, dict[str, Any]]:
         """Per tier: what the worker moved, what the connector decided, and the store's own counters."""
@@ -489,6 +656,8 @@ def build_kv_tiers(
     write: WritePolicy = WritePolicy.WRITE_THROUGH,
     unauthenticated: bool = False,
     targets: Sequence[TierTarget] | None = None,
+    async_loads: bool = True,
+    load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S,
 ) -> KVTiers | None:
     """Open the tiers ``specs`` name, in lookup order, saving by the ``write`` policy; None when there are none.
 
@@ -496,6 +665,8 @@ def build_kv_tiers(
     weights (:func:`tier_weights`: ``namespace``, else the digest of ``model_folder``'s files), so
     an engine never reads another model's entries. A disk or Redis tier is opened with
     ``secret_file``, or with ``unauthenticated`` (:func:`kvpool.tiers.store.check_tier_trust`).
+    With ``async_loads``, disk and Redis transfers run on transfer threads, off the step, and a
+    load that takes longer than ``load_deadline_s`` seconds is computed instead.
     """
     # ``targets``: ``specs`` already parsed (EngineOptions.kv_tier_targets); parsed here only when not given
     targets = parse_specs(specs) if targets is None else tuple(targets)
@@ -561,6 +732,9 @@ def build_kv_tiers(
         for store in stores:
             store.close()
         raise
-    connector = TierHierarchyConnector(manager, tiers, write=write)
-    worker = KVTransferWorker(kv_caches, host.num_blocks if host is not None else 0, stores)
+    threads = None
+    if async_loads and stores:
+        threads = TransferThreads("kv-tiers", load_deadline_s=load_deadline_s)
+    connector = TierHierarchyConnector(manager, tiers, write=write, async_loads=threads is not None)
+    worker = KVTransferWorker(kv_caches, host.num_blocks if host is not None else 0, stores, threads)
     return KVTiers(connector=connector, worker=worker, specs=specs, host=host, stores=tuple(stores))

@@ -107,6 +107,10 @@ Prompt = str | Sequence[int]
 
 _LOGGER = logging.getLogger("kvpool.engine")
 
+#: With nothing to compute while tier loads run, how long a step waits for one to end before it
+#: returns (the serving loop then takes new requests: none waits longer than this for a slow tier).
+_IDLE_WAIT_S = 0.005
+
 
 def _check_bool(name: str, value: object) -> None:
     if type(value) is not bool:
@@ -188,6 +192,7 @@ class LLMEngine:
             (getattr(setup.model.config, "architectures", None) or [type(setup.model).__name__])[0], record,
             model_folder=setup.model_path, namespace=chosen.kv_tier_namespace, write=chosen.kv_tier_write,
             unauthenticated=chosen.kv_tier_unauthenticated, targets=chosen.kv_tier_targets,
+            load_deadline_s=chosen.kv_tier_load_deadline,
         )  # fmt: skip
         if self.kv_tiers is not None:
             setup.runner.kv_load_wait = self.kv_tiers.worker.wait_for_layer_load
@@ -491,7 +496,7 @@ class LLMEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_waiting + self.scheduler.num_running
+        return self.scheduler.num_waiting + self.scheduler.num_running + self.scheduler.num_loading
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -503,15 +508,22 @@ class LLMEngine:
         step goes on for the others. Only an interrupt (``BaseException``
         that is not an ``Exception``) is raised, after the step's requests failed.
         """
+        tiers = self.kv_tiers
+        if tiers is not None:  # requests whose tier loads ended wait again, first in line
+            tiers.poll(self.scheduler)
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if tiers is not None and self.scheduler.num_loading:
+                tiers.before_forward(self.scheduler, plan)  # the loads it planned start; nothing to compute yet
+                if self.scheduler.num_loading:
+                    tiers.wait_for_loads(_IDLE_WAIT_S)
+                return []
             if self.scheduler.has_unfinished_requests():
                 raise RequestStateError("the scheduler could not schedule any waiting request")
             return []
         failed: dict[str, str] = {}
         dropped: set[str] = set()
         sampled: dict[str, SampledToken] = {}
-        tiers = self.kv_tiers
         try:
             if tiers is not None:  # loads first; a failed one is computed in this very pass
                 plan = tiers.before_forward(self.scheduler, plan)

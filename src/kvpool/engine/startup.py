@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -70,6 +71,7 @@ from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.kinds import WritePolicy
 from kvpool.tiers.store import TierTarget, check_tier_trust, parse_specs
+from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S
 
 __all__ = ["EngineOptions", "EngineSetup", "start_engine"]
 
@@ -125,6 +127,9 @@ class EngineOptions:
         kv_tier_write: when blocks go down to the tiers, a
             :class:`kvpool.tiers.WritePolicy` or its name: ``write-through``
             (when a block fills) or ``write-back`` (when the pool evicts it).
+        kv_tier_load_deadline: seconds a disk or Redis load may take; a request
+            whose blocks have not arrived by then computes them instead. Those
+            loads run off the step: the request waits, the batch steps on.
         threads: CPU threads of a step: a count, ``"auto"`` (follow the cores
             other processes leave free, re-measured between steps; see
             :mod:`kvpool.engine.threads`), or None to leave torch's setting.
@@ -153,6 +158,7 @@ class EngineOptions:
     kv_tier_unauthenticated: bool = False
     kv_tier_namespace: str | None = None
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
+    kv_tier_load_deadline: float = DEFAULT_LOAD_DEADLINE_S
     threads: int | str | None = None
     tenant_weights: TenantWeights = field(default_factory=TenantWeights)
     tensor_parallel_size: int = 1
@@ -187,6 +193,9 @@ class EngineOptions:
         object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
         object.__setattr__(self, "kv_tier_targets", parse_specs(self.kv_tiers))  # the one parse
         object.__setattr__(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
+        deadline = self.kv_tier_load_deadline
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf:
+            raise ConfigError(f"kv_tier_load_deadline must be a finite number of seconds > 0, got {deadline!r}")
         parse_threads(self.threads)
         if check_int("tensor_parallel_size", self.tensor_parallel_size) != 1:
             raise ConfigError(

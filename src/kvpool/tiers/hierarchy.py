@@ -101,11 +101,14 @@ class TierHierarchyConnector:
         write: WritePolicy = WritePolicy.WRITE_THROUGH,
         allow_fast_hash: bool = False,
         chooser: MatchChooser | None = None,
+        async_loads: bool = False,
     ) -> None:
         if not isinstance(manager, KVCacheManager):
             raise ConfigError(f"manager must be a KVCacheManager, got {manager!r}")
         if not isinstance(write, WritePolicy):
             raise ConfigError(f"write must be a WritePolicy, got {write!r}")
+        if type(async_loads) is not bool:
+            raise ConfigError(f"async_loads must be True or False, got {async_loads!r}")
         policy = TierPolicy(tiers)
         if not manager.enable_caching:
             raise ConfigError("KV tiers need prefix caching (blocks are found by their hash)")
@@ -121,6 +124,9 @@ class TierHierarchyConnector:
         self.counters = {name: TierCounters(name) for name in policy.names}
         #: Load or compute: trims each match to what is worth loading (None: load all the tiers hold).
         self.chooser = chooser
+        #: Loads from byte tiers (disk, Redis) finish in a later step: the request waits, the batch steps on.
+        self.async_loads = async_loads
+        self._byte_tiers = frozenset(t.name for t in policy.tiers if isinstance(t, ByteTier))
         self._offered: dict[str, ExternalMatch] = {}  # the tiers' answer before the chooser, per request asked
         self._pool = manager.pool
         self._host = policy.host
@@ -148,10 +154,12 @@ class TierHierarchyConnector:
             return NO_MATCH  # a partial local hit cannot be extended by whole blocks
         keys = request.block_hashes[first : (request.num_tokens - 1) // bs]
         match = ExternalMatch(tuple(TierRun(name, blocks * bs) for name, blocks in self.policy.match(keys)))
-        if self.chooser is None or not match.runs:
-            return match
-        self._offered[request.request_id] = match
-        return self.chooser.choose(match)
+        if self.chooser is not None and match.runs:
+            self._offered[request.request_id] = match
+            match = self.chooser.choose(match)
+        if self.async_loads and any(run.tier in self._byte_tiers for run in match.runs):
+            match = ExternalMatch(match.runs, asynchronous=True)
+        return match
 
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_local_tokens: int, match: ExternalMatch
@@ -175,7 +183,7 @@ class TierHierarchyConnector:
                     if self._host is not None and run.tier == self._host.name:
                         slot = self._host.pin(key)
                         self._pinned.setdefault(rid, []).append(slot)
-                    loads.append(BlockLoad(rid, pos, block_ids[pos], key, run.tier, slot))
+                    loads.append(BlockLoad(rid, pos, block_ids[pos], key, run.tier, slot, match.asynchronous))
                     origin[pos] = run.tier
                     counters.hit_blocks += 1
                     pos += 1
