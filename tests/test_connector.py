@@ -404,9 +404,9 @@ def test_tiers_publish_what_they_store_and_evict_under_their_medium():
     hashes = a.block_hashes
     assert held(events, BlockStored, "GPU") == hashes[:3]
     assert held(events, BlockStored, "CPU") == hashes[:2]
-    assert held(events, BlockStored, "DISK") == hashes[:3]
+    assert held(events, BlockStored, "STORAGE") == hashes[:3]
     second = next(
-        e for e in events if isinstance(e, BlockStored) and e.medium == "DISK" and e.block_hashes == (hashes[1],)
+        e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE" and e.block_hashes == (hashes[1],)
     )
     assert second.parent_block_hash == hashes[0] and second.token_ids == tuple(prompt(13)[4:8])
     assert second.block_size == BS and not held(events, BlockRemoved, "CPU")

@@ -63,6 +63,7 @@ from kvpool.manager import KVCacheManager
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
 from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
+from kvpool.tiers.load_or_compute import LoadOrCompute, TransferCosts, registry_links
 from kvpool.tiers.store import TierTarget, check_tier_trust, parse_specs
 from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads
 from kvpool.tiers.weights import tier_weights
@@ -77,6 +78,10 @@ _LOGGER = logging.getLogger("kvpool.engine")
 
 
 _CPU = TierKind.CPU.value
+
+#: The prefill rate load or compute assumes until the first step is measured (tokens/s), on the CPU
+#: and on CUDA: a guess of the right order that the first prefill replaces.
+_PREFILL_PRIOR = {False: 2_000.0, True: 20_000.0}
 
 
 def check_tier_specs(specs: Sequence[str]) -> tuple[str, ...]:
@@ -140,6 +145,8 @@ class _AsyncFetch:
     request_id: str
     loads: tuple[BlockLoad, ...]
     staging: torch.Tensor
+    #: Each tier's fetch, as the load thread timed it: (tier, blocks, seconds).
+    timings: list[tuple[str, int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -172,6 +179,7 @@ class KVTransferWorker:
         host_blocks: blocks of the CPU tier (0: none).
         stores: the byte tiers, by their ``name``.
         threads: where byte-tier fetches and stores run (None: on the caller's thread, in the step).
+        costs: told every fetch's size and time (load or compute decides by them); None: nobody.
     """
 
     def __init__(
@@ -180,6 +188,7 @@ class KVTransferWorker:
         host_blocks: int,
         stores: Sequence[BlockStore],
         threads: TransferThreads | None = None,
+        costs: TransferCosts | None = None,
     ) -> None:
         if not _one_pair_per_layer(kv_caches):
             raise ConfigError("KV tiers need one KV tensor pair per layer (models with one layer group)")
@@ -213,6 +222,7 @@ class KVTransferWorker:
         self._saved: set[str] = set()
         self._failed: dict[str, int] = {}
         self.threads = threads
+        self.costs = costs
         self._fetches: dict[int, _AsyncFetch] = {}  # ticket -> what it fetches
         self._fetching: dict[str, int] = {}  # request -> the first position of its asynchronous loads
 
@@ -260,7 +270,10 @@ class KVTransferWorker:
                     row_of[byte_loads[row]] = row
                 else:
                     failed[load.request_id] = min(failed.get(load.request_id, 1 << 62), load.position)
-            self.figures[tier].load_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.figures[tier].load_seconds += seconds
+            if self.costs is not None:
+                self.costs.note_load(tier, len(rows), len(rows) * self.block_bytes, seconds)
         from_host: list[BlockLoad] = []
         from_bytes: list[tuple[BlockLoad, int]] = []
         for i, load in enumerate(meta.loads):
@@ -320,7 +333,9 @@ class KVTransferWorker:
                 stop += 1
             started = time.perf_counter()
             got = self._fetch_into(tier, job.loads[start:stop], job.staging, rows[start:stop])
-            self.figures[tier].load_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.figures[tier].load_seconds += seconds
+            job.timings.append((tier, stop - start, seconds))
             arrived.extend(got)
             if not all(got):
                 arrived.extend([False] * (len(job.loads) - stop))  # the request computes from the first miss
@@ -332,6 +347,7 @@ class KVTransferWorker:
         """On the caller's thread: copy what a fetch brought into the pool, up to its first miss, and report it."""
         rid = job.request_id
         self._fetching.pop(rid, None)
+        self._note_costs(job, arrived is not None)
         if arrived is None:  # the fetch raised or ran past its deadline: none of it arrived
             arrived = [False] * len(job.loads)
             _LOGGER.warning("KV tier load for request %s: %s; its tokens are computed instead", rid, reason)
@@ -349,6 +365,21 @@ class KVTransferWorker:
         self._loaded.add(rid)
         if kept < len(job.loads):
             self._failed[rid] = job.loads[kept].position * self.block_size
+
+    def _note_costs(self, job: _AsyncFetch, in_time: bool) -> None:
+        """Tell the measurement what each tier's fetch took; a fetch that never came back took the deadline."""
+        costs = self.costs
+        if costs is None:
+            return
+        for tier, blocks, seconds in job.timings:
+            costs.note_load(tier, blocks, blocks * self.block_bytes, seconds)
+        if not in_time:
+            deadline = self.threads.load_deadline_s if self.threads is not None else 0.0
+            timed = {tier for tier, _, _ in job.timings}
+            for tier in dict.fromkeys(load.tier for load in job.loads):
+                if tier not in timed:
+                    blocks = sum(1 for load in job.loads if load.tier == tier)
+                    costs.note_failed_load(tier, blocks, deadline)
 
     def _copy_in_now(
         self, from_host: list[BlockLoad], from_bytes: list[tuple[BlockLoad, int]], staging: torch.Tensor | None
@@ -572,6 +603,13 @@ class KVTiers:
     specs: tuple[str, ...]
     host: HostTier | None = None
     stores: tuple[Any, ...] = field(default_factory=tuple)
+    #: Load or compute: which tier hits are worth loading, by the measured costs (None: every hit loads).
+    chooser: LoadOrCompute | None = None
+
+    def note_step(self, num_tokens: int, seconds: float) -> None:
+        """A forward pass computed ``num_tokens`` tokens in ``seconds``: the prefill rate load or compute weighs."""
+        if self.chooser is not None:
+            self.chooser.costs.note_prefill(num_tokens, seconds)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -735,6 +773,12 @@ def build_kv_tiers(
     threads = None
     if async_loads and stores:
         threads = TransferThreads("kv-tiers", load_deadline_s=load_deadline_s)
-    connector = TierHierarchyConnector(manager, tiers, write=write, async_loads=threads is not None)
-    worker = KVTransferWorker(kv_caches, host.num_blocks if host is not None else 0, stores, threads)
-    return KVTiers(connector=connector, worker=worker, specs=specs, host=host, stores=tuple(stores))
+    costs = TransferCosts(
+        registry_links(t.name for t in tiers),
+        block_bytes=spec.block_bytes,
+        prefill_tokens_per_s=_PREFILL_PRIOR[kv_caches.device.type == "cuda"],
+    )
+    chooser = LoadOrCompute(costs, block_size=spec.block_size)
+    connector = TierHierarchyConnector(manager, tiers, write=write, async_loads=threads is not None, chooser=chooser)
+    worker = KVTransferWorker(kv_caches, host.num_blocks if host is not None else 0, stores, threads, costs)
+    return KVTiers(connector=connector, worker=worker, specs=specs, host=host, stores=tuple(stores), chooser=chooser)

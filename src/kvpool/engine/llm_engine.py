@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -528,7 +529,10 @@ class LLMEngine:
             if tiers is not None:  # loads first; a failed one is computed in this very pass
                 plan = tiers.before_forward(self.scheduler, plan)
             # the scheduler's chunks, as they are: checked when they were made
+            started = time.perf_counter()
             result = forward_contained(self.setup.runner.execute, plan.chunks)
+            if tiers is not None:
+                tiers.note_step(plan.num_batched_tokens, time.perf_counter() - started)
             failed.update(result.failed)
             failed.update(dependants(self.manager, plan.chunks, failed))
             self._drop_unwritten(plan, failed, dropped)

@@ -45,6 +45,7 @@ from kvpool.manager import KVCacheManager
 from kvpool.request import Request
 from kvpool.tiers.kinds import WritePolicy
 from kvpool.tiers.policy import ByteTier, HostTier, PrefixLookup, Tier, TierCounters, TierPolicy
+from kvpool.tiers.store import event_medium
 
 # HostTier, ByteTier and the rest moved to kvpool.tiers.policy; importable here as before.
 __all__ = ["ByteTier", "HostTier", "MatchChooser", "PrefixLookup", "Tier", "TierCounters", "TierHierarchyConnector"]
@@ -170,7 +171,7 @@ class TierHierarchyConnector:
         self._saved_upto[rid] = pos
         offered = self._offered.pop(rid, None)
         if self.chooser is not None and offered is not None:
-            self.chooser.count(offered, match)
+            self.chooser.count(offered, ExternalMatch(match.runs, offered.asynchronous))
         origin: dict[int, str] = {}
         loads: list[BlockLoad] = []
         if match.runs:
@@ -238,7 +239,7 @@ class TierHierarchyConnector:
                 tokens = tokens or request.all_token_ids  # a copy: taken once per request
                 event = self._pool.stored_event(request, hashes, [pos], block_size=self.block_size, tokens=tokens)
                 stored = self._stored.setdefault(rid, [])
-                stored.extend(dataclasses.replace(event, medium=name.upper()) for name in tiers)
+                stored.extend(dataclasses.replace(event, medium=event_medium(name)) for name in tiers)
 
     def _remember_on_fill(self, request: Request, first: int, stop: int, saves: list[BlockSave]) -> None:
         """Write-back: blocks ``first .. stop-1`` of ``request`` became full; they go down when evicted."""
@@ -285,7 +286,7 @@ class TierHierarchyConnector:
                 self.counters[name].saved_blocks += 1
             if entry.event is not None:
                 for name in tiers:
-                    self._pool.record(dataclasses.replace(entry.event, medium=name.upper()))
+                    self._pool.record(dataclasses.replace(entry.event, medium=event_medium(name)))
         self._evicted.clear()
         if self._host is not None:
             slots = [s.host_slot for s in spills if s.host_slot is not None]
@@ -374,7 +375,7 @@ class TierHierarchyConnector:
 
     def _record_removed(self, tier: str, keys: Sequence[bytes]) -> None:
         if keys:
-            self._pool.record(BlockRemoved(block_hashes=tuple(BlockHash(k) for k in keys), medium=tier.upper()))
+            self._pool.record(BlockRemoved(block_hashes=tuple(BlockHash(k) for k in keys), medium=event_medium(tier)))
 
     # -- figures ---------------------------------------------------------------------
 
