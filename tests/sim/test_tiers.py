@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvpool.errors import ConfigError
-from kvpool.sim.simulator import CostModel, SimulationConfig, simulate
+from kvpool.sim.simulator import CostModel, SimulationConfig, SimulationResult, simulate
 from kvpool.sim.traces import SharedSegment, TraceRequest, UniqueSegment
 from kvpool.sim.transfers import DEFAULT_LINKS, KeyStore, TierLink, capacity_blocks
 from kvpool.tiers import CpuTarget, TierKind, WritePolicy, parse_spec, parse_specs
@@ -115,3 +115,59 @@ def test_write_back_saves_less_than_write_through_and_both_beat_the_pool_alone()
 
 def _fields(config: SimulationConfig) -> dict[str, object]:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+# -- load or compute -------------------------------------------------------------------------------------
+
+
+SLOW_REDIS = {TierKind.REDIS: TierLink(bandwidth_bytes_per_s=1e9, latency_s=0.5)}  # half a second per load
+
+
+def test_a_tier_slower_than_computing_is_computed_and_counted():
+    trace = _evicted_then_reused()
+    plain = simulate(trace, SimulationConfig(num_blocks=6, cost=COST))
+    config = SimulationConfig(
+        num_blocks=6, cost=COST, tiers=parse_specs(["redis://127.0.0.1:1/0"]), tier_links=SLOW_REDIS
+    )
+    ruled = simulate(trace, config)
+    always = simulate(trace, SimulationConfig(**{**_fields(config), "load_or_compute": False}))
+    # c's 64 tokens compute in 64 ms; the load would take 0.5 s: computed, as without the tier.
+    assert ruled.hit_tokens_by_tier == {"gpu": 0, "redis": 0} and ruled.tier_load_seconds == 0
+    assert ruled.tier_blocks_computed == {"redis": 4}
+    assert ruled.load_decisions == {"loaded": 0, "cut": 0, "computed": 1, "probed": 0}
+    assert [s for _, s in ruled.ttft_points] == [s for _, s in plain.ttft_points]
+    # Without the rule c loads, and its first token comes later than with no tier at all.
+    assert always.hit_tokens_by_tier == {"gpu": 0, "redis": 64}
+    assert always.tier_blocks_computed == {} and always.load_decisions == {}
+    assert [s for _, s in always.ttft_points][-1] > [s for _, s in plain.ttft_points][-1] + 0.4
+
+
+def _first_tokens(result: SimulationResult) -> dict[float, float]:
+    """Each request's time to first token, by its arrival (ms after the first, rounded)."""
+    return {round((done - ttft) * 1000): ttft for done, ttft in result.ttft_points}
+
+
+@pytest.mark.parametrize("latency_s", [0.0005, 0.005, 0.02, 0.5])
+def test_with_the_rule_no_request_waits_longer_for_its_first_token_than_without_the_tier(latency_s):
+    """Prompts of 16 to 1,024 shared tokens, each evicted from the pool and then asked again, over a tier
+    a block loads from in a third of its compute, after a latency of a block's compute to hundreds of blocks'."""
+    trace = []
+    for i, length in enumerate((16, 48, 160, 512, 1024)):
+        shared = SharedSegment(name=f"p{i}", length=length)
+        start = 30_000.0 * i
+        trace.append(TraceRequest.create(f"a{i}", start, (shared, UniqueSegment(length=5)), 1))
+        trace.append(TraceRequest.create(f"b{i}", start + 10_000, (UniqueSegment(length=1100),), 1))
+        trace.append(TraceRequest.create(f"c{i}", start + 20_000, (shared, UniqueSegment(length=5)), 1))
+    cost = CostModel(step_overhead_s=0.01, prefill_s_per_token=50e-6, decode_s_per_seq=0.0, kv_bytes_per_token=1000)
+    plain = SimulationConfig(num_blocks=70, cost=cost, max_num_batched_tokens=2048)  # b evicts all
+    links = {TierKind.DISK: TierLink(bandwidth_bytes_per_s=64e6, latency_s=latency_s)}  # 0.25 ms a block
+    tiered = SimulationConfig(**{**_fields(plain), "tiers": parse_specs(["disk:/nowhere:10MB"]), "tier_links": links})
+    without = _first_tokens(simulate(trace, plain))
+    ruled = simulate(trace, tiered)
+    with_rule = _first_tokens(ruled)
+    always = _first_tokens(simulate(trace, SimulationConfig(**{**_fields(tiered), "load_or_compute": False})))
+    assert len(without) == len(with_rule) == len(always) == len(trace)
+    assert [a for a in without if with_rule[a] > without[a] + 1e-9] == []
+    slower_without_the_rule = [a for a in without if always[a] > without[a] + 1e-9]
+    assert bool(slower_without_the_rule) == (latency_s > 0.001)  # the rule is what keeps them from it
+    assert ruled.hit_tokens_by_tier["disk"] > 0 or latency_s == 0.5  # and it still loads where that pays

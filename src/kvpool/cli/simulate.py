@@ -91,6 +91,13 @@ def _load_line(result: SimulationResult) -> str:
     return rates
 
 
+def _decisions_line(result: SimulationResult) -> str:
+    """What the load-or-compute rule decided: requests each way, and the tier blocks computed instead of loaded."""
+    ways = ", ".join(f"{n:,} {way}" for way, n in result.load_decisions.items() if n)
+    computed = ", ".join(f"{tier} {n:,}" for tier, n in result.tier_blocks_computed.items() if n)
+    return f"requests {ways or 'none'}; blocks computed instead of loaded: {computed or 'none'}"
+
+
 def _print_table(result: SimulationResult, label: str) -> None:
     rows = [
         ("requests", f"{result.requests:,}"),
@@ -122,6 +129,8 @@ def _print_table(result: SimulationResult, label: str) -> None:
         rows.insert(4, ("hits by tier", f"{share} of prompt tokens"))
         rows.insert(5, ("tier load time", f"{result.tier_load_seconds:,.1f} s in all (added to the steps that load)"))
         rows.insert(6, ("tier save time", f"{result.tier_save_seconds:,.1f} s in all (not on the steps' path)"))
+        if result.load_decisions:
+            rows.insert(7, ("load or compute", _decisions_line(result)))
     if result.replicas > 1:
         rows.insert(1, ("replicas", f"{result.replicas}, routing {result.routing}"))
         rows.append(
@@ -330,7 +339,8 @@ def simulate(
     are simulated with the cost model (defaults: 10 ms per step, 50 us per
     prefill token, 100 us per decoding sequence). Requests larger than the
     whole pool are counted as rejected and skipped. --tier adds offload tiers
-    (a load costs its latency plus the blocks' bytes over the tier's bandwidth);
+    (a load costs its latency plus the blocks' bytes over the tier's bandwidth,
+    and a hit is loaded only where that is faster than computing it);
     --replicas N with --routing spreads the trace over N replicas; --ttft-slo
     searches for the fewest replicas that meet it. --curve needs numpy, and
     --plot-dir and --plot matplotlib (the sim extra).

@@ -17,6 +17,13 @@ replica's GPU pool through the engine's own connector
 step that loads blocks from a tier takes that load's time on top of its compute
 (loads are not overlapped with compute: a conservative model); saves are
 accounted apart (``tier_save_seconds``), as they can overlap the next step.
+A replica loads a tier's blocks only where that is faster than computing them
+(``load_or_compute``, on by default): the engine's rule
+(:class:`~kvpool.tiers.load_or_compute.LoadOrCompute`), measuring the links'
+simulated times and the replica's own steps, from the links and the cost
+model's prefill rate as priors. ``tier_blocks_computed`` counts the blocks a
+tier held that were computed instead, ``load_decisions`` the requests decided
+each way.
 
 Several replicas (``replicas``): each has its own pool, scheduler and clock
 (private tiers too; a shared tier, Redis, is one store for all). Each arrival is
@@ -41,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpool.checks import check_int
+from kvpool.checks import check_flag, check_int
 from kvpool.connector import GPU
 from kvpool.errors import CapacityError, ConfigError
 from kvpool.hashing import HashAlgo
@@ -53,6 +60,7 @@ from kvpool.sim.traces import TraceRequest
 from kvpool.sim.transfers import DEFAULT_LINKS, KeyStore, TierLink, TimingWorker, build_tiers
 from kvpool.tiers.hierarchy import TierHierarchyConnector
 from kvpool.tiers.kinds import TierKind, WritePolicy
+from kvpool.tiers.load_or_compute import LoadOrCompute
 from kvpool.tiers.store import TierTarget
 
 if TYPE_CHECKING:
@@ -119,9 +127,12 @@ class SimulationConfig:
     tier_links: Mapping[TierKind, TierLink] = field(default_factory=lambda: dict(DEFAULT_LINKS))
     replicas: int = 1
     routing: Routing = Routing.PREFIX
+    #: Load a tier's blocks only where that is faster than computing them (the engine's rule); False: always load.
+    load_or_compute: bool = True
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, minimum=2)
+        check_flag("load_or_compute", self.load_or_compute)
         check_int("replicas", self.replicas)
         interval = self.usage_interval_s
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 < interval < math.inf:
@@ -208,6 +219,11 @@ class SimulationResult:
     queue_timeline: tuple[tuple[float, int], ...] = ()
     #: (time of the first token, time to first token) of every finished request, in finishing order.
     ttft_points: tuple[tuple[float, float], ...] = ()
+    #: Per tier, blocks it held that load or compute computed instead (empty when the rule is off).
+    tier_blocks_computed: dict[str, int] = field(default_factory=dict)
+    #: Admitted requests the tiers offered blocks, by the rule's decision (``loaded``, ``cut``, ``computed``,
+    #: ``probed``; empty when the rule is off).
+    load_decisions: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -271,6 +287,7 @@ class _Replica:
         self.connector: TierHierarchyConnector | None = None
         self.worker: TimingWorker | None = None
         if config.tiers:
+            per_token = config.cost.prefill_s_per_token
             self.connector, self.worker = build_tiers(
                 config.tiers,
                 self.manager,
@@ -278,6 +295,7 @@ class _Replica:
                 write=config.tier_write,
                 links=config.tier_links,
                 shared=shared,
+                prefill_tokens_per_s=1 / per_token if config.load_or_compute and per_token > 0 else None,
             )
         self.clock = start
         self.scheduler = Scheduler(
@@ -386,6 +404,8 @@ class _Replica:
         self.in_flight_prefill = prefill_tokens
         seconds = config.cost.step_seconds(prefill_tokens, decode_seqs)
         if self.worker is not None:
+            if self.worker.costs is not None:
+                self.worker.costs.note_prefill(prefill_tokens, seconds)
             load = self.worker.take_load_seconds()
             self.load_seconds += load
             self.save_seconds += self.worker.take_save_seconds()
@@ -397,6 +417,11 @@ class _Replica:
             del self.live[metrics.request_id]
             scheduler.forget(metrics.request_id)
         return done
+
+    def decisions(self) -> dict[str, Any]:
+        """The load-or-compute rule's figures (:meth:`LoadOrCompute.figures`), or {} without it."""
+        chooser = self.connector.chooser if self.connector is not None else None
+        return chooser.figures() if isinstance(chooser, LoadOrCompute) else {}
 
     def figures(self) -> ReplicaFigures:
         return ReplicaFigures(
@@ -502,6 +527,7 @@ def simulate(
     arrival_span = (requests[-1].arrival_ms / 1000 - first_arrival) if requests else 0.0
     offered = (prompt_tokens - hit_tokens) / arrival_span if arrival_span > 0 else None
     servable = len(replicas) * config.cost.servable_prefill_tokens_per_s(config.max_num_batched_tokens)
+    blocks_computed, decisions = _decisions(replicas)
     ttfts.sort()
     queues.sort()
     return SimulationResult(
@@ -543,4 +569,19 @@ def simulate(
         overloaded=offered is not None and offered > servable,
         queue_timeline=tuple(queue_timeline),
         ttft_points=tuple(ttft_points),
+        tier_blocks_computed=blocks_computed,
+        load_decisions=decisions,
     )
+
+
+def _decisions(replicas: Sequence[_Replica]) -> tuple[dict[str, int], dict[str, int]]:
+    """The load-or-compute rule's decisions over ``replicas``: per tier the blocks computed, per way the requests."""
+    blocks: dict[str, int] = {}
+    requests: dict[str, int] = {}
+    for replica in replicas:
+        figures = replica.decisions()
+        for name, tier in figures.get("tiers", {}).items():
+            blocks[name] = blocks.get(name, 0) + tier["blocks_computed"]
+        for way, count in figures.get("requests", {}).items():
+            requests[way] = requests.get(way, 0) + count
+    return blocks, requests

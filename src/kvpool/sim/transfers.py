@@ -13,6 +13,12 @@ Tiers are the engine's specs (``cpu:4GiB``, ``disk:/path:50GiB``,
 becomes blocks through the block's bytes (``block_size x kv_bytes_per_token``).
 A Redis spec bounds nothing (Redis evicts by its own policy), so the simulated
 Redis tier is unbounded, and one store serves every replica.
+
+Load or compute: each replica's connector takes the engine's rule
+(:class:`~kvpool.tiers.load_or_compute.LoadOrCompute`) when :func:`build_tiers`
+is given the replica's prefill rate. Its measurement is fed as the engine's is:
+the timing worker notes each step's fetch from each tier (blocks, bytes, the
+link's seconds), the replica each step's prefill tokens and seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kvpool.manager import KVCacheManager
 from kvpool.tiers.disk import DiskTarget
 from kvpool.tiers.hierarchy import ByteTier, HostTier, Tier, TierHierarchyConnector
 from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
+from kvpool.tiers.load_or_compute import LinkPrior, LoadOrCompute, TransferCosts
 from kvpool.tiers.store import BACKENDS, TierTarget
 
 __all__ = ["DEFAULT_LINKS", "KeyStore", "TierLink", "TimingWorker", "build_tiers", "capacity_blocks"]
@@ -122,15 +129,23 @@ class TimingWorker:
     longer holds fails, as in the engine, and the scheduler computes it.
     ``take_load_seconds`` / ``take_save_seconds`` drain the time since the
     last call; ``blocks_loaded`` / ``blocks_saved`` count blocks by tier.
+    ``costs`` (optional): the load-or-compute measurement, told each fetch.
     """
 
     def __init__(
-        self, stores: Mapping[str, KeyStore], links: Mapping[str, TierLink], *, block_size: int, block_bytes: int
+        self,
+        stores: Mapping[str, KeyStore],
+        links: Mapping[str, TierLink],
+        *,
+        block_size: int,
+        block_bytes: int,
+        costs: TransferCosts | None = None,
     ) -> None:
         self.stores = dict(stores)
         self.block_size = block_size
         self.links = dict(links)
         self.block_bytes = block_bytes
+        self.costs = costs
         self.blocks_loaded = dict.fromkeys(self.links, 0)
         self.blocks_saved = dict.fromkeys(self.links, 0)
         self._load_s = 0.0
@@ -155,8 +170,11 @@ class TimingWorker:
             if failed is None or load.position < failed:
                 by_tier[load.tier] = by_tier.get(load.tier, 0) + 1
         for tier, blocks in by_tier.items():
+            seconds = self.links[tier].seconds(blocks, self.block_bytes)
             self.blocks_loaded[tier] += blocks
-            self._load_s += self.links[tier].seconds(blocks, self.block_bytes)
+            self._load_s += seconds
+            if self.costs is not None:
+                self.costs.note_load(tier, blocks, blocks * self.block_bytes, seconds)
         self._loaded.update(load.request_id for load in meta.loads)
         for rid, position in first_failed.items():
             self._failed[rid] = position * self.block_size  # the tokens in place, from position 0
@@ -201,10 +219,13 @@ def build_tiers(
     write: WritePolicy,
     links: Mapping[TierKind, TierLink],
     shared: dict[TierKind, KeyStore],
+    prefill_tokens_per_s: float | None = None,
 ) -> tuple[TierHierarchyConnector, TimingWorker]:
     """The engine's connector over ``targets`` for one simulated replica, and its timing worker.
 
     A fleet-wide tier's store (Redis) is taken from (or put in) ``shared``: one for every replica.
+    ``prefill_tokens_per_s``: the replica's prefill rate, the prior of the connector's
+    load-or-compute rule (its links' priors are ``links``); None: every hit is loaded.
     """
     tiers: list[Tier] = []
     stores: dict[str, KeyStore] = {}
@@ -219,7 +240,16 @@ def build_tiers(
             store = KeyStore(target.kind.value, capacity)
         stores[store.name] = store
         tiers.append(ByteTier(store))
-    connector = TierHierarchyConnector(manager, tiers, write=write, allow_fast_hash=True)
     links_by_name = {t.kind.value: links[t.kind] for t in targets}
-    worker = TimingWorker(stores, links_by_name, block_size=manager.block_size, block_bytes=block_bytes)
+    costs = chooser = None
+    if prefill_tokens_per_s is not None:
+        priors = {
+            name: LinkPrior(bandwidth_bytes_per_s=link.bandwidth_bytes_per_s, latency_s=link.latency_s)
+            for name, link in links_by_name.items()
+        }
+        costs = TransferCosts(priors, block_bytes=block_bytes, prefill_tokens_per_s=prefill_tokens_per_s)
+        # A simulated link never changes, so a declined tier is never probed: a probe would only cost time.
+        chooser = LoadOrCompute(costs, block_size=manager.block_size, probe_every=None)
+    connector = TierHierarchyConnector(manager, tiers, write=write, allow_fast_hash=True, chooser=chooser)
+    worker = TimingWorker(stores, links_by_name, block_size=manager.block_size, block_bytes=block_bytes, costs=costs)
     return connector, worker
