@@ -175,3 +175,51 @@ def test_bad_prefixes_are_refused(prefix: str) -> None:
     with pytest.raises(ConfigError, match="metrics prefix"):
         check_prefix(prefix)
     assert check_prefix("vllm:") == "vllm:"
+
+
+def test_load_or_compute_series_follow_the_engines_chooser() -> None:
+    from kvpool.connector import ExternalMatch, TierRun
+    from kvpool.tiers.load_or_compute import LinkPrior, LoadOrCompute, TransferCosts
+
+    links = {
+        "cpu": LinkPrior(bandwidth_bytes_per_s=25e9, latency_s=10e-6),
+        "redis": LinkPrior(bandwidth_bytes_per_s=1.25e9, latency_s=0.5),  # a slow Redis: half a second a fetch
+    }
+    chooser = LoadOrCompute(TransferCosts(links, block_bytes=1000, prefill_tokens_per_s=2000.0), block_size=4)
+    engine = _engine(0, 0, 0, {})
+    engine.kv_tiers = SimpleNamespace(chooser=chooser)
+    metrics = ServerMetrics("m")
+    metrics.after_step(engine, [])
+    assert _value(metrics, "vllm:measured_prefill_tokens_per_second") == 2000
+    assert _value(metrics, "vllm:kv_tier_load_bandwidth_bytes_per_second", tier="redis") == 1.25e9
+    assert _value(metrics, "vllm:kv_tier_load_latency_seconds", tier="redis") == 0.5
+    assert _value(metrics, "vllm:kv_tier_blocks_computed_total", tier="redis") == 0
+    assert _value(metrics, "vllm:kv_tier_load_decisions_total", decision="cut") == 0
+
+    offered = ExternalMatch((TierRun("cpu", 8), TierRun("redis", 12)))
+    for _ in range(2):
+        chooser.count(offered, chooser.choose(offered))  # the CPU tier's two blocks loaded, Redis's three computed
+    chooser.costs.note_load("cpu", 2, 2000, 0.001)  # a slower CPU tier than its prior
+    chooser.costs.note_failed_load("redis", 3, 2.0)
+    metrics.after_step(engine, [])
+    metrics.after_step(engine, [])  # counters follow increments: nothing counted twice
+    assert _value(metrics, "vllm:kv_tier_blocks_loaded_total", tier="cpu") == 4
+    assert _value(metrics, "vllm:kv_tier_blocks_computed_total", tier="redis") == 6
+    assert _value(metrics, "vllm:kv_tier_blocks_computed_total", tier="cpu") == 0
+    assert _value(metrics, "vllm:kv_tier_failed_loads_total", tier="redis") == 1
+    assert _value(metrics, "vllm:kv_tier_load_decisions_total", decision="cut") == 2
+    assert _value(metrics, "vllm:kv_tier_load_decisions_total", decision="loaded") == 0
+    assert _value(metrics, "vllm:kv_tier_load_latency_seconds", tier="cpu") > 10e-6
+
+
+def test_no_load_or_compute_series_without_a_chooser() -> None:
+    metrics = ServerMetrics("m")
+    engine = _engine(0, 0, 0, {})
+    metrics.after_step(engine, [])  # no kv_tiers at all
+    engine.kv_tiers = SimpleNamespace()  # tiers from before the chooser
+    metrics.after_step(engine, [])
+    engine.kv_tiers = SimpleNamespace(chooser=None)
+    metrics.after_step(engine, [])
+    assert "kv_tier_load_bandwidth" not in "".join(
+        line for line in metrics.render()[0].decode().splitlines() if not line.startswith("#")
+    )

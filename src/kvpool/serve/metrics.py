@@ -72,6 +72,20 @@ suffix                                        type       what
 ``request_prefill_time_seconds``              histogram  first scheduled to first token
 ``request_decode_time_seconds``               histogram  first token to finish
 ``request_inference_time_seconds``            histogram  first scheduled to finish
+``kv_tier_load_bandwidth_bytes_per_second``   gauge      (kvpool's own, with KV tiers) each tier's
+                                                         measured load bandwidth, by ``tier``
+``kv_tier_load_latency_seconds``              gauge      its measured latency per fetch, by ``tier``
+``measured_prefill_tokens_per_second``        gauge      the engine's measured prefill rate
+``kv_tier_blocks_loaded_total``               counter    blocks load or compute took from a tier, by
+                                                         ``tier``
+``kv_tier_blocks_computed_total``             counter    blocks a tier held that were computed
+                                                         instead (loading was slower), by ``tier``
+``kv_tier_failed_loads_total``                counter    fetches that failed or missed their deadline,
+                                                         by ``tier``
+``kv_tier_load_decisions_total``              counter    admitted requests the tiers offered blocks, by
+                                                         ``decision``: ``loaded`` (all), ``cut`` (a
+                                                         leading part), ``computed`` (none), ``probed``
+                                                         (loaded to measure a declined tier)
 ============================================  =========  ==============================================
 
 The token histograms' buckets are 1, 2, 5, 10, 20, 50, ... up to the
@@ -349,6 +363,7 @@ class ServerMetrics:
             "request_prefill_kv_computed_tokens", "A finished request's prompt tokens not served by a cache.", tokens
         )
         self._tiered = engine is not None and engine.kv_tiers is not None
+        self._load_or_compute = _LoadOrComputeSeries(prefix, model_name, registry)
         self._max_model_len = max_model_len
         self._queries_seen = 0
         self._hits_seen = 0
@@ -411,6 +426,9 @@ class ServerMetrics:
                 if tier != "gpu":
                     self.external_hits.inc(tokens - seen)
                 self._tier_seen[tier] = tokens
+        chooser = getattr(getattr(engine, "kv_tiers", None), "chooser", None)
+        if chooser is not None:
+            self._load_or_compute.update(chooser.figures())
         last_token = self._last_token
         computed = 0
         for delta in deltas:
@@ -497,6 +515,75 @@ class ServerMetrics:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self._exposition), CONTENT_TYPE_LATEST
+
+
+class _LoadOrComputeSeries:
+    """The load-or-compute rule's measurement and decisions (:meth:`LoadOrCompute.figures`), as series.
+
+    Gauges take the latest estimate; counters follow the rule's running counts by their increments.
+    """
+
+    #: (series suffix, the figure per tier it counts, help).
+    _TIER_COUNTERS = (
+        ("kv_tier_blocks_loaded", "blocks_loaded", "Blocks load or compute took from each KV tier."),
+        ("kv_tier_blocks_computed", "blocks_computed", "Blocks a KV tier held that were computed instead (slower)."),
+        ("kv_tier_failed_loads", "failed_loads", "KV tier fetches that failed or missed their deadline."),
+    )
+
+    def __init__(self, prefix: str, model_name: str, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge
+
+        by_tier = ("model_name", "engine", "tier")
+        self._values = (model_name, ENGINE)
+        self._bandwidth = Gauge(
+            prefix + "kv_tier_load_bandwidth_bytes_per_second",
+            "Each KV tier's measured load bandwidth.",
+            by_tier,
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self._latency = Gauge(
+            prefix + "kv_tier_load_latency_seconds",
+            "Each KV tier's measured latency per fetch.",
+            by_tier,
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self._prefill = Gauge(
+            prefix + "measured_prefill_tokens_per_second",
+            "The engine's measured prefill rate, against which KV tier loads are weighed.",
+            ("model_name", "engine"),
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self._counters = {
+            figure: Counter(prefix + name, doc, by_tier, registry=registry) for name, figure, doc in self._TIER_COUNTERS
+        }
+        self._decisions = Counter(
+            prefix + "kv_tier_load_decisions",
+            "Admitted requests the KV tiers offered blocks, by decision: loaded, cut, computed, probed.",
+            ("model_name", "engine", "decision"),
+            registry=registry,
+        )
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def _inc(self, counter: Any, key: tuple[str, str], value: int) -> None:
+        child = counter.labels(*self._values, key[1])  # a series from the first figures, 0 until it counts
+        seen = self._seen.get(key, 0)
+        if value != seen:
+            child.inc(value - seen)
+            self._seen[key] = value
+
+    def update(self, figures: dict[str, Any]) -> None:
+        values = self._values
+        self._prefill.labels(*values).set(figures["prefill_tokens_per_s"])
+        for tier, numbers in figures["tiers"].items():
+            self._bandwidth.labels(*values, tier).set(numbers["load_bandwidth_bytes_per_s"])
+            self._latency.labels(*values, tier).set(numbers["load_latency_s"])
+            for figure, counter in self._counters.items():
+                self._inc(counter, (figure, tier), numbers[figure])
+        for decision, count in figures["requests"].items():
+            self._inc(self._decisions, ("requests", decision), count)
 
 
 def _uncached_prompt(engine: LLMEngine, delta: RequestDelta) -> int:
