@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 
 import pytest
@@ -197,13 +198,29 @@ def test_entries_of_a_kind_are_refused_cleanly_where_its_package_is_missing(monk
     codec = EntryCodec(LAYOUT, SECRET)
     assert codec.signature is Signature.HMAC_SHA256
     assert not codec.can_verify(signature) and codec.can_verify(Signature.HMAC_SHA256)
-    with pytest.raises(CorruptEntry, match=f"{signature.name} needs {package}") as info:
+    with pytest.raises(CorruptEntry, match=f"{signature.name} needs the {package} package") as info:
         codec.decode(KEY, entry)
     assert info.value.kind is CorruptKind.CHECK_KIND
     assert codec.decode(KEY, hmac_entry) == PAYLOAD
     assert EntryCodec(LAYOUT).decode(KEY, entry) == PAYLOAD  # no secret: only the checksum is checked
     with pytest.raises(ConfigError, match=f"{signature.name} needs the {package} package"):
         codec_of(signature)
+
+
+@needs_cryptography
+def test_blocks_longer_than_gmac_takes_are_signed_with_the_next_kind():
+    """cryptography's AES-GCM takes at most 2**31 - 1 bytes of associated data: such layouts never use GMAC."""
+    giant = dataclasses.replace(LAYOUT, num_layers=128, num_kv_heads=64, head_size=128, block_size=512)
+    assert giant.block_bytes == 2**31  # one byte more than GMAC takes
+    codec = EntryCodec(giant, SECRET)
+    assert codec.signature is Signature.BLAKE3_KEYED and not codec.can_verify(Signature.GMAC_AES256)
+    with pytest.raises(ConfigError, match=f"GMAC_AES256 signs payloads of at most {2**31 - 1} bytes"):
+        EntryCodec(giant, SECRET, signature=Signature.GMAC_AES256)
+    relabelled = bytearray(codec.encode(KEY, PAYLOAD))
+    relabelled[6] = Signature.GMAC_AES256.value
+    with pytest.raises(CorruptEntry, match="signs payloads of at most") as info:
+        codec.decode(KEY, bytes(relabelled))
+    assert info.value.kind is CorruptKind.CHECK_KIND
 
 
 def test_mac_comparison_is_constant_time(monkeypatch):

@@ -114,6 +114,7 @@ LAYOUT_DIGEST_AT = 24
 _MAC_SIZE = 32  # every signature kind's MAC field: HMAC-SHA256's digest, BLAKE3's default output, GMAC's salt and tag
 _GMAC_SALT = 16  # GMAC's MAC field: the salt its entry key is derived from, then the 16-byte tag
 _GMAC_NONCE = bytes(12)  # AES-GCM's nonce: fixed, because no entry key is ever used twice
+_GMAC_MAX_PAYLOAD = 2**31 - 1  # the most associated data cryptography's AES-GCM takes
 _MAX_KEY = 0xFFFF
 _ZEROS = bytes(16)
 
@@ -140,7 +141,11 @@ class Signature(Enum):
 
     @classmethod
     def best_available(cls) -> Signature:
-        """The fastest kind this process computes: AES-256-GMAC (``cryptography``), keyed BLAKE3 (``blake3``), else HMAC-SHA256."""
+        """The fastest kind this process computes: AES-256-GMAC (``cryptography``), keyed BLAKE3 (``blake3``), else HMAC-SHA256.
+
+        What a codec with a secret signs with by default, unless its blocks are longer than GMAC
+        takes (2 GiB), where it signs with the next kind.
+        """
         if _aesgcm is not None:
             return cls.GMAC_AES256
         return cls.BLAKE3_KEYED if _blake3 is not None else cls.HMAC_SHA256
@@ -171,6 +176,9 @@ def _import_aesgcm() -> type | None:
 
 #: ``cryptography``'s AES-GCM class, or None where it is not installed (tests set it to None to play that).
 _aesgcm: type | None = _import_aesgcm()
+
+#: The signature kinds, fastest first: a codec with a secret signs with the first it computes.
+_FASTEST_FIRST = (Signature.GMAC_AES256, Signature.BLAKE3_KEYED, Signature.HMAC_SHA256)
 
 #: The package each signature kind beyond the standard library's needs.
 _PACKAGES = {Signature.BLAKE3_KEYED: "blake3", Signature.GMAC_AES256: "cryptography"}
@@ -338,15 +346,8 @@ class EntryCodec:
             raise ConfigError(f"checksum {kind.name} needs the xxhash package: pip install 'kvpool[fast]'")
         if signature is not None and not isinstance(signature, Signature):
             raise ConfigError(f"signature must be a Signature, got {signature!r}")
-        if secret is None:
-            if signature is not None and signature is not Signature.NONE:
-                raise ConfigError(f"signature {signature.name} needs a secret")
-            signs = Signature.NONE
-        else:
-            if signature is Signature.NONE:
-                raise ConfigError("signature NONE with a secret: a codec with a secret signs every entry")
-            signs = Signature.best_available() if signature is None else signature
         # Fixed here, so a codec's behaviour never changes under it: the packages and the keys derived for them.
+        self.fingerprint = fingerprint
         self._secret = secret
         self._blake3 = _blake3 if secret is not None else None
         self._blake3_key = (
@@ -356,11 +357,18 @@ class EntryCodec:
         self._gmac_root = (
             None if secret is None or self._aesgcm is None else hmac.digest(secret, _GMAC_CONTEXT, "sha256")
         )
-        if secret is not None and not self.can_verify(signs):
-            raise ConfigError(
-                f"signature {signs.name} needs the {_PACKAGES[signs]} package: pip install 'kvpool[tiers]'"
-            )
-        self.fingerprint = fingerprint
+        if secret is None:
+            if signature is not None and signature is not Signature.NONE:
+                raise ConfigError(f"signature {signature.name} needs a secret")
+            signs = Signature.NONE
+        elif signature is None:
+            signs = next(kind for kind in _FASTEST_FIRST if self.can_verify(kind))
+        elif signature is Signature.NONE:
+            raise ConfigError("signature NONE with a secret: a codec with a secret signs every entry")
+        elif not self.can_verify(signature):
+            raise ConfigError(f"signature {signature.name} {self._cannot(signature)}")
+        else:
+            signs = signature
         self.checksum = kind
         self.signature = signs
         self._checksum = function
@@ -382,8 +390,14 @@ class EntryCodec:
         if signature is Signature.BLAKE3_KEYED:
             return self._blake3 is not None
         if signature is Signature.GMAC_AES256:
-            return self._aesgcm is not None
+            return self._aesgcm is not None and self.fingerprint.block_bytes <= _GMAC_MAX_PAYLOAD
         return True
+
+    def _cannot(self, signature: Signature) -> str:
+        """Why this codec cannot compute ``signature``'s MAC (for messages; the caller checked can_verify)."""
+        if signature is Signature.GMAC_AES256 and self._aesgcm is not None:
+            return f"signs payloads of at most {_GMAC_MAX_PAYLOAD} bytes, a block of this layout is {self.fingerprint.block_bytes}"
+        return f"needs the {_PACKAGES[signature]} package: pip install 'kvpool[tiers]'"
 
     def _mac(self, signature: Signature, header: Payload, key: Payload, payload: Payload, salt: bytes) -> bytes:
         """``signature``'s 32-byte MAC field for header, key and payload; the caller checked can_verify.
@@ -518,8 +532,7 @@ class EntryCodec:
             raise CorruptEntry(CorruptKind.UNSIGNED, "no signature, and this tier requires one")
         if self._secret is not None and not self.can_verify(signature_kind):
             raise CorruptEntry(
-                CorruptKind.CHECK_KIND,
-                f"signature {signature_kind.name} needs {_PACKAGES[signature_kind]}: pip install 'kvpool[tiers]'",
+                CorruptKind.CHECK_KIND, f"signature {signature_kind.name} {self._cannot(signature_kind)}"
             )
         if entry_len != size + payload_len:
             kind = CorruptKind.TRUNCATED if entry_len < size + payload_len else CorruptKind.MALFORMED
