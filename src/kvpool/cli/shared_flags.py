@@ -29,6 +29,7 @@ from kvpool.cli.params import THREADS, TOKEN_COUNT
 from kvpool.hashing import HashAlgo
 from kvpool.model_names import DEFAULT_MODEL
 from kvpool.tiers.kinds import WritePolicy
+from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S
 
 __all__ = [
     "DEFAULT_KV_CACHE_MEMORY",
@@ -107,6 +108,12 @@ ENGINE_OPTIONS: dict[str, Decorator] = {
         default=WritePolicy.WRITE_THROUGH.value, show_default=True,
         help="When blocks go down to the KV tiers: write-through (when a block fills) or write-back "
         "(when the pool evicts it, which saves bandwidth).",
+    ),
+    "kv_tier_load_deadline": click.option(
+        "--kv-tier-load-deadline", "kv_tier_load_deadline", type=float, metavar="SECONDS",
+        default=DEFAULT_LOAD_DEADLINE_S, show_default=True,
+        help="Seconds a disk or Redis load may take before its request computes those tokens instead "
+        "(tier loads run off the step: only the requests that wait on a slow tier wait).",
     ),
 }  # fmt: skip
 
