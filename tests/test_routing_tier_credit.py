@@ -23,47 +23,56 @@ def per_token(fraction_of_compute: float, latency_s: float = 0.0) -> MediumCost:
 
 
 def test_gpu_blocks_count_in_full() -> None:
-    assert credit().credited_tokens([{"GPU"}, {"GPU"}, {None}], 16) == 48
+    assert credit().credited_tokens([({"GPU"}, 2), ({None}, 1)], 16) == 48
     assert credit().credited_tokens([], 16) == 0
 
 
 def test_without_latency_a_tier_block_is_worth_what_loading_saves_of_computing() -> None:
     # max(0, 1 - load / prefill) of each block: a load at a quarter of the prefill time keeps three quarters
     rule = credit(CPU=per_token(0.25), STORAGE=per_token(0.5))
-    assert rule.credited_tokens([{"CPU"}] * 4, 16) == 4 * 12
-    assert rule.credited_tokens([{"STORAGE"}] * 4, 16) == 4 * 8
+    assert rule.credited_tokens([({"CPU"}, 4)], 16) == 4 * 12
+    assert rule.credited_tokens([({"STORAGE"}, 4)], 16) == 4 * 8
     # a medium slower than computing is worth nothing, however long the prefix
-    assert credit(STORAGE=per_token(1.5)).credited_tokens([{"STORAGE"}] * 100, 16) == 0
+    assert credit(STORAGE=per_token(1.5)).credited_tokens([({"STORAGE"}, 100)], 16) == 0
 
 
 def test_the_pool_run_comes_first_then_the_tier_blocks() -> None:
     rule = credit(CPU=per_token(0.25))
-    assert rule.credited_tokens([{"GPU"}, {"GPU", "CPU"}, {"CPU"}, {"CPU"}], 16) == 32 + 2 * 12
+    assert rule.credited_tokens([({"GPU"}, 1), ({"GPU", "CPU"}, 1), ({"CPU"}, 2)], 16) == 32 + 2 * 12
     # past the pool's first miss, a block only the pool holds cannot be used: the prefix ends there
-    assert rule.credited_tokens([{"GPU"}, {"CPU"}, {"GPU"}, {"CPU"}], 16) == 16 + 12
+    assert rule.credited_tokens([({"GPU"}, 1), ({"CPU"}, 1), ({"GPU"}, 1), ({"CPU"}, 1)], 16) == 16 + 12
     # a block held in two tiers loads from the cheaper
     both = credit(CPU=per_token(0.25), STORAGE=per_token(0.75))
-    assert both.credited_tokens([{"STORAGE", "CPU"}], 16) == 12
+    assert both.credited_tokens([({"STORAGE", "CPU"}, 1)], 16) == 12
 
 
 def test_latency_is_paid_once_per_medium_so_short_tier_prefixes_are_worth_less() -> None:
     slow_start = per_token(0.5, latency_s=16 * 0.5 / RATE)  # one fetch costs half a block's compute
     rule = credit(STORAGE=slow_start)
-    assert rule.credited_tokens([{"STORAGE"}], 16) == 0  # 16 x 0.5 saved, minus 8 tokens of latency
-    assert rule.credited_tokens([{"STORAGE"}] * 4, 16) == 4 * 8 - 8
-    assert most_saved([slow_start] * 4, 16, RATE) == (4, pytest.approx(24 / RATE))
+    assert rule.credited_tokens([({"STORAGE"}, 1)], 16) == 0  # 16 x 0.5 saved, minus 8 tokens of latency
+    assert rule.credited_tokens([({"STORAGE"}, 4)], 16) == 4 * 8 - 8
+    assert most_saved([(slow_start, 4)], 16, RATE) == (4, pytest.approx(24 / RATE))
+
+
+def test_runs_give_what_blocks_one_by_one_give() -> None:
+    fast, slow, late = per_token(0.25), per_token(2.0), per_token(0.5, latency_s=0.004)
+    blocks = [fast] * 3 + [late] * 5 + [slow] * 2 + [fast] * 4 + [late] * 9
+    one_by_one = most_saved([(cost, 1) for cost in blocks], 16, RATE)
+    k, saved = most_saved([(fast, 3), (late, 5), (slow, 2), (fast, 4), (late, 9)], 16, RATE)
+    assert (k, saved) == (one_by_one[0], pytest.approx(one_by_one[1]))
+    assert one_by_one[0] == 23  # the far end: the second run of each medium pays no latency again
 
 
 def test_the_best_cut_may_stop_inside_the_tier_blocks() -> None:
     fast, slow = per_token(0.25), per_token(2.0)
-    k, saved = most_saved([fast, fast, slow, slow], 16, RATE)
+    k, saved = most_saved([(fast, 2), (slow, 2)], 16, RATE)
     assert k == 2 and saved == pytest.approx(2 * 12 / RATE)
     assert most_saved([], 16, RATE) == (0, 0.0)
-    assert most_saved([slow], 16, RATE) == (0, 0.0)
+    assert most_saved([(slow, 1)], 16, RATE) == (0, 0.0)
 
 
 def test_a_medium_it_has_no_figure_for() -> None:
-    held = [{"CPU_TIER2"}] * 2
+    held = [({"CPU_TIER2"}, 2)]
     assert credit(CPU=per_token(0.25)).credited_tokens(held, 16) == 0  # no cost known: not credited
     costed = TierCredit(prefill_tokens_per_s=RATE, main_pool=POOL, media={}, other=per_token(0.5))
     assert costed.credited_tokens(held, 16) == 16

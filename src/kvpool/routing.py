@@ -269,25 +269,32 @@ class MediumCost:
         return 0.0 if num_tokens == 0 else self.latency_s + num_tokens * self.seconds_per_token
 
 
-def most_saved(blocks: Sequence[MediumCost], block_size: int, prefill_tokens_per_s: float) -> tuple[int, float]:
+def most_saved(
+    runs: Sequence[tuple[MediumCost, int]], block_size: int, prefill_tokens_per_s: float
+) -> tuple[int, float]:
     """The leading blocks worth loading and the seconds that saves: the ``k`` with the largest ``compute - load``.
 
-    ``blocks[i]`` is the cost of the medium block ``i`` loads from; each distinct cost the first
-    ``k`` blocks touch pays its latency once (one fetch per medium). Returns ``(0, 0.0)`` when loading never beats computing.
-    O(len(blocks)).
+    ``runs``: consecutive blocks as ``(cost of the medium they load from, how many)``, in
+    prefix order; each distinct cost the first ``k`` blocks touch pays its latency once (one
+    fetch per medium). Returns ``(0, 0.0)`` when loading never beats computing. Within a run
+    the saving is linear in ``k``, so only a run's first and last blocks can be best:
+    O(runs x distinct costs).
     """
     best_k, best = 0, 0.0
-    load = 0.0
-    touched: set[MediumCost] = set()
+    k, saved = 0, 0.0
+    touched: list[MediumCost] = []
     compute_per_block = block_size / prefill_tokens_per_s
-    for k, cost in enumerate(blocks, start=1):
+    for cost, count in runs:
+        if count <= 0:
+            continue
+        gain = compute_per_block - block_size * cost.seconds_per_token  # each block of the run, past latency
         if cost not in touched:
-            touched.add(cost)
-            load += cost.latency_s
-        load += block_size * cost.seconds_per_token
-        saved = k * compute_per_block - load
-        if saved > best:
-            best_k, best = k, saved
+            touched.append(cost)
+            saved -= cost.latency_s
+        for at, value in ((k + 1, saved + gain), (k + count, saved + count * gain)):
+            if value > best:
+                best_k, best = at, value
+        k, saved = k + count, saved + count * gain
     return best_k, best
 
 
@@ -324,18 +331,22 @@ class TierCredit:
         known = [c for c in costs if c is not None]
         return min(known, key=lambda c: (c.seconds_per_token, c.latency_s)) if known else None
 
-    def credited_tokens(self, held: Sequence[Collection[str | None]], block_size: int) -> int:
-        """The tokens a cached prefix is worth: ``held[i]`` is the media holding its block ``i``. O(blocks x media)."""
-        on_pool = 0
-        for media in held:
+    def credited_tokens(self, held: Sequence[tuple[Collection[str | None], int]], block_size: int) -> int:
+        """The tokens a cached prefix is worth. O(runs x media).
+
+        ``held``: the prefix's blocks in runs, ``(the media holding each block of the run, how many)``.
+        """
+        on_pool, first_tier = 0, len(held)
+        for i, (media, count) in enumerate(held):
             if self.main_pool.isdisjoint(media):
+                first_tier = i
                 break
-            on_pool += 1
-        loads: list[MediumCost] = []
-        for media in held[on_pool:]:
+            on_pool += count
+        loads: list[tuple[MediumCost, int]] = []
+        for media, count in held[first_tier:]:
             cost = self._cost(media)
             if cost is None:
                 break
-            loads.append(cost)
+            loads.append((cost, count))
         _, saved_s = most_saved(loads, block_size, self.prefill_tokens_per_s)
         return on_pool * block_size + int(saved_s * self.prefill_tokens_per_s + 1e-6)  # not 63.999... for 64

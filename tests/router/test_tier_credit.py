@@ -122,7 +122,11 @@ def test_vllm_media_round_trip_the_wire_and_reach_the_index() -> None:
     index = MemoryIndex()
     apply_events(index, "r", back)
     assert index.match_media(h, ["r"]) == [
-        (frozenset({MEDIUM_GPU, MEDIUM_CPU}), frozenset({MEDIUM_CPU}), frozenset({MEDIUM_CPU, MEDIUM_STORAGE}))
+        (
+            (frozenset({MEDIUM_GPU, MEDIUM_CPU}), 1),
+            (frozenset({MEDIUM_CPU}), 1),
+            (frozenset({MEDIUM_CPU, MEDIUM_STORAGE}), 1),
+        )
     ]
 
 

@@ -27,8 +27,9 @@ Operations and their cost (``k`` hashes in the call, ``r`` replicas):
   trusted; O(blocks it held).
 * :meth:`match`: O(matched blocks x replicas holding them) in memory; one
   pipelined round trip in Redis.
-* :meth:`match_media`: :meth:`match`, and the media holding each matched block (what
-  the router's tier credit weighs, :class:`kvpool.routing.TierCredit`); in Redis one
+* :meth:`match_media`: :meth:`match`, and the media holding each matched block, in runs
+  of blocks held alike (what the router's tier credit weighs,
+  :class:`kvpool.routing.TierCredit`); O(matched blocks) more in memory, in Redis one
   more round trip, for the matched blocks only.
 
 The in-memory index is bounded: a replica's claims are capped (by default
@@ -46,7 +47,7 @@ each); the Redis one lets several routers share one index (docs/routing.md).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -75,8 +76,26 @@ MAX_BLOCKS = 2**20
 ExternalHash = bytes | int
 #: The storage medium an event names (``None``: the replica's main pool).
 Medium = str | None
-#: One replica's matched prefix: for each of its blocks, the media that hold it there.
-HeldMedia = tuple[frozenset[Medium], ...]
+#: One replica's matched prefix, in runs of consecutive blocks: (the media holding each block of the run, blocks).
+HeldMedia = tuple[tuple[frozenset[Medium], int], ...]
+
+
+def _runs(claims: Iterable[Collection[tuple[Medium, int]]]) -> HeldMedia:
+    """Blocks' claims ``(medium, group)``, in order, as runs of blocks held in the same media. O(blocks)."""
+    runs: list[tuple[frozenset[Medium], int]] = []
+    last: object = None
+    for held in claims:
+        if held == last:
+            media, count = runs[-1]
+            runs[-1] = (media, count + 1)
+            continue
+        last = held
+        media = frozenset(m for m, _ in held)
+        if runs and runs[-1][0] == media:
+            runs[-1] = (media, runs[-1][1] + 1)
+        else:
+            runs.append((media, 1))
+    return tuple(runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +130,10 @@ class BlockIndex(Protocol):
         """For each of ``replicas``, how many leading blocks of ``hashes`` it holds."""
 
     def match_media(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[HeldMedia]:
-        """For each of ``replicas``, the media holding each leading block of ``hashes`` it holds (as :meth:`match`)."""
+        """For each of ``replicas``, the media holding the leading blocks of ``hashes`` it holds, in runs.
+
+        The runs' blocks add up to what :meth:`match` answers.
+        """
 
     def num_blocks(self, replica: str) -> int:
         """How many distinct blocks ``replica`` holds (any medium)."""
@@ -251,6 +273,17 @@ class MemoryIndex:
             del self._holders[key]
 
     def match(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[int]:
+        return self._match(hashes, replicas, None)
+
+    def match_media(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[HeldMedia]:
+        media: dict[str, HeldMedia] = {}
+        self._match(hashes, replicas, media)
+        return [media.get(r, ()) for r in replicas]
+
+    def _match(
+        self, hashes: Sequence[ExternalHash], replicas: Sequence[str], media: dict[str, HeldMedia] | None
+    ) -> list[int]:
+        """:meth:`match`; with ``media``, each replica's matched blocks' media go into it as well."""
         matched = dict.fromkeys(replicas, 0)
         alive = set(replicas)  # replicas whose run of held blocks has not ended yet
         keys = []
@@ -272,17 +305,12 @@ class MemoryIndex:
         for replica, depth in matched.items():  # a prefix in use is the last a cap drops, its root last of all
             if depth:
                 held = self._held[replica]
-                for key in reversed(keys[:depth]):
+                prefix = keys[:depth]
+                for key in reversed(prefix):
                     held.move_to_end(key)
+                if media is not None:
+                    media[replica] = _runs([held[key] for key in prefix])
         return [matched[r] for r in replicas]
-
-    def match_media(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[HeldMedia]:
-        depths = self.match(hashes, replicas)
-        keys = [_key(h) for h in hashes[: max(depths, default=0)]]
-        return [
-            tuple(frozenset(m for m, _ in self._held[r][key]) for key in keys[:depth]) if depth else ()
-            for r, depth in zip(replicas, depths)
-        ]
 
     @staticmethod
     def _usable(
@@ -426,15 +454,15 @@ class RedisIndex:
         pipe = self._redis.pipeline(transaction=False)
         for h in hashes[:deepest]:
             pipe.smembers(self._block(_text_key(h)))
-        holders: list[dict[str, set[Medium]]] = []
+        holders: list[dict[str, set[tuple[Medium, int]]]] = []
         for members in pipe.execute():
-            by_replica: dict[str, set[Medium]] = {}
+            by_replica: dict[str, set[tuple[Medium, int]]] = {}
             for member in members:  # b"<replica>|<medium>[#<group>]"
                 replica, _, claim = member.decode().rpartition("|")
                 medium = claim.partition("#")[0]
-                by_replica.setdefault(replica, set()).add(medium or None)
+                by_replica.setdefault(replica, set()).add((medium or None, 0))  # the group counts as any
             holders.append(by_replica)
-        return [tuple(frozenset(holders[i].get(r, ())) for i in range(depth)) for r, depth in zip(replicas, depths)]
+        return [_runs(holders[i].get(r, set()) for i in range(depth)) for r, depth in zip(replicas, depths)]
 
     def num_blocks(self, replica: str) -> int:
         media: set[bytes] = self._redis.smembers(self._media(replica))  # type: ignore[assignment]  # the sync client returns the set itself

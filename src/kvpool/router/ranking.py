@@ -179,8 +179,8 @@ class Ranker:
             if group and prompt:
                 media = self.index.match_media(prompt, [candidates[i].url for i in group])
                 for i, matched in zip(group, media):
-                    held = matched + self._computing_after(candidates[i], prompt, len(matched))
-                    cached[i] = len(held)
+                    held = matched + self._computing_after(candidates[i], prompt, sum(n for _, n in matched))
+                    cached[i] = sum(n for _, n in held)
                     tokens[i] = self.options.credit.credited_tokens(held, self.block_size(candidates[i], keys))
         if keys.approx:
             # in the approximate unit; the rule compares tokens, so each replica counts in its own unit
@@ -197,7 +197,7 @@ class Ranker:
         n = held
         while computing and n < len(prompt) and prompt[n] in computing:
             n += 1  # held, then being computed there now: its events are on their way
-        return (_IN_POOL,) * (n - held)
+        return ((_IN_POOL, n - held),) if n > held else ()
 
     def predicted_tokens(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
         """The prompt tokens ``replica`` should serve from its cache: whole blocks, never the prompt's last token."""
