@@ -298,3 +298,99 @@ def test_a_full_save_queue_drops_the_save_and_counts_it_never_waiting(clock):
     assert transfers.drain_saves(5)
     assert sorted(store.payloads) == [b"s0", b"s1", b"s2"] and worker.figures.saved["redis"] == 3
     worker.close()
+
+
+# -- lookups off the step ---------------------------------------------------------------------------
+
+
+class GatedLookup(DictStore):
+    """A store's lookup that waits for ``release`` while ``gated``."""
+
+    def __init__(self, name: str, keys: Sequence[bytes] = ()) -> None:
+        super().__init__(name, keys)
+        self.gated = False
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        if self.gated:
+            self.started.set()
+            assert self.release.wait(10), "the test never released the stalled lookup"
+        return super().contains_prefix(keys)
+
+
+def _planner_with_lookups(request: FakeRequest, clock: FakeClock, host_blocks: int, redis: GatedLookup):
+    host = HostTier(8)
+    for key in request.block_hashes[:host_blocks]:
+        host.reserve(key)
+    host.release(list(range(1, host_blocks + 1)))
+    threads = TransferThreads("lookup", load_threads=2, load_deadline_s=1.0, clock=clock)
+    return TierPlanner([host, ByteTier(redis)], BS, async_loads=True, lookups=threads), host, threads
+
+
+def _match_when_back(planner: TierPlanner, request: FakeRequest, threads: TransferThreads) -> int:
+    while (tokens := planner.match(request, 0)) is None:
+        threads.wait_for_loads(timeout=5)
+    return tokens
+
+
+def test_a_lookup_runs_off_the_step_and_answers_once_it_is_back(clock):
+    request = FakeRequest("a", list(range(21)))  # 5 offerable blocks: 2 on the host tier, 2 in Redis
+    redis = GatedLookup("redis", request.block_hashes[2:4])
+    planner, _, threads = _planner_with_lookups(request, clock, 2, redis)
+    try:
+        assert planner.match(request, 0) is None  # asked: not known yet, vLLM skips it this step
+        assert _match_when_back(planner, request, threads) == 16
+        assert planner.hit_tokens_by_tier("a") == {"cpu": 8, "redis": 8} and planner.loads_async("a")
+        asked = redis.lookups
+        assert planner.match(request, 0) == 16 and redis.lookups == asked  # asked again: the same answers
+    finally:
+        threads.close()
+
+
+def test_a_stalled_lookup_holds_only_its_request_and_misses_at_the_deadline(clock):
+    slow, fast = FakeRequest("slow", list(range(21))), FakeRequest("fast", list(range(100, 121)))
+    redis = GatedLookup("redis", slow.block_hashes + fast.block_hashes)
+    planner, _, threads = _planner_with_lookups(slow, clock, 1, redis)
+    try:
+        redis.gated = True
+        assert planner.match(slow, 0) is None
+        assert redis.started.wait(5)
+        redis.gated = False
+        assert _match_when_back(planner, fast, threads) == 20  # another request's lookup comes back
+        assert planner.match(slow, 0) is None
+        clock.now = 1.0  # the slow lookup's deadline: its store counts as a miss, the host tier still serves
+        assert planner.match(slow, 0) == 4 and planner.hit_tokens_by_tier("slow") == {"cpu": 4}
+        assert planner.lookups is not None and planner.lookups.timed_out == 1
+    finally:
+        redis.release.set()
+        threads.close()
+
+
+def test_a_host_block_evicted_while_the_lookup_ran_ends_the_match_there(clock):
+    request = FakeRequest("a", list(range(21)))
+    redis = GatedLookup("redis", request.block_hashes[2:4])
+    planner, host, threads = _planner_with_lookups(request, clock, 2, redis)
+    try:
+        assert planner.match(request, 0) is None
+        host.clear()  # the host tier forgets its blocks before the answers are used
+        assert _match_when_back(planner, request, threads) == 0  # Redis was asked from block 2, not block 0
+    finally:
+        threads.close()
+
+
+def test_an_admitted_or_finished_request_is_looked_up_again(clock):
+    request = FakeRequest("a", list(range(21)))
+    redis = GatedLookup("redis", request.block_hashes)
+    planner, _, threads = _planner_with_lookups(request, clock, 0, redis)
+    try:
+        planner.add(request)
+        assert _match_when_back(planner, request, threads) == 20
+        planner.allocated(request, [1, 2, 3, 4, 5, 6], 20)
+        assert planner.match(request, 0) is None  # preempted and asked again: a new lookup
+        _match_when_back(planner, request, threads)
+        planner.finished("a")
+        assert planner.lookups is not None and planner.lookups.num_pending == 0
+        assert redis.lookups == 2  # once per admission (Redis holds every block: one call each)
+    finally:
+        threads.close()

@@ -9,15 +9,17 @@ they hold, the worker reads and writes them. Everything that decides lives in
 (the worker side); this module only translates vLLM's objects. This is the one module of kvpool
 that imports vLLM.
 
-Loads from a disk or Redis tier are asynchronous (``"async_loads": false`` turns that off):
-``get_num_new_matched_tokens`` answers ``load_async`` for them, so vLLM allocates the request's
-blocks, parks it in ``WAITING_FOR_REMOTE_KVS`` and goes on stepping the others; the worker starts
-the fetch on a load thread in ``start_load_kv`` and reports the request from ``get_finished``
-once its blocks are copied in, or once its fetch failed or ran past ``load_deadline_s``. Host
-tier loads are memory copies, done in ``start_load_kv`` before the forward pass. Saves read the
-blocks in ``wait_for_save`` and queue the store writes for a save thread, so vLLM never holds a
-finished request's blocks for them. A block that cannot be loaded is reported through
-``get_block_ids_with_load_errors``, no later than the step that reports its request received;
+Lookups and loads from a disk or Redis tier run off vLLM's step (``"async_loads": false`` puts
+both back on it). A new request's lookup runs on a thread, and ``get_num_new_matched_tokens``
+answers ``None`` until it is back (vLLM asks again at its next step); then it answers
+``load_async`` for a match a store serves, so vLLM allocates the request's blocks, parks it in
+``WAITING_FOR_REMOTE_KVS`` and goes on stepping the others. The worker starts the fetch on a
+load thread in ``start_load_kv`` and reports the request from ``get_finished`` once its blocks
+are copied in, or once its fetch failed or ran past ``load_deadline_s``. Host tier loads are
+memory copies, done in ``start_load_kv`` before the forward pass. Saves read the blocks in
+``wait_for_save`` and queue the store writes for a save thread, so vLLM never holds a finished
+request's blocks for them. A block that cannot be loaded is reported through
+``get_block_ids_with_load_errors``, no later than the pass that reports its request received;
 with ``"kv_load_failure_policy": "recompute"`` vLLM then computes it, and no request fails.
 """
 
@@ -166,7 +168,10 @@ class KVPoolConnector(KVConnectorBase_V1):
                     tiers.append(HostTier(self._host_slots))
                 else:
                     tiers.append(ByteTier(self._stores[target.kind.value]))
-            self._planner = TierPlanner(tiers, self._block_size, async_loads=options.async_loads)
+            lookups = (
+                TransferThreads("vllm-lookup", load_deadline_s=options.load_deadline_s) if options.async_loads else None
+            )
+            self._planner = TierPlanner(tiers, self._block_size, async_loads=options.async_loads, lookups=lookups)
         _log.info(
             "kvpool connector (%s): tiers %s, entries %s (namespace %s), %d bytes per block, %s loads (deadline %s s)",
             role.name.lower(),
@@ -239,6 +244,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             )
             self._worker.close()  # runs the queued saves, then closes the stores
         else:
+            lookups = self._planner.lookups if self._planner is not None else None
+            if lookups is not None:
+                lookups.threads.close()
             for store in self._stores.values():
                 store.close()
 
@@ -255,6 +263,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         planner = self._scheduler()
         tokens = planner.match(request, num_computed_tokens)
+        if tokens is None:
+            return None, False  # the stores' answers are not back: vLLM skips the request this step
         return tokens, tokens > 0 and planner.loads_async(request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

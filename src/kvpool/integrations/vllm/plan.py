@@ -42,11 +42,12 @@ from typing import Protocol
 
 from kvpool.checks import check_flag
 from kvpool.errors import ConfigError
+from kvpool.integrations.vllm.lookups import OffStepLookups
 from kvpool.tiers import ByteTier, CpuTarget, HostTier, parse_specs
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.policy import TierPolicy
 from kvpool.tiers.store import BACKENDS, TierTarget, check_tier_trust
-from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S
+from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads
 
 __all__ = [
     "VllmBlockLoad",
@@ -228,11 +229,20 @@ class TierPlanner:
 
     Each tier answers ``contains_prefix`` (a :class:`~kvpool.tiers.hierarchy.HostTier` or a
     :class:`~kvpool.tiers.hierarchy.ByteTier`, which turns a store's fault into a miss).
-    ``async_loads``: a match that a store serves is loaded off vLLM's step (:meth:`loads_async`).
+    ``async_loads``: a match that a store serves is loaded off vLLM's step (:meth:`loads_async`);
+    ``lookups``: the threads the stores are looked up on, off vLLM's step too
+    (:class:`~kvpool.integrations.vllm.lookups.OffStepLookups`; None: on the caller's thread).
     O(blocks looked up) per match, O(blocks moved) per plan.
     """
 
-    def __init__(self, tiers: Sequence[HostTier | ByteTier], block_size: int, *, async_loads: bool = False) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[HostTier | ByteTier],
+        block_size: int,
+        *,
+        async_loads: bool = False,
+        lookups: TransferThreads | None = None,
+    ) -> None:
         names = [t.name for t in tiers]
         if not tiers or len(set(names)) != len(names):
             raise ConfigError(f"the connector needs tiers of distinct kinds, got {names}")
@@ -245,6 +255,8 @@ class TierPlanner:
         self.block_size = block_size
         self.host = self.policy.host
         self.async_loads = check_flag("async_loads", async_loads)
+        has_store = any(not isinstance(t, HostTier) for t in self.tiers)
+        self.lookups = OffStepLookups(self.policy, lookups) if lookups is not None and has_store else None
         self._requests: dict[str, _Tracked] = {}
         self._allocated: dict[str, None] = {}  # requests with loads not yet planned, in allocation order
         #: Cumulative blocks matched per tier (what vLLM was told it can load).
@@ -262,11 +274,12 @@ class TierPlanner:
         """Start tracking ``request`` (vLLM's ``on_new_request``)."""
         self._track(request)
 
-    def match(self, request: PlannedRequest, num_computed_tokens: int) -> int:
+    def match(self, request: PlannedRequest, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (block-aligned) that the tiers hold, whole blocks only.
 
         Never reaches the request's last token (vLLM computes at least that one). Changes no
-        tier: it may be asked again for the same request when its allocation is refused.
+        tier: it may be asked again for the same request when its allocation is refused. With
+        ``lookups``, None while the stores' answers are not back (vLLM asks again next step).
         """
         if num_computed_tokens % self.block_size:
             raise ConfigError(f"num_computed_tokens {num_computed_tokens} is not a multiple of {self.block_size}")
@@ -274,7 +287,13 @@ class TierPlanner:
         first = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         keys = [bytes(h) for h in request.block_hashes[first:limit]]
-        runs = self.policy.match(keys)
+        if self.lookups is None:
+            runs = self.policy.match(keys)
+        else:
+            found = self.lookups.match(request.request_id, keys)
+            if found is None:
+                return None
+            runs = found
         tracked.first_block, tracked.runs = first, runs
         return sum(blocks for _name, blocks in runs) * self.block_size
 
@@ -322,6 +341,8 @@ class TierPlanner:
                 index += 1
         tracked.loads = loads
         tracked.load_async = self.loads_async(request.request_id)
+        if self.lookups is not None:
+            self.lookups.forget(request.request_id)  # admitted: a later admission (preempted) asks again
         self._allocated[request.request_id] = None
         for name, _key, _block in loads:
             self.matched_blocks[name] += 1
@@ -409,6 +430,8 @@ class TierPlanner:
         """Forget ``request_id`` (finished or aborted); its saves were planned as its blocks filled."""
         self._requests.pop(request_id, None)
         self._allocated.pop(request_id, None)
+        if self.lookups is not None:
+            self.lookups.forget(request_id)
 
     def reset(self) -> None:
         """Forget every host block (vLLM's ``reset_prefix_cache``); disk and Redis entries stay."""
