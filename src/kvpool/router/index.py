@@ -29,8 +29,7 @@ Operations and their cost (``k`` hashes in the call, ``r`` replicas):
   pipelined round trip in Redis.
 * :meth:`match_media`: :meth:`match`, and the media holding each matched block, in runs
   of blocks held alike (what the router's tier credit weighs,
-  :class:`kvpool.routing.TierCredit`); O(matched blocks) more in memory, in Redis one
-  more round trip, for the matched blocks only.
+  :class:`kvpool.routing.TierCredit`); the same walk, and in Redis the same one round trip.
 
 The in-memory index is bounded: a replica's claims are capped (by default
 :data:`MAX_BLOCKS_PER_REPLICA`, or what the replica says it can hold when it says so,
@@ -364,6 +363,38 @@ return matched
 """
 
 
+# As _MATCH_SCRIPT; returns per replica its runs of blocks held in the same media, flat:
+# {media, blocks, media, blocks, ...}, a run's media sorted and joined by newlines ("" for none named).
+_MATCH_MEDIA_SCRIPT = """
+local alive, runs = {}, {}
+for i, replica in ipairs(ARGV) do alive[replica] = true; runs[i] = {} end
+for depth, key in ipairs(KEYS) do
+  local holders = {}
+  for _, member in ipairs(redis.call('SMEMBERS', key)) do
+    local replica, claim = string.match(member, '^(.*)|([^|]*)$')
+    local held = holders[replica]
+    if not held then held = {}; holders[replica] = held end
+    held[string.match(claim, '^([^#]*)')] = true
+  end
+  local running = false
+  for i, replica in ipairs(ARGV) do
+    local held = holders[replica]
+    if alive[replica] and held then
+      running = true
+      local names = {}
+      for medium in pairs(held) do names[#names + 1] = medium end
+      table.sort(names)
+      local joined, own = table.concat(names, '\\n'), runs[i]
+      if #own > 0 and own[#own - 1] == joined then own[#own] = own[#own] + 1
+      else own[#own + 1] = joined; own[#own + 1] = 1 end
+    else alive[replica] = false end
+  end
+  if not running then break end
+end
+return runs
+"""
+
+
 class RedisIndex:
     """The index in Redis, shared by every router that names the same server and prefix.
 
@@ -382,12 +413,13 @@ class RedisIndex:
     stops where every replica's run has ended.
     """
 
-    __slots__ = ("_redis", "_prefix", "_match")
+    __slots__ = ("_redis", "_prefix", "_match", "_match_media")
 
     def __init__(self, client: Redis, prefix: str = "kvpool:route") -> None:
         self._redis = client
         self._prefix = prefix.encode()
         self._match = client.register_script(_MATCH_SCRIPT)
+        self._match_media = client.register_script(_MATCH_MEDIA_SCRIPT)
 
     def _block(self, key: bytes) -> bytes:
         return self._prefix + b":b:" + key
@@ -447,22 +479,18 @@ class RedisIndex:
         return [int(n) for n in found]
 
     def match_media(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[HeldMedia]:
-        depths = self.match(hashes, replicas)
-        deepest = max(depths, default=0)
-        if not deepest:
+        if not hashes or not replicas:
             return [() for _ in replicas]
-        pipe = self._redis.pipeline(transaction=False)
-        for h in hashes[:deepest]:
-            pipe.smembers(self._block(_text_key(h)))
-        holders: list[dict[str, set[tuple[Medium, int]]]] = []
-        for members in pipe.execute():
-            by_replica: dict[str, set[tuple[Medium, int]]] = {}
-            for member in members:  # b"<replica>|<medium>[#<group>]"
-                replica, _, claim = member.decode().rpartition("|")
-                medium = claim.partition("#")[0]
-                by_replica.setdefault(replica, set()).add((medium or None, 0))  # the group counts as any
-            holders.append(by_replica)
-        return [_runs(holders[i].get(r, set()) for i in range(depth)) for r, depth in zip(replicas, depths)]
+        # the walk of match, in one script call as well, each replica's runs of media built on the server
+        keys = [self._block(_text_key(h)) for h in hashes]
+        found: list[Any] = self._match_media(keys=keys, args=list(replicas))
+        return [
+            tuple(
+                (frozenset(m.decode() or None for m in runs[j].split(b"\n")), int(runs[j + 1]))
+                for j in range(0, len(runs), 2)
+            )
+            for runs in found
+        ]
 
     def num_blocks(self, replica: str) -> int:
         media: set[bytes] = self._redis.smembers(self._media(replica))  # type: ignore[assignment]  # the sync client returns the set itself
