@@ -7,6 +7,7 @@ Run::
     python benchmarks/bench_tier_stores.py --hashes           # also: each checksum and keyed hash alone
     python benchmarks/bench_tier_stores.py --pipeline-sweep   # also: Redis blocks per pipeline
     python benchmarks/bench_tier_stores.py --kind-rows        # also: each store signing with every other kind
+    python benchmarks/bench_tier_stores.py --sync             # flush dirty pages before each save (steadier saves)
 
 Each figure is the median of ``--repeats`` batches of ``--batch`` blocks of ``--block-bytes``
 random bytes (1 MiB by default; SmolLM2-135M's 16-token block is 360 KiB), every batch under
@@ -249,6 +250,8 @@ def run(rows: list[Row], args: argparse.Namespace) -> dict[tuple[str, str], tupl
         # Each batch starts one row later, so no row always follows the same one (and its dirty pages).
         start = repeat % len(rows)
         for tier, variant, save, load in rows[start:] + rows[:start]:
+            if args.sync:
+                os.sync()  # the rows before wrote their batches: their writeback lands before this row's clock starts
             saves[tier, variant].append(timed(save, batch))
             loads[tier, variant].append(timed(load, batch))
         print(f"  batch {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
@@ -351,6 +354,11 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], tuple[float
         "--hmac-rows",
         action="store_true",
         help="also: each store signing with HMAC-SHA256 (signed rows: the default kind)",
+    )
+    parser.add_argument(
+        "--sync",
+        action="store_true",
+        help="flush every dirty page (os.sync) before each save, so no row's save pays for the writeback of another's",
     )
     parser.add_argument(
         "--kind-rows",
