@@ -6,6 +6,8 @@ import copy
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool import KVCacheManager, Request
 from kvpool.connector import NO_MATCH, ExternalMatch, TierRun, TransferResult
@@ -333,3 +335,34 @@ def test_the_scheduler_loads_a_fast_tier_and_computes_a_slow_ones_blocks(redis_i
         assert (tiers["redis"]["blocks_loaded"], tiers["redis"]["blocks_computed"]) == (0, 5)
         assert rule.figures()["requests"]["cut"] == 1
     assert (tiers["cpu"]["blocks_loaded"], tiers["cpu"]["blocks_computed"]) == (3, 0)
+
+
+_TIERS = ("cpu", "disk", "redis")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(_TIERS), st.integers(1, 40)), min_size=1, max_size=6),
+    st.lists(st.tuples(st.floats(1e4, 1e10), st.floats(0, 0.5)), min_size=3, max_size=3),
+    st.floats(100, 1e6),
+    st.floats(0.5, 2.0),
+)
+def test_the_chosen_cut_saves_at_least_as_much_as_any_block_boundary(runs, links, rate, margin):
+    """Against every cut at a block boundary (inside runs too), the rule's cut saves the most."""
+    priors = {
+        name: LinkPrior(bandwidth_bytes_per_s=bandwidth, latency_s=latency)
+        for name, (bandwidth, latency) in zip(_TIERS, links, strict=True)
+    }
+    measured = TransferCosts(priors, block_bytes=BLOCK_BYTES, prefill_tokens_per_s=rate)
+    rule = LoadOrCompute(measured, block_size=BS, margin=margin)
+    offered = match(*runs)
+    chosen = rule.choose(offered)
+    assert offered.truncated(chosen.num_tokens) == chosen
+
+    def saving(tokens: int) -> float:
+        part = offered.truncated(tokens)
+        load = sum(measured.load_seconds(tier, n // BS) for tier, n in part.tokens_by_tier().items())
+        return measured.compute_seconds(tokens) - margin * load
+
+    best = max(saving(blocks * BS) for blocks in range(offered.num_tokens // BS + 1))
+    assert saving(chosen.num_tokens) >= best - 1e-9 * max(1.0, abs(best))
