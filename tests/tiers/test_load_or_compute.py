@@ -188,6 +188,13 @@ def test_decisions_are_counted_per_tier_and_per_request():
     assert figures["margin"] == DEFAULT_MARGIN
 
 
+def test_how_a_match_loads_is_not_what_is_counted():
+    rule = chooser(cpu=FAST, redis=FAST)
+    offered = match(("cpu", 2), ("redis", 2))
+    rule.count(offered, ExternalMatch(offered.runs, asynchronous=True))  # the connector loads it off the step
+    assert rule.figures()["requests"]["loaded"] == 1
+
+
 def test_a_declined_tier_is_probed_once_in_a_while():
     rule = LoadOrCompute(costs(redis=SLOW), block_size=BS, probe_every=3)
     offered = match(("redis", 4))

@@ -358,12 +358,13 @@ class LoadOrCompute:
         """
         offered_runs = self._blocks(offered)
         self._blocks(chosen)
-        if offered.truncated(chosen.num_tokens) != chosen:
+        if offered.truncated(chosen.num_tokens).runs != chosen.runs:  # runs only: how they load is not the rule's
             raise ConfigError(f"the chosen match {chosen!r} is not a leading part of the offered {offered!r}")
         if not offered_runs:
             return
         loaded = {tier: tokens // self.block_size for tier, tokens in chosen.tokens_by_tier().items()}
-        probe = self._probing(offered_runs) and chosen == offered
+        whole = chosen.runs == offered.runs
+        probe = self._probing(offered_runs) and whole
         for tier, blocks in offered.tokens_by_tier().items():
             decisions = self._decisions[tier]
             took = loaded.get(tier, 0)
@@ -372,7 +373,7 @@ class LoadOrCompute:
             decisions.declined_in_a_row = 0 if took else decisions.declined_in_a_row + 1
         if probe:
             self.requests["probed"] += 1
-        elif chosen == offered:
+        elif whole:
             self.requests["loaded"] += 1
         elif chosen.runs:
             self.requests["cut"] += 1
