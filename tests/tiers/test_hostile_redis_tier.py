@@ -55,17 +55,20 @@ def run(engine: LLMEngine, batch: list[list[int]], salt: str):
     return outs
 
 
-def serve_through(folder, reference, upstream: str, hostility: Hostility, seed: int):
-    """Save prompts through ``upstream``, serve them again through the proxy; (outputs, figures, proxy)."""
+def serve_through(folder, reference, upstream: str, hostility: Hostility, seed: int, query: str = "", **options):
+    """Save prompts through ``upstream``, serve them again through the proxy; (outputs, figures, proxy).
+
+    ``query`` goes on the proxy's URL (redis-py options); ``options`` to the reading engine.
+    """
     batch, salt = prompts(seed, count=2), uuid.uuid4().hex  # a salt of its own: keys no other test reads
     writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[upstream], **UNSIGNED, log=None)
     run(writer, batch, salt)
     writer.kv_tiers.close()
     with ThrottledRedis(upstream, hostility) as proxy:
-        reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[proxy.url], **UNSIGNED, log=None)
+        reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[proxy.url + query], **UNSIGNED, **options, log=None)
         outs = run(reader, batch, salt)
         figures = reader.kv_tier_figures()["redis"]
-        reader.kv_tiers.close()
+    reader.kv_tiers.close()  # after the proxy closed its connections: a read it left hanging has ended
     for out, prompt in zip(outs, batch):
         assert out.finish_reason is not FinishReason.ERROR and out.error is None
         assert tuple(out.output_token_ids) == reference(prompt)
@@ -114,16 +117,30 @@ def test_a_slow_redis_still_serves_the_same_tokens(folder, reference, redis_url,
 
 def test_a_redis_that_stalls_mid_load_costs_a_counted_miss(folder, reference, redis_url):
     # The proxy answers two block reads, then nothing, on every connection, which it keeps open.
-    # Today the read blocks the engine step until the store's socket timeout (RedisStore's
-    # _TIMEOUTS, socket_timeout=1.0 s) ends it, once per try at the stalled server; the store then
-    # backs off and answers misses. The lead's per-load deadline will end a stalled load sooner,
-    # off the engine step; the outcome checked here stays the same: a counted failure, the blocks
-    # computed, the same tokens.
+    # The stalled read ends at the store's socket timeout (RedisStore's _TIMEOUTS, socket_timeout
+    # 1.0 s), once per try at the stalled server; the store then backs off and answers misses.
+    # Up to 6d85075 that read held the engine step for the whole timeout; since 3d4090c it runs on
+    # a transfer thread while the batch steps on, and a load past kv_tier_load_deadline (2 s,
+    # longer than the socket timeout, so not what ends it here) is computed instead. A deadline
+    # shorter than the socket timeout would end it first; the outcome checked here is the same
+    # either way: a counted failure, the blocks computed, the same tokens.
     _outs, figures, proxy = serve_through(
         folder, reference, redis_url, Hostility(stall_after=2, count_only=READS), seed=42
     )
     assert proxy.ended.is_set()  # it stalled in the middle of a pipeline of block reads
     assert figures["errors"] >= 1 and figures["failed_loads"] >= 1
+
+
+def test_the_load_deadline_ends_a_stalled_load(folder, reference, redis_url):
+    # A socket timeout of 5 s: the engine's load deadline (0.2 s) ends the stalled read first.
+    # (What it does not end: the read itself, which holds the store until the socket timeout, so
+    # the next call to the store, the second request's lookup, waits for it. No assertion here.)
+    _outs, figures, proxy = serve_through(
+        folder, reference, redis_url, Hostility(stall_after=2, count_only=READS), seed=46,
+        query="?socket_timeout=5", kv_tier_load_deadline=0.2,
+    )  # fmt: skip
+    assert proxy.ended.is_set()
+    assert figures["timed_out_loads"] >= 1 and figures["failed_loads"] >= figures["timed_out_loads"]
 
 
 def test_a_redis_that_disappears_mid_load_costs_a_counted_miss(folder, reference, redis_url):
