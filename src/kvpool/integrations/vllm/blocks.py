@@ -222,6 +222,9 @@ class TierWorker:
             done.add(request_id)
             count = sum(len(items) for items in wanted.values())
             if outcome.ok:
+                _log.debug(
+                    "kvpool connector: request %s: %d blocks fetched in %.3f s", request_id, count, outcome.seconds
+                )
                 payloads = outcome.value
                 assert isinstance(payloads, dict)  # what _fetch returns
                 lost = set().union(*(self._copy(name, items, payloads[name]) for name, items in wanted.items()))
