@@ -51,24 +51,37 @@ def test_latency_is_paid_once_per_medium_so_short_tier_prefixes_are_worth_less()
     rule = credit(STORAGE=slow_start)
     assert rule.credited_tokens([({"STORAGE"}, 1)], 16) == 0  # 16 x 0.5 saved, minus 8 tokens of latency
     assert rule.credited_tokens([({"STORAGE"}, 4)], 16) == 4 * 8 - 8
-    assert most_saved([(slow_start, 4)], 16, RATE) == (4, pytest.approx(24 / RATE))
+    assert most_saved([("STORAGE", slow_start, 4)], 16, RATE) == (4, pytest.approx(24 / RATE))
 
 
 def test_runs_give_what_blocks_one_by_one_give() -> None:
     fast, slow, late = per_token(0.25), per_token(2.0), per_token(0.5, latency_s=0.004)
-    blocks = [fast] * 3 + [late] * 5 + [slow] * 2 + [fast] * 4 + [late] * 9
-    one_by_one = most_saved([(cost, 1) for cost in blocks], 16, RATE)
-    k, saved = most_saved([(fast, 3), (late, 5), (slow, 2), (fast, 4), (late, 9)], 16, RATE)
+    runs = [("CPU", fast, 3), ("STORAGE", late, 5), ("FS", slow, 2), ("CPU", fast, 4), ("STORAGE", late, 9)]
+    one_by_one = most_saved([(medium, cost, 1) for medium, cost, n in runs for _ in range(n)], 16, RATE)
+    k, saved = most_saved(runs, 16, RATE)
     assert (k, saved) == (one_by_one[0], pytest.approx(one_by_one[1]))
     assert one_by_one[0] == 23  # the far end: the second run of each medium pays no latency again
 
 
 def test_the_best_cut_may_stop_inside_the_tier_blocks() -> None:
     fast, slow = per_token(0.25), per_token(2.0)
-    k, saved = most_saved([(fast, 2), (slow, 2)], 16, RATE)
+    k, saved = most_saved([("CPU", fast, 2), ("STORAGE", slow, 2)], 16, RATE)
     assert k == 2 and saved == pytest.approx(2 * 12 / RATE)
     assert most_saved([], 16, RATE) == (0, 0.0)
-    assert most_saved([(slow, 1)], 16, RATE) == (0, 0.0)
+    assert most_saved([("STORAGE", slow, 1)], 16, RATE) == (0, 0.0)
+
+
+def test_a_margin_asks_loads_to_be_that_much_faster_and_latency_is_per_medium() -> None:
+    half = per_token(0.5)
+    assert most_saved([("CPU", half, 4)], 16, RATE, margin=1.5)[0] == 4  # 0.75 of computing: still worth it
+    assert most_saved([("CPU", half, 4)], 16, RATE, margin=2.0) == (0, 0.0)  # as slow as computing, at 2x
+    fetch = per_token(0.0, latency_s=8 / RATE)  # no bandwidth cost, half a block's compute per fetch
+    # two media with the same figures are still two fetches
+    assert most_saved([("CPU", fetch, 1), ("STORAGE", fetch, 1)], 16, RATE)[1] == pytest.approx(16 / RATE)
+    assert most_saved([("CPU", fetch, 1), ("CPU", fetch, 1)], 16, RATE)[1] == pytest.approx(24 / RATE)
+    for margin in (0, -1.0, math.nan, math.inf, True):
+        with pytest.raises(ConfigError, match="margin"):
+            most_saved([], 16, RATE, margin=margin)
 
 
 def test_a_medium_it_has_no_figure_for() -> None:

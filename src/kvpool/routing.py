@@ -270,27 +270,29 @@ class MediumCost:
 
 
 def most_saved(
-    runs: Sequence[tuple[MediumCost, int]], block_size: int, prefill_tokens_per_s: float
+    runs: Sequence[tuple[str, MediumCost, int]], block_size: int, prefill_tokens_per_s: float, *, margin: float = 1.0
 ) -> tuple[int, float]:
-    """The leading blocks worth loading and the seconds that saves: the ``k`` with the largest ``compute - load``.
+    """The leading blocks worth loading, and their ``compute - margin x load`` in seconds: the best ``k``.
 
-    ``runs``: consecutive blocks as ``(cost of the medium they load from, how many)``, in
-    prefix order; each distinct cost the first ``k`` blocks touch pays its latency once (one
-    fetch per medium). Returns ``(0, 0.0)`` when loading never beats computing. Within a run
-    the saving is linear in ``k``, so only a run's first and last blocks can be best:
-    O(runs x distinct costs).
+    ``runs``: consecutive blocks as ``(medium, its cost, how many)``, in prefix order; each
+    medium the first ``k`` blocks touch pays its latency once (one fetch per medium).
+    ``margin`` (> 0): how many times faster than computing a load must be (1: just faster).
+    Returns ``(0, 0.0)`` when loading never wins. Within a run the saving is linear in
+    ``k``, so only a run's ends can be best: O(runs x media).
     """
+    if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 < margin < math.inf:
+        raise ConfigError(f"margin must be a finite number > 0, got {margin!r}")
     best_k, best = 0, 0.0
     k, saved = 0, 0.0
-    touched: list[MediumCost] = []
+    touched: set[str] = set()
     compute_per_block = block_size / prefill_tokens_per_s
-    for cost, count in runs:
+    for medium, cost, count in runs:
         if count <= 0:
             continue
-        gain = compute_per_block - block_size * cost.seconds_per_token  # each block of the run, past latency
-        if cost not in touched:
-            touched.append(cost)
-            saved -= cost.latency_s
+        gain = compute_per_block - margin * block_size * cost.seconds_per_token  # each block, past the latency
+        if medium not in touched:
+            touched.add(medium)
+            saved -= margin * cost.latency_s
         for at, value in ((k + 1, saved + gain), (k + count, saved + count * gain)):
             if value > best:
                 best_k, best = at, value
@@ -326,10 +328,19 @@ class TierCredit:
             if medium in self.main_pool:
                 raise ConfigError(f"medium {medium!r} is the replica's own pool; it has no load cost")
 
-    def _cost(self, held: Collection[str | None]) -> MediumCost | None:
-        costs = [self.media.get(m, self.other) for m in held if m is not None and m not in self.main_pool]
-        known = [c for c in costs if c is not None]
-        return min(known, key=lambda c: (c.seconds_per_token, c.latency_s)) if known else None
+    def _cost(self, held: Collection[str | None]) -> tuple[str, MediumCost] | None:
+        """The cheapest tier medium of ``held`` with a cost, and its cost; None when there is none."""
+        best: tuple[str, MediumCost] | None = None
+        for medium in held:
+            if medium is None or medium in self.main_pool:
+                continue
+            cost = self.media.get(medium, self.other)
+            if cost is not None and (
+                best is None
+                or (cost.seconds_per_token, cost.latency_s) < (best[1].seconds_per_token, best[1].latency_s)
+            ):
+                best = (medium, cost)
+        return best
 
     def credited_tokens(self, held: Sequence[tuple[Collection[str | None], int]], block_size: int) -> int:
         """The tokens a cached prefix is worth. O(runs x media).
@@ -342,11 +353,11 @@ class TierCredit:
                 first_tier = i
                 break
             on_pool += count
-        loads: list[tuple[MediumCost, int]] = []
+        loads: list[tuple[str, MediumCost, int]] = []
         for media, count in held[first_tier:]:
-            cost = self._cost(media)
-            if cost is None:
+            cheapest = self._cost(media)
+            if cheapest is None:
                 break
-            loads.append((cost, count))
+            loads.append((*cheapest, count))
         _, saved_s = most_saved(loads, block_size, self.prefill_tokens_per_s)
         return on_pool * block_size + int(saved_s * self.prefill_tokens_per_s + 1e-6)  # not 63.999... for 64

@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.errors import ConfigError
@@ -82,18 +83,13 @@ HeldMedia = tuple[tuple[frozenset[Medium], int], ...]
 def _runs(claims: Iterable[Collection[tuple[Medium, int]]]) -> HeldMedia:
     """Blocks' claims ``(medium, group)``, in order, as runs of blocks held in the same media. O(blocks)."""
     runs: list[tuple[frozenset[Medium], int]] = []
-    last: object = None
-    for held in claims:
-        if held == last:
-            media, count = runs[-1]
-            runs[-1] = (media, count + 1)
-            continue
-        last = held
+    for held, same in groupby(claims):  # equal claim sets compared in C: a run costs one frozenset
+        count = len(list(same))
         media = frozenset(m for m, _ in held)
-        if runs and runs[-1][0] == media:
-            runs[-1] = (media, runs[-1][1] + 1)
+        if runs and runs[-1][0] == media:  # other groups, the same media
+            runs[-1] = (media, runs[-1][1] + count)
         else:
-            runs.append((media, 1))
+            runs.append((media, count))
     return tuple(runs)
 
 
@@ -308,7 +304,7 @@ class MemoryIndex:
                 for key in reversed(prefix):
                     held.move_to_end(key)
                 if media is not None:
-                    media[replica] = _runs([held[key] for key in prefix])
+                    media[replica] = _runs(map(held.__getitem__, prefix))
         return [matched[r] for r in replicas]
 
     @staticmethod
