@@ -42,7 +42,7 @@ from typing import Protocol
 
 from kvpool.checks import check_flag
 from kvpool.errors import ConfigError
-from kvpool.integrations.vllm.lookups import OffStepLookups
+from kvpool.tiers.lookups import OffStepLookups
 from kvpool.tiers import ByteTier, CpuTarget, HostTier, parse_specs
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.policy import TierPolicy
@@ -231,7 +231,7 @@ class TierPlanner:
     :class:`~kvpool.tiers.hierarchy.ByteTier`, which turns a store's fault into a miss).
     ``async_loads``: a match that a store serves is loaded off vLLM's step (:meth:`loads_async`);
     ``lookups``: the threads the stores are looked up on, off vLLM's step too
-    (:class:`~kvpool.integrations.vllm.lookups.OffStepLookups`; None: on the caller's thread).
+    (:class:`~kvpool.tiers.lookups.OffStepLookups`; None: on the caller's thread).
     O(blocks looked up) per match, O(blocks moved) per plan.
     """
 

@@ -1,10 +1,12 @@
-"""The scheduler's tier lookups off vLLM's step: a slow store makes a request wait, never the step.
+"""Tier lookups off the step: a slow store makes a request wait, never the step.
 
-vLLM asks ``get_num_new_matched_tokens`` of each waiting request at every step until it is
-admitted; an answer of ``None`` means "not known yet": that request is skipped this step and
-the others are scheduled. :class:`OffStepLookups` uses that: the first time a request is
-asked, the stores' ``contains_prefix`` calls go to a load thread and the answer is ``None``;
-once they are back, the match is made on the scheduler's thread from their answers.
+A scheduler asks its connector about each waiting request at every step until it is
+admitted. vLLM takes an answer of ``None``, and kvpool's scheduler a pending match
+(:data:`kvpool.connector.PENDING`), as "not known yet": that request is skipped this step
+and the others are scheduled. :class:`OffStepLookups` uses that: the first time a request
+is asked, the stores' ``contains_prefix`` calls go to a load thread and the answer is
+``None``; once they are back, the match is made on the scheduler's thread from their
+answers. The engine's tier hierarchy and the vLLM connector's planner both use it.
 
 The match is :meth:`kvpool.tiers.policy.TierPolicy.match`'s, run twice over stand-ins:
 
@@ -27,13 +29,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.tiers import ByteTier, HostTier
-from kvpool.tiers.policy import TierPolicy
+from kvpool.tiers.policy import ByteTier, HostTier, TierPolicy
 from kvpool.tiers.transfer_threads import TransferThreads
 
 __all__ = ["OffStepLookups"]
 
-_log = logging.getLogger("kvpool.integrations.vllm")
+_log = logging.getLogger("kvpool.tiers")
 
 # Per store, where it was asked (the number of keys it was given) -> how many of them it holds.
 _Answers = dict[str, dict[int, int]]
@@ -161,7 +162,7 @@ class OffStepLookups:
             if outcome.timed_out:
                 self.timed_out += 1
                 _log.warning(
-                    "kvpool connector: the tiers' lookup for request %s is not back in %.3g s; its stores count as misses",
+                    "KV tiers: the lookup for request %s is not back in %.3g s; its stores count as misses",
                     request_id,
                     outcome.seconds,
                 )
