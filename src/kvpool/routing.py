@@ -328,6 +328,24 @@ class TierCredit:
             if medium in self.main_pool:
                 raise ConfigError(f"medium {medium!r} is the replica's own pool; it has no load cost")
 
+    def figures(self) -> dict[str, object]:
+        """The figures, for a router's verbose health: the prefill rate and each medium's cost.
+
+        ``worth``: what a block loaded from it is worth against one in the pool, latency aside
+        (``max(0, 1 - load_time / prefill_time)``).
+        """
+        rate = self.prefill_tokens_per_s
+
+        def shown(cost: MediumCost) -> dict[str, float]:
+            worth = max(0.0, 1 - cost.seconds_per_token * rate)
+            return {"latency_s": cost.latency_s, "seconds_per_token": cost.seconds_per_token, "worth": round(worth, 4)}
+
+        return {
+            "prefill_tokens_per_s": rate,
+            "media": {medium: shown(cost) for medium, cost in sorted(self.media.items())},
+            "other": None if self.other is None else shown(self.other),
+        }
+
     def _cost(self, held: Collection[str | None]) -> tuple[str, MediumCost] | None:
         """The cheapest tier medium of ``held`` with a cost, and its cost; None when there is none."""
         best: tuple[str, MediumCost] | None = None

@@ -77,6 +77,14 @@ def test_the_defaults_come_from_the_tier_registry() -> None:
     assert given == MediumCost.of_link(50e9, 2e-5, kv_bytes_per_token=options.kv_bytes_per_token)
 
 
+def test_the_verbose_health_shows_the_credit() -> None:
+    router = router_with(kv_bytes_per_token=1024, prefill_tokens_per_s=10_000.0, medium_links=("STORAGE=30.72MB",))
+    shown = router.figures()["tier_credit"]
+    assert shown["prefill_tokens_per_s"] == 10_000.0
+    assert shown["media"]["STORAGE"] == {"latency_s": 0.0, "seconds_per_token": 1024 / 30.72e6, "worth": 0.6667}
+    assert shown["other"] == shown["media"]["STORAGE"] and set(shown["media"]) == {MEDIUM_CPU, MEDIUM_STORAGE}
+
+
 def test_the_command_line_defaults_are_the_options_defaults() -> None:
     defaults = {p.name: p.default for p in route.params if isinstance(p, click.Option)}
     fields = {f.name: f.default for f in dataclasses.fields(RouteOptions)}

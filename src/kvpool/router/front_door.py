@@ -177,12 +177,13 @@ class Router:
         await self.relay.close()
 
     def figures(self) -> dict[str, Any]:
-        """What ``/health?verbose=1`` adds: the index per replica and each replica's event stream."""
+        """What ``/health?verbose=1`` adds: the index per replica, each replica's event stream, the tier credit."""
         return {
             "index_blocks": {r.url: self.index.num_blocks(r.url) for r in self.replicas},
             "index": self.index.figures(),
             "events": {url: feed.figures() for url, feed in self.monitor.feeds.items()},
             "approximate": {r.url: self.approx.num_blocks(r.url) for r in self.replicas},
+            "tier_credit": self.options.credit.figures(),
         }
 
     def metrics(self) -> str:
