@@ -168,9 +168,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                     tiers.append(HostTier(self._host_slots))
                 else:
                     tiers.append(ByteTier(self._stores[target.kind.value]))
-            lookups = (
-                TransferThreads("vllm-lookup", load_deadline_s=options.load_deadline_s) if options.async_loads else None
-            )
+            off_step = options.async_loads and bool(self._stores)  # the cpu tier alone is looked up in memory
+            lookups = TransferThreads("vllm-lookup", load_deadline_s=options.load_deadline_s) if off_step else None
             self._planner = TierPlanner(tiers, self._block_size, async_loads=options.async_loads, lookups=lookups)
         _log.info(
             "kvpool connector (%s): tiers %s, entries %s (namespace %s), %d bytes per block, %s loads (deadline %s s)",
@@ -194,7 +193,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         if missing:
             raise ConfigError(f"vLLM registered no KV cache for layers {missing[:4]}")
         layout = KVBlockLayout([kv_caches[name] for name in self._layer_names], self._num_blocks, self._block_bytes)
-        transfers = TransferThreads("vllm", load_deadline_s=self._load_deadline_s)
+        # the cpu tier alone copies in memory, on the step: no threads
+        transfers = TransferThreads("vllm", load_deadline_s=self._load_deadline_s) if self._stores else None
         self._worker = TierWorker(layout, self._stores, self._host_slots, transfers)
 
     def _plan(self) -> StepPlan | None:
