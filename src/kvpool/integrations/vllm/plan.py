@@ -42,9 +42,9 @@ from typing import Protocol
 
 from kvpool.checks import check_flag
 from kvpool.errors import ConfigError
-from kvpool.tiers.lookups import OffStepLookups
 from kvpool.tiers import ByteTier, CpuTarget, HostTier, parse_specs
 from kvpool.tiers.entry import check_namespace
+from kvpool.tiers.lookups import OffStepLookups
 from kvpool.tiers.policy import TierPolicy
 from kvpool.tiers.store import BACKENDS, TierTarget, check_tier_trust
 from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads
