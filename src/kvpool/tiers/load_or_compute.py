@@ -47,6 +47,7 @@ from typing import Any
 from kvpool.checks import check_int
 from kvpool.connector import ExternalMatch
 from kvpool.errors import ConfigError
+from kvpool.routing import MediumCost, most_saved
 
 __all__ = [
     "DEFAULT_DECAY",
@@ -249,6 +250,17 @@ class TransferCosts:
         check_int("num_tokens", num_tokens, minimum=0)
         return num_tokens * self._prefill.fit()[1]
 
+    def load_cost(self, tier: str, block_size: int) -> MediumCost:
+        """``tier``'s measured cost per fetch and per token of blocks of ``block_size`` tokens."""
+        costs = self._tier(tier)
+        check_int("block_size", block_size)
+        latency, per_byte = costs.fit.fit()
+        return MediumCost(latency_s=latency, seconds_per_token=per_byte * self.block_bytes / block_size)
+
+    def prefill_tokens_per_s(self) -> float:
+        """The measured prefill rate: prompt tokens per second one more token of a step costs."""
+        return 1 / self._prefill.fit()[1]
+
     def figures(self) -> dict[str, Any]:
         """The estimates, as plain numbers: ``prefill_tokens_per_s``, ``prefill_steps``, and per tier
         ``load_bandwidth_bytes_per_s``, ``load_latency_s``, ``loads`` (fetches measured) and ``failed_loads``."""
@@ -262,7 +274,7 @@ class TransferCosts:
                 "failed_loads": costs.failed,
             }
         return {
-            "prefill_tokens_per_s": 1 / self._prefill.fit()[1],
+            "prefill_tokens_per_s": self.prefill_tokens_per_s(),
             "prefill_steps": self._prefill.count,
             "tiers": tiers,
         }
@@ -284,7 +296,10 @@ class LoadOrCompute:
     loads the ``k`` with the largest saving ``compute(k) - margin x load(k)``,
     none when no saving is positive. Within one tier's run both costs grow
     linearly in ``k``, so the best ``k`` is at the end of a run (or 0): the
-    match is cut between runs, which takes O(runs x tiers) per match.
+    match is cut between runs, which takes O(runs x tiers) per match. The
+    rule's one home is :func:`kvpool.routing.most_saved` (the router credits a
+    replica's tier-held prefix by it too); this class prices the runs with
+    the measured costs and asks it.
 
     ``margin`` (> 0, :data:`DEFAULT_MARGIN`): a load must be this many times
     faster than computing. Above 1 it absorbs the estimate's error and a
@@ -331,21 +346,12 @@ class LoadOrCompute:
     def choose(self, match: ExternalMatch) -> ExternalMatch:
         """The leading part of ``match`` (whole runs) worth loading; the rest is computed. Changes nothing."""
         runs = self._blocks(match)
-        if not runs:
+        if not runs or self._probing(runs):
             return match
-        if self._probing(runs):
-            return match
-        costs, margin, bs = self.costs, self.margin, self.block_size
-        per_tier: dict[str, int] = {}
-        best_tokens, best_saving, tokens = 0, 0.0, 0
-        for tier, blocks in runs:
-            per_tier[tier] = per_tier.get(tier, 0) + blocks
-            tokens += blocks * bs
-            load = sum(costs.load_seconds(name, n) for name, n in per_tier.items())
-            saving = costs.compute_seconds(tokens) - margin * load
-            if saving > best_saving:
-                best_tokens, best_saving = tokens, saving
-        return match if best_tokens == match.num_tokens else match.truncated(best_tokens)
+        costs, bs = self.costs, self.block_size
+        priced = [(tier, costs.load_cost(tier, bs), blocks) for tier, blocks in runs]
+        blocks, _ = most_saved(priced, bs, costs.prefill_tokens_per_s(), margin=self.margin)
+        return match if blocks * bs == match.num_tokens else match.truncated(blocks * bs)
 
     def _probing(self, runs: list[tuple[str, int]]) -> bool:
         every = self.probe_every
