@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool import KVCacheManager, Request, RequestStateError
-from kvpool.connector import NO_MATCH, ConnectorMetadata, ExternalMatch, TierRun, TransferResult
+from kvpool import ConfigError, KVCacheManager, Request, RequestStateError
+from kvpool.connector import NO_MATCH, PENDING, ConnectorMetadata, ExternalMatch, TierRun, TransferResult
 from kvpool.scheduler import RequestStatus, Scheduler, SchedulerConfig, StopConditions
 
 BS = 4
@@ -204,3 +204,41 @@ AsyncLoadMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestAsyncLoads = AsyncLoadMachine.TestCase
+
+
+class PendingTier(AsyncTier):
+    """Answers PENDING for the requests named in ``unknown``."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.unknown: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
+        if request.request_id in self.unknown:
+            return PENDING
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_a_request_whose_lookup_is_pending_is_skipped_and_keeps_its_place():
+    manager = KVCacheManager(64, BS)
+    tier = PendingTier(BS)
+    scheduler = Scheduler(manager, SchedulerConfig(max_num_batched_tokens=64), connector=tier)
+    tier.unknown = {"first"}
+    scheduler.add_request(Request("first", list(range(100, 110))), StopConditions(max_tokens=1))
+    scheduler.add_request(Request("second", list(range(200, 210))), StopConditions(max_tokens=1))
+    assert step(scheduler) == ["second"]
+    assert [e.request.request_id for e in scheduler.waiting] == ["first"]
+    tier.unknown = set()
+    assert step(scheduler) == ["first"]
+    manager.check_invariants()
+
+
+def test_a_pending_answer_with_runs_is_refused():
+    manager = KVCacheManager(64, BS)
+    tier = PendingTier(BS)
+    tier.get_num_new_matched_tokens = lambda r, n: ExternalMatch((TierRun("disk", 4),), pending=True)
+    scheduler = Scheduler(manager, SchedulerConfig(), connector=tier)
+    scheduler.add_request(Request("r", [LOADED, *range(1, 17)]), StopConditions(max_tokens=1))
+    with pytest.raises(ConfigError, match="pending"):
+        scheduler.schedule()
+    assert manager.get_block_ids("r") == ([],) and scheduler.num_waiting == 1

@@ -67,6 +67,7 @@ from kvpool.request import Request
 __all__ = [
     "GPU",
     "NO_MATCH",
+    "PENDING",
     "BlockLoad",
     "BlockSave",
     "ConnectorMetadata",
@@ -96,6 +97,9 @@ class TierRun:
 class ExternalMatch:
     """What a connector can supply beyond the local prefix hit: runs of tokens, in position order.
 
+    ``pending``: not known yet (the tiers' lookup is still running, vLLM's
+    ``None``): the request is skipped for this step and asked again at the next.
+
     ``asynchronous``: the loads finish in a later step (vLLM's ``load_async``).
     The request then holds its blocks and waits, computing nothing, until the
     worker lists it in :attr:`TransferResult.finished_loads`; the rest of the
@@ -105,6 +109,7 @@ class ExternalMatch:
 
     runs: tuple[TierRun, ...] = ()
     asynchronous: bool = False
+    pending: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +135,9 @@ class ExternalMatch:
 
 #: Nothing beyond the local hit.
 NO_MATCH = ExternalMatch()
+
+#: Not known yet: skip the request this step and ask again at the next.
+PENDING = ExternalMatch(pending=True)
 
 
 @dataclass(frozen=True, slots=True)

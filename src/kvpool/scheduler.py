@@ -514,6 +514,7 @@ class Scheduler:
         yielded: list[str] = []  # preempted for another tenant's admission (admission goes on)
         first_admission = self._admissions + 1  # requests admitted in this step are never preempted in it
         max_seqs = self.config.max_num_seqs
+        unknown: list[_Entry] = []  # the connector does not know their match yet: back in line after the loop
         while not preempted and self.waiting and budget > 0:
             if shares is None:
                 if len(self.running) >= max_seqs:
@@ -530,6 +531,10 @@ class Scheduler:
             else:
                 hit, num_hit = mgr.get_computed_blocks(request)
                 match = NO_MATCH if connector is None else self._external_match(request, num_hit)
+                if match.pending:  # its lookup is still running: the requests behind it go first this step
+                    self.waiting.remove(entry)
+                    unknown.append(entry)
+                    continue
             num_loaded = match.num_tokens
             if match.asynchronous and num_loaded:
                 if self._admit_loading(entry, hit, num_hit, match):
@@ -589,6 +594,8 @@ class Scheduler:
                 shares.admitted(entry.tenant, request.num_tokens)
                 shares.left[entry.tenant] -= todo
         preempted.extend(yielded)
+        if unknown:
+            self.waiting.extendleft(reversed(unknown))
 
         meta = None
         if connector is not None:
@@ -737,6 +744,8 @@ class Scheduler:
         match = self.connector.get_num_new_matched_tokens(request, num_hit)  # type: ignore[union-attr]  # called with a connector only
         if not isinstance(match, ExternalMatch):
             raise ConfigError(f"the connector answered {match!r}, not an ExternalMatch")
+        if match.pending and (match.runs or match.asynchronous):
+            raise ConfigError(f"the connector answered {match!r}: a pending match carries no runs")
         num = match.num_tokens
         bs = self.manager.block_size
         if type(num) is not int or num < 0 or num % bs or num_hit + num > request.num_tokens - 1:

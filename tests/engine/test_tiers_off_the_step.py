@@ -7,6 +7,8 @@ ones an engine computing everything samples. Every wait is on an event or a
 step, never on a length of time.
 """
 
+# ruff: noqa: F811  # the fixtures folder and reference are test_tiers.py's, imported by name
+
 from __future__ import annotations
 
 import threading
@@ -36,6 +38,13 @@ class Gate:
         return self.inner(keys, out)
 
 
+def step_until_fetching(engine: LLMEngine, gate: Gate) -> None:
+    """Step (each step waits for the tiers' lookup or fetch a little) until the gated fetch has begun."""
+    while not gate.reached.is_set():
+        assert engine.step() == []  # nothing else to run: nothing computed
+    assert engine.scheduler.num_loading == 1
+
+
 def _write_then_gate(folder, tmp_path, prompt, **options):
     """An engine whose disk tier holds ``prompt``'s blocks, with an empty pool and its store gated."""
     engine = LLMEngine(folder, **TINY_POOL, kv_tiers=[f"disk:{tmp_path}:1MiB"], **UNSIGNED, log=None, **options)
@@ -50,8 +59,7 @@ def test_a_request_loading_from_a_stalled_tier_waits_while_others_finish(folder,
     engine, gate = _write_then_gate(folder, tmp_path, loaded, kv_tier_load_deadline=600.0)
     try:
         waiting = engine.add_request(loaded, PARAMS)
-        engine.step()  # admits it to load: blocks held, nothing computed
-        assert gate.reached.wait(30)
+        step_until_fetching(engine, gate)  # looked up off the step, then admitted to load: nothing computed
         assert engine.scheduler.num_loading == 1
         free = engine.add_request(other, PARAMS)
         out = engine.run_until_done([free])[free]  # steps on while the tier stalls
@@ -90,8 +98,7 @@ def test_an_aborted_loading_request_gives_its_blocks_back_only_when_its_fetch_en
     free_before = manager.num_free_blocks
     try:
         rid = engine.add_request(prompt, PARAMS)
-        engine.step()
-        assert gate.reached.wait(30)
+        step_until_fetching(engine, gate)
         assert engine.abort(rid)
         assert not engine.has_unfinished_requests()
         assert manager.num_free_blocks < free_before  # the fetch may still write them: held
@@ -109,3 +116,37 @@ def test_an_aborted_loading_request_gives_its_blocks_back_only_when_its_fetch_en
 def test_a_bad_load_deadline_is_refused_by_name(folder, deadline):
     with pytest.raises(ConfigError, match="kv_tier_load_deadline"):
         LLMEngine(folder, **TINY_POOL, kv_tier_load_deadline=deadline, log=None)
+
+
+class LookupGate:
+    """Holds every lookup of one store until opened."""
+
+    def __init__(self, store) -> None:
+        self.inner = store.contains_prefix
+        self.open = threading.Event()
+        self.reached = threading.Event()
+        store.contains_prefix = self._contains_prefix
+
+    def _contains_prefix(self, keys):
+        self.reached.set()
+        self.open.wait(60)
+        return self.inner(keys)
+
+
+def test_a_stalled_lookup_holds_only_its_request_and_misses_at_the_deadline(folder, reference, tmp_path):
+    stalled, other = prompts(24, 2)
+    engine, _ = _write_then_gate(folder, tmp_path, stalled, kv_tier_load_deadline=0.05)
+    gate = LookupGate(engine.kv_tiers.worker.stores["disk"])
+    try:
+        first = engine.add_request(stalled, PARAMS)
+        while not gate.reached.is_set():
+            engine.step()
+        second = engine.add_request(other, PARAMS)  # its own lookup waits behind the stalled one, then misses
+        outs = engine.run_until_done([first, second])
+        assert tuple(outs[first].output_token_ids) == reference(stalled)
+        assert tuple(outs[second].output_token_ids) == reference(other)
+        assert outs[first].cached_tokens_by_tier.get("disk", 0) == 0  # the deadline passed: computed
+        engine.manager.check_invariants()
+    finally:
+        gate.open.set()
+    engine.kv_tiers.close()

@@ -605,6 +605,8 @@ class KVTiers:
     stores: tuple[Any, ...] = field(default_factory=tuple)
     #: Load or compute: which tier hits are worth loading, by the measured costs (None: every hit loads).
     chooser: LoadOrCompute | None = None
+    #: The threads disk and Redis are looked up on, off the step (None: on the step).
+    lookup_threads: TransferThreads | None = None
 
     def note_step(self, num_tokens: int, seconds: float) -> None:
         """A forward pass computed ``num_tokens`` tokens in ``seconds``: the prefill rate load or compute weighs."""
@@ -622,9 +624,17 @@ class KVTiers:
             if result:
                 scheduler.take_transfers(result)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a lookup or a load runs off the step (a request waits on it)."""
+        return bool(self.worker.num_fetching or self.connector.num_looking)
+
     def wait_for_loads(self, timeout: float) -> None:
-        """Nothing to compute: block until a load in flight ends (at most ``timeout`` s, to take new requests)."""
-        self.worker.wait_for_fetches(timeout)
+        """Nothing to compute: block until a lookup or load in flight ends (at most ``timeout`` s, to take new requests)."""
+        if self.worker.num_fetching:
+            self.worker.wait_for_fetches(timeout)
+        elif self.lookup_threads is not None and self.connector.num_looking:
+            self.lookup_threads.wait_for_loads(timeout)
 
     def before_forward(self, scheduler: Scheduler, plan: SchedulerOutput) -> SchedulerOutput:
         """Start the step's loads; the plan to run (failed loads are computed instead)."""
@@ -678,6 +688,8 @@ class KVTiers:
         return out
 
     def close(self) -> None:
+        if self.lookup_threads is not None:
+            self.lookup_threads.close()
         self.worker.close()
 
 
@@ -770,15 +782,26 @@ def build_kv_tiers(
         for store in stores:
             store.close()
         raise
-    threads = None
+    threads = lookups = None
     if async_loads and stores:
         threads = TransferThreads("kv-tiers", load_deadline_s=load_deadline_s)
+        lookups = TransferThreads("kv-lookups", load_deadline_s=load_deadline_s)
     costs = TransferCosts(
         registry_links(t.name for t in tiers),
         block_bytes=spec.block_bytes,
         prefill_tokens_per_s=_PREFILL_PRIOR[kv_caches.device.type == "cuda"],
     )
     chooser = LoadOrCompute(costs, block_size=spec.block_size)
-    connector = TierHierarchyConnector(manager, tiers, write=write, async_loads=threads is not None, chooser=chooser)
+    connector = TierHierarchyConnector(
+        manager, tiers, write=write, async_loads=threads is not None, chooser=chooser, lookups=lookups
+    )
     worker = KVTransferWorker(kv_caches, host.num_blocks if host is not None else 0, stores, threads, costs)
-    return KVTiers(connector=connector, worker=worker, specs=specs, host=host, stores=tuple(stores), chooser=chooser)
+    return KVTiers(
+        connector=connector,
+        worker=worker,
+        specs=specs,
+        host=host,
+        stores=tuple(stores),
+        chooser=chooser,
+        lookup_threads=lookups,
+    )

@@ -514,9 +514,9 @@ class LLMEngine:
             tiers.poll(self.scheduler)
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            if tiers is not None and self.scheduler.num_loading:
+            if tiers is not None and (self.scheduler.num_loading or tiers.busy):
                 tiers.before_forward(self.scheduler, plan)  # the loads it planned start; nothing to compute yet
-                if self.scheduler.num_loading:
+                if tiers.busy:
                     tiers.wait_for_loads(_IDLE_WAIT_S)
                 return []
             if self.scheduler.has_unfinished_requests():

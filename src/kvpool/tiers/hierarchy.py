@@ -30,6 +30,7 @@ from typing import Protocol
 from kvpool.block import KVBlock
 from kvpool.connector import (
     NO_MATCH,
+    PENDING,
     BlockLoad,
     BlockSave,
     ConnectorMetadata,
@@ -44,8 +45,10 @@ from kvpool.hashing import BlockHash
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
 from kvpool.tiers.kinds import WritePolicy
+from kvpool.tiers.lookups import OffStepLookups
 from kvpool.tiers.policy import ByteTier, HostTier, PrefixLookup, Tier, TierCounters, TierPolicy
 from kvpool.tiers.store import event_medium
+from kvpool.tiers.transfer_threads import TransferThreads
 
 # HostTier, ByteTier and the rest moved to kvpool.tiers.policy; importable here as before.
 __all__ = ["ByteTier", "HostTier", "MatchChooser", "PrefixLookup", "Tier", "TierCounters", "TierHierarchyConnector"]
@@ -103,6 +106,7 @@ class TierHierarchyConnector:
         allow_fast_hash: bool = False,
         chooser: MatchChooser | None = None,
         async_loads: bool = False,
+        lookups: TransferThreads | None = None,
     ) -> None:
         if not isinstance(manager, KVCacheManager):
             raise ConfigError(f"manager must be a KVCacheManager, got {manager!r}")
@@ -128,6 +132,8 @@ class TierHierarchyConnector:
         #: Loads from byte tiers (disk, Redis) finish in a later step: the request waits, the batch steps on.
         self.async_loads = async_loads
         self._byte_tiers = frozenset(t.name for t in policy.tiers if isinstance(t, ByteTier))
+        #: Disk and Redis looked up on threads, off the step (None: on the scheduler's thread).
+        self._lookups = OffStepLookups(policy, lookups) if lookups is not None and self._byte_tiers else None
         self._offered: dict[str, ExternalMatch] = {}  # the tiers' answer before the chooser, per request asked
         self._pool = manager.pool
         self._host = policy.host
@@ -154,7 +160,14 @@ class TierHierarchyConnector:
         if first * bs != num_computed_tokens:
             return NO_MATCH  # a partial local hit cannot be extended by whole blocks
         keys = request.block_hashes[first : (request.num_tokens - 1) // bs]
-        match = ExternalMatch(tuple(TierRun(name, blocks * bs) for name, blocks in self.policy.match(keys)))
+        if self._lookups is None:
+            found = self.policy.match(keys)
+        else:
+            answered = self._lookups.match(request.request_id, keys)
+            if answered is None:
+                return PENDING  # the stores have not answered yet: skipped this step, asked again
+            found = answered
+        match = ExternalMatch(tuple(TierRun(name, blocks * bs) for name, blocks in found))
         if self.chooser is not None and match.runs:
             self._offered[request.request_id] = match
             match = self.chooser.choose(match)
@@ -169,6 +182,8 @@ class TierHierarchyConnector:
         bs = self.block_size
         pos = num_local_tokens // bs
         self._saved_upto[rid] = pos
+        if self._lookups is not None:
+            self._lookups.forget(rid)  # admitted: a later admission (after a preemption) looks up again
         offered = self._offered.pop(rid, None)
         if self.chooser is not None and offered is not None:
             self.chooser.count(offered, ExternalMatch(match.runs, offered.asynchronous))
@@ -325,6 +340,8 @@ class TierHierarchyConnector:
         self._saved_upto.pop(rid, None)
         self._origin.pop(rid, None)
         self._offered.pop(rid, None)
+        if self._lookups is not None:
+            self._lookups.forget(rid)
         if self._pending_loads.pop(rid, None) is not None and rid not in self._saving:
             slots = self._pinned.pop(rid, None)  # loads never sent: nothing will report them
             if slots and self._host is not None:
@@ -341,6 +358,8 @@ class TierHierarchyConnector:
         """
         self._pending_loads.pop(request_id, None)
         self._offered.pop(request_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(request_id)
         self._saving.discard(request_id)
         self._stored.pop(request_id, None)
         slots = self._pinned.pop(request_id, None)
@@ -363,6 +382,8 @@ class TierHierarchyConnector:
         """
         self._pending_loads.clear()
         self._offered.clear()
+        if self._lookups is not None:
+            self._lookups = OffStepLookups(self.policy, self._lookups.threads)
         self._saved_upto.clear()
         self._origin.clear()
         self._pinned.clear()
@@ -378,6 +399,11 @@ class TierHierarchyConnector:
             self._pool.record(BlockRemoved(block_hashes=tuple(BlockHash(k) for k in keys), medium=event_medium(tier)))
 
     # -- figures ---------------------------------------------------------------------
+
+    @property
+    def num_looking(self) -> int:
+        """Requests whose disk and Redis lookups are running off the step."""
+        return 0 if self._lookups is None else self._lookups.num_pending
 
     def lookup_errors(self) -> dict[str, int]:
         return {t.name: t.lookup_errors for t in self.tiers if isinstance(t, ByteTier)}
