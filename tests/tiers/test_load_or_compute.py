@@ -230,6 +230,8 @@ BAD_NOTES = [
     ("note_prefill", (10, math.nan), "seconds"),
     ("load_seconds", ("redis", -1), "num_blocks"),
     ("compute_seconds", (2.5,), "num_tokens"),
+    ("load_cost", ("tape", 4), "'tape'"),
+    ("load_cost", ("redis", 0), "block_size"),
 ]
 
 
