@@ -42,6 +42,15 @@ loads and saves (:attr:`SchedulerOutput.connector_meta`);
 moves that request's chunk back so that the tokens are computed in the same
 step, and a finished request whose saves were pending keeps its blocks until
 they are reported done.
+
+A connector may answer asynchronously (:attr:`ExternalMatch.asynchronous`):
+the request is then admitted with blocks for its hit and its loads only, kept
+out of the prefix cache, and waits (``WAITING_FOR_KV``, computing nothing)
+until a report lists it in ``finished_loads``; its blocks are then cached and
+it waits again at the front of the queue to compute the rest. A connector
+that does not know yet (:data:`~kvpool.connector.PENDING`, a lookup still
+running) has that request skipped for the step, in its place. Reports outside
+a step go to :meth:`Scheduler.take_transfers`.
 """
 
 from __future__ import annotations
