@@ -530,3 +530,20 @@ def test_the_write_policy_is_checked():
     with pytest.raises(ConfigError, match="'write-sideways'"):
         WritePolicy.parse("write-sideways")
     assert WritePolicy.parse("write-back") is WritePolicy.WRITE_BACK
+
+
+def test_a_preview_of_the_match_remembers_nothing_of_the_request():
+    from kvpool.tiers.load_or_compute import LinkPrior, LoadOrCompute, TransferCosts
+
+    mgr = KVCacheManager(32, BS)
+    costs = TransferCosts({"disk": LinkPrior(bandwidth_bytes_per_s=1e9, latency_s=1e-4)}, block_bytes=64,
+                          prefill_tokens_per_s=10.0)  # fmt: skip
+    disk = DictStore("disk")
+    conn = TierHierarchyConnector(mgr, [ByteTier(disk)], chooser=LoadOrCompute(costs, block_size=BS))
+    a = Request("a", prompt(13))
+    mgr.hash_request(a)
+    disk.data.update((bytes(h), b"kv") for h in a.block_hashes)
+    assert conn.preview_match(a, 0).num_tokens == 12
+    assert conn._offered == {}
+    assert conn.get_num_new_matched_tokens(a, 0).num_tokens == 12
+    assert set(conn._offered) == {"a"}

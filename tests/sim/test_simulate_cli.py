@@ -136,3 +136,13 @@ def test_tier_loads_are_sized_from_the_model_or_the_flag():
     assert sized["tiers"][0]["load_ms_per_block"] == pytest.approx((10e-6 + block / 25e9) * 1e3)
     given = json.loads(invoke("--tier", "cpu:1MiB", "--kv-bytes-per-token", "1000", "--json", requests=5).stdout)
     assert given["tiers"][0]["load_ms_per_block"] == pytest.approx((10e-6 + 16_000 / 25e9) * 1e3)
+
+
+@pytest.mark.slow
+def test_always_load_turns_the_load_or_compute_rule_off():
+    slow = ("--tier", "redis://127.0.0.1:6379/0", "--tier-latency", "redis=50000", "--json")
+    decided = json.loads(invoke(*slow).stdout)["simulation"]
+    always = json.loads(invoke(*slow, "--kv-tier-always-load").stdout)["simulation"]
+    assert decided["tier_blocks_computed"]["redis"] > 0 and decided["hit_tokens_by_tier"].get("redis", 0) == 0
+    assert not always["tier_blocks_computed"] and always["hit_tokens_by_tier"]["redis"] > 0
+    assert always["ttft_p90_s"] > decided["ttft_p90_s"]  # 50 ms a fetch is slower than computing

@@ -235,6 +235,12 @@ def _progress(show: bool) -> Progress:
     help="When blocks go down to the tiers: when they fill, or when the pool evicts them (as the engine's flag).",
 )
 @click.option(
+    "--kv-tier-always-load",
+    "always_load",
+    is_flag=True,
+    help="Load every tier hit, even where computing its tokens is faster (the engine's load-or-compute rule is off).",
+)
+@click.option(
     "--tier-bandwidth",
     multiple=True,
     metavar="KIND=GB/S",
@@ -316,6 +322,7 @@ def simulate(
     decode_us_per_seq: float,
     tier_flags: tuple[str, ...],
     tier_write: str,
+    always_load: bool,
     tier_bandwidth: tuple[str, ...],
     tier_latency: tuple[str, ...],
     kv_bytes_per_token: int | None,
@@ -371,6 +378,7 @@ def simulate(
         decode_us_per_seq=decode_us_per_seq,
         tier=tier_flags,
         kv_tier_write=tier_write,  # type: ignore[arg-type]  # a name: SimulateOptions parses it
+        load_or_compute=not always_load,
         tier_bandwidth=tier_bandwidth,
         tier_latency=tier_latency,
         kv_bytes_per_token=kv_bytes_per_token,

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.checks import check_int
+from kvpool.checks import check_flag, check_int
 from kvpool.errors import ConfigError
 from kvpool.hashing import HashAlgo
 from kvpool.routing import Routing
@@ -126,6 +126,7 @@ class SimulateOptions:
         step_overhead_ms, prefill_us_per_token, decode_us_per_seq: the cost model.
         tier: KV tier specs below each replica's pool, in lookup order (the engine's grammar).
         kv_tier_write: when blocks go down to the tiers (a :class:`WritePolicy` or its name).
+        load_or_compute: load a tier hit only where that beats computing it (the engine's rule); False loads all.
         tier_bandwidth, tier_latency: ``KIND=GB/S`` and ``KIND=US`` overrides of a tier's link.
         kv_bytes_per_token: KV bytes per token, to size tier loads; None: from ``model``, else the cost model's.
         replicas: simulated replicas, each its own pool.
@@ -158,6 +159,7 @@ class SimulateOptions:
     decode_us_per_seq: float = 100.0
     tier: tuple[str, ...] = ()
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
+    load_or_compute: bool = True
     tier_bandwidth: tuple[str, ...] = ()
     tier_latency: tuple[str, ...] = ()
     kv_bytes_per_token: int | None = None
@@ -232,6 +234,7 @@ class SimulateOptions:
         put(self, "tier_targets", targets)
         put(self, "tier_links", links)
         put(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
+        check_flag("load_or_compute", self.load_or_compute)
 
         # replicas, routing, sizing
         routing = tuple(Routing(r) for r in dict.fromkeys(_routing(self.routing)))

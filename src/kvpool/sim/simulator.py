@@ -329,7 +329,7 @@ class _Replica:
         _, num_hit = self.manager.coordinator.find_longest_cache_hit(request, request.num_tokens - 1)
         if self.connector is None:
             return num_hit
-        return num_hit + self.connector.get_num_new_matched_tokens(request, num_hit).num_tokens
+        return num_hit + self.connector.preview_match(request, num_hit).num_tokens
 
     def add(self, trace_request: TraceRequest, request: Request) -> bool:
         """Queue a request; False when it could never fit in this pool."""

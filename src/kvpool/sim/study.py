@@ -104,6 +104,7 @@ def _config(options: SimulateOptions) -> SimulationConfig:
         cost=options.cost,
         tiers=options.tier_targets,
         tier_write=options.kv_tier_write,
+        load_or_compute=options.load_or_compute,
         tier_links=options.tier_links,
         replicas=options.replicas,
         routing=options.rules[0],

@@ -155,6 +155,16 @@ class TierHierarchyConnector:
     # -- lookup ---------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
+        return self._match(request, num_computed_tokens, record=True)
+
+    def preview_match(self, request: Request, num_computed_tokens: int) -> ExternalMatch:
+        """What :meth:`get_num_new_matched_tokens` would answer, remembering nothing of ``request``.
+
+        For a router weighing replicas (the simulator's): a request routed elsewhere leaves no trace here.
+        """
+        return self._match(request, num_computed_tokens, record=False)
+
+    def _match(self, request: Request, num_computed_tokens: int, *, record: bool) -> ExternalMatch:
         bs = self.block_size
         first = num_computed_tokens // bs
         if first * bs != num_computed_tokens:
@@ -169,7 +179,8 @@ class TierHierarchyConnector:
             found = answered
         match = ExternalMatch(tuple(TierRun(name, blocks * bs) for name, blocks in found))
         if self.chooser is not None and match.runs:
-            self._offered[request.request_id] = match
+            if record:
+                self._offered[request.request_id] = match
             match = self.chooser.choose(match)
         if self.async_loads and any(run.tier in self._byte_tiers for run in match.runs):
             match = ExternalMatch(match.runs, asynchronous=True)
