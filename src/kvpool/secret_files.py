@@ -1,11 +1,12 @@
 """Secrets: the one way kvpool reads a secret from a file, and the one rule a secret keeps.
 
 A secret keys a MAC: a server's tenant salts (:mod:`kvpool.tenancy`, HMAC-SHA256) and the
-signatures of KV tier entries (:mod:`kvpool.tiers.entry`, a keyed BLAKE3 or HMAC-SHA256). Both follow one rule:
+signatures of KV tier entries (:mod:`kvpool.tiers.entry`, AES-256-GMAC, keyed BLAKE3 or
+HMAC-SHA256). Both follow one rule:
 
 * a file's secret is its bytes with trailing whitespace (a final newline) removed;
-* a secret holds at least :data:`MIN_SECRET_BYTES` bytes. Both MACs take any
-  length (BLAKE3 through a derived key), but a short secret can be guessed offline from one signed value.
+* a secret holds at least :data:`MIN_SECRET_BYTES` bytes. All three MACs take any
+  length (GMAC and BLAKE3 through a derived key), but a short secret can be guessed offline from one signed value.
 
 Every key or secret file (these and the CURVE key files of :mod:`kvpool.kv_events.transport`) is
 read by :func:`read_key_file`: only a regular file (a link to one is followed), opened without

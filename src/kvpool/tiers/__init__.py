@@ -4,7 +4,7 @@
 * :mod:`kvpool.tiers.store`: the :class:`BlockStore` contract, the registry of kinds
   (:data:`~kvpool.tiers.store.BACKENDS`), :func:`parse_spec` (the one spec parser), :func:`open_store`
   and :func:`check_tier_trust` (a shared tier needs a secret, or the operator's word that it goes without).
-* :mod:`kvpool.tiers.entry`: the entry format and :class:`EntryCodec` (header, checksum, HMAC).
+* :mod:`kvpool.tiers.entry`: the entry format and :class:`EntryCodec` (header, checksum, MAC).
 * :mod:`kvpool.tiers.disk`: :class:`DiskStore`, a directory bounded in bytes, LRU, restart-safe.
 * :mod:`kvpool.tiers.redis_store`: :class:`RedisStore`, a Redis server or cluster shared by replicas.
 * :mod:`kvpool.tiers.hierarchy`: :class:`TierHierarchyConnector`, the KV connector over the tiers,

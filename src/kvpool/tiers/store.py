@@ -19,9 +19,10 @@ A new kind of tier is one module (its target, with ``parse``, and its store) plu
 
 Trust: a shared tier (disk, Redis: its backend says ``shared``) holds bytes anyone with write
 access to the directory or the server can plant. :func:`check_tier_trust` is the one rule: such a
-tier is opened with a secret (every entry signed and checked with a keyed BLAKE3, or HMAC-SHA256 without the ``blake3`` package), or only when the
-operator says explicitly that its entries are unauthenticated (a checksum then catches damage,
-never tampering). The engine's options, its start-up and the vLLM connector ask it.
+tier is opened with a secret (every entry signed and checked with a MAC: AES-256-GMAC, else keyed
+BLAKE3, else HMAC-SHA256, as the installed packages allow), or only when the operator says
+explicitly that its entries are unauthenticated (a checksum then catches damage, never
+tampering). The engine's options, its start-up and the vLLM connector ask it.
 """
 
 from __future__ import annotations
