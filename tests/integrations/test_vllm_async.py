@@ -209,7 +209,8 @@ def test_a_stalled_fetch_leaves_other_requests_loads_finishing_and_fails_its_blo
     before = [layer[1].clone() for layer in target]
     plan = StepPlan(loads=(_load("slow", b"k1", 1), _load("fast", b"k2", 2)), receiving=("slow", "fast"))
     try:
-        assert worker.load(plan) == set()  # nothing is read on the step
+        worker.start_receiving(plan)
+        assert worker.load(plan) == set()  # nothing else to load: nothing is read on the step
         assert store.read_started.wait(5)
         got, failed = _receive_until(worker, "fast")
         assert got == {"fast"} and failed == set()
@@ -234,7 +235,7 @@ def test_a_fetch_a_store_fails_reports_its_request_with_every_block_failed(clock
     worker, _ = _worker(DownStore({}), clock)
     plan = StepPlan(loads=(_load("a", b"k0", 0), _load("a", b"k1", 3)), receiving=("a",))
     try:
-        assert worker.load(plan) == set()
+        worker.start_receiving(plan)
         assert _receive_until(worker, "a") == ({"a"}, {0, 3})
         assert worker.figures.failed_loads["redis"] == 2
     finally:
@@ -247,7 +248,7 @@ def test_missing_and_wrong_sized_payloads_are_failed_blocks_of_a_received_reques
     worker, _ = _worker(GatedStore(payloads), clock)
     plan = StepPlan(loads=(_load("a", b"k0", 0), _load("a", b"k1", 1), _load("a", b"absent", 2)), receiving=("a",))
     try:
-        worker.load(plan)
+        worker.start_receiving(plan)
         assert _receive_until(worker, "a") == ({"a"}, {1, 2})
         assert worker.figures.loaded["redis"] == 1
     finally:
@@ -260,10 +261,26 @@ def test_a_receiving_request_with_only_host_loads_is_received_at_once(clock):
     worker.host[2] = worker.layout.read(4)
     load = VllmBlockLoad(request_id="a", tier="cpu", key=b"k", block_id=0, slot=2)
     try:
-        assert worker.load(StepPlan(loads=(load,), receiving=("a",))) == set()
+        worker.start_receiving(StepPlan(loads=(load,), receiving=("a",)))
         assert worker.received() == ({"a"}, set())
         assert all(torch.equal(layer[0], layer[4]) for layer in caches)
     finally:
+        worker.close()
+
+
+def test_load_copies_only_the_requests_that_are_not_receiving(clock):
+    source, payloads = _source_payloads()
+    store = GatedStore(payloads, gated=[b"k1"])
+    worker, target = _worker(store, clock)
+    plan = StepPlan(loads=(_load("waits", b"k1", 1), _load("now", b"k3", 3)), receiving=("waits",))
+    try:
+        worker.start_receiving(plan)
+        assert store.read_started.wait(5)
+        assert worker.load(plan) == set()  # "now" is read and copied on this thread, past the stalled fetch
+        assert all(torch.equal(a[3], b[3]) for a, b in zip(source, target))
+        assert worker.received() == (set(), set())
+    finally:
+        store.release.set()
         worker.close()
 
 
@@ -271,7 +288,7 @@ def test_a_worker_without_threads_refuses_an_async_plan_naming_the_requests():
     layout = KVBlockLayout(cpu_caches(), BLOCKS, fingerprint().block_bytes)
     worker = TierWorker(layout, {}, None)
     with pytest.raises(ConfigError, match=r"\['a'\]"):
-        worker.load(StepPlan(loads=(_load("a", b"k", 1),), receiving=("a",)))
+        worker.start_receiving(StepPlan(loads=(_load("a", b"k", 1),), receiving=("a",)))
 
 
 def test_a_full_save_queue_drops_the_save_and_counts_it_never_waiting(clock):

@@ -147,36 +147,54 @@ class TierWorker:
 
     # -- loads -------------------------------------------------------------------------------------
 
-    def load(self, plan: StepPlan) -> set[int]:
-        """Copy the plan's loads into vLLM's blocks, or start fetching them; the block IDs that failed now.
+    def start_receiving(self, plan: StepPlan) -> None:
+        """Start the receiving requests' loads: host slots copied now, store loads on a load thread.
 
-        Host slots are copied now. A receiving request's store loads go to a load thread
-        (:meth:`received` reports them); every other request's are read and copied now.
+        :meth:`received` reports each request once its loads ended. Call it as early in the
+        step as the plan is known: on vLLM-CPU the forward pass runs before ``start_load_kv``
+        when no load is synchronous, so a fetch started there would wait for the whole pass.
         """
-        receiving = set(plan.receiving)
-        if receiving and self.transfers is None:
-            raise ConfigError(f"requests {sorted(receiving)[:4]} load asynchronously, and this worker has no threads")
-        failed: set[int] = set()
-        now: _Wanted = {}
+        if not plan.receiving:
+            return
+        if self.transfers is None:
+            raise ConfigError(
+                f"requests {list(plan.receiving)[:4]} load asynchronously, and this worker has no threads"
+            )
         later: dict[str, _Wanted] = {request_id: {} for request_id in plan.receiving}
         for load in plan.loads:
+            if load.request_id not in later:
+                continue
             if load.slot is not None and self.host is not None:
                 self.layout.write(load.block_id, self.host[load.slot])
                 self.figures.loaded[load.tier] += 1
             else:
-                wanted = later[load.request_id] if load.request_id in receiving else now
-                wanted.setdefault(load.tier, []).append((load.key, load.block_id))
-        for name, payloads in self._fetch(now).items():
-            failed |= self._copy(name, now[name], payloads)
+                later[load.request_id].setdefault(load.tier, []).append((load.key, load.block_id))
         for request_id, wanted in later.items():
             if not wanted:
                 self._received.add(request_id)
                 continue
-            assert self.transfers is not None  # checked above
             ticket = self.transfers.submit_load(functools.partial(self._fetch, wanted))
             self._fetching[ticket] = (request_id, wanted)
+
+    def load(self, plan: StepPlan) -> set[int]:
+        """Copy the loads of the plan's other (not receiving) requests into vLLM's blocks now; the block IDs that failed."""
+        receiving = set(plan.receiving)
+        failed: set[int] = set()
+        now: _Wanted = {}
+        count = 0
+        for load in plan.loads:
+            if load.request_id in receiving:
+                continue
+            count += 1
+            if load.slot is not None and self.host is not None:
+                self.layout.write(load.block_id, self.host[load.slot])
+                self.figures.loaded[load.tier] += 1
+            else:
+                now.setdefault(load.tier, []).append((load.key, load.block_id))
+        for name, payloads in self._fetch(now).items():
+            failed |= self._copy(name, now[name], payloads)
         if failed:
-            self._warn_not_loaded(len(failed), len(plan.loads))
+            self._warn_not_loaded(len(failed), count)
         return failed
 
     def _fetch(self, wanted: _Wanted) -> dict[str, Sequence[bytes | None]]:

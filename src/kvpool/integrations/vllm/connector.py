@@ -203,6 +203,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, KVPoolConnectorMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM binds the plan before the forward pass, and calls start_load_kv after it when no load is
+        # synchronous: asynchronous fetches start here, so that they run during the pass.
+        plan = self._plan()
+        if plan is not None and plan.receiving and self._worker is not None:
+            self._worker.start_receiving(plan)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if plan is not None and plan.loads and self._worker is not None:
