@@ -5,6 +5,9 @@ command it answers, then treated as the :class:`Hostility` says:
 
 * ``delay_ms``: each reply is held that long, one after another on a connection (a pipeline of 16
   replies takes 16 times as long): a server that takes a fixed time per reply;
+* ``latency_ms``: each reply is held until that long after it arrived from the server, so the
+  replies of one pipeline travel together (a pipeline of 16 takes about as long as one): a server
+  far away;
 * ``trickle``: each reply is sent ``trickle_bytes`` at a time with ``trickle_pause_ms`` between
   the pieces (default one byte per millisecond): a reply that keeps arriving, never stalling long
   enough for a socket timeout;
@@ -68,6 +71,7 @@ class Hostility:
     """How the proxy treats the replies it counts (see the module docstring). The default forwards all."""
 
     delay_ms: float = 0.0
+    latency_ms: float = 0.0
     trickle: bool = False
     trickle_bytes: int = 1
     trickle_pause_ms: float = 1.0
@@ -77,7 +81,7 @@ class Hostility:
     count_only: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("delay_ms", "trickle_pause_ms"):
+        for name in ("delay_ms", "latency_ms", "trickle_pause_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"{name} must be a number of milliseconds >= 0, got {value!r}")
@@ -350,19 +354,21 @@ class ThrottledRedis:
         self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, commands: deque[bytes]
     ) -> None:
         buf = bytearray()
+        loop = asyncio.get_running_loop()
         while chunk := await up_reader.read(1 << 16):
+            arrived = loop.time()
             buf += chunk
             pos = 0
             while pos < len(buf) and (end := reply_end(buf, pos)) is not None:
                 reply = bytes(buf[pos:end])
                 pos = end
                 command = commands.popleft() if commands else b""
-                if not await self._answer(reply, command, writer):
+                if not await self._answer(reply, command, writer, arrived):
                     return
             del buf[:pos]
 
-    async def _answer(self, reply: bytes, command: bytes, writer: asyncio.StreamWriter) -> bool:
-        """Send one reply as the hostility says; False once this connection must close."""
+    async def _answer(self, reply: bytes, command: bytes, writer: asyncio.StreamWriter, arrived: float) -> bool:
+        """Send one reply (whose last bytes came at loop time ``arrived``) as the hostility says; False: close."""
         h = self.hostility
         if self.ended.is_set():
             return h.drop_after is None  # stalled: swallow it and keep the connection; dropped: close
@@ -378,6 +384,8 @@ class ThrottledRedis:
             reply = NOT_RESP
         elif h.garbage == "payload":
             reply = flip_bulk_strings(reply)
+        if h.latency_ms:
+            await asyncio.sleep(max(0.0, arrived + h.latency_ms / 1000 - asyncio.get_running_loop().time()))
         if h.delay_ms:
             await asyncio.sleep(h.delay_ms / 1000)
         if not h.trickle:
@@ -400,7 +408,7 @@ class ThrottledRedis:
 
 def hostility_from_args(args: argparse.Namespace) -> Hostility:
     return Hostility(
-        delay_ms=args.delay_ms, trickle=args.trickle, trickle_bytes=args.trickle_bytes,
+        delay_ms=args.delay_ms, latency_ms=args.latency_ms, trickle=args.trickle, trickle_bytes=args.trickle_bytes,
         trickle_pause_ms=args.trickle_pause_ms, stall_after=args.stall_after, garbage=args.garbage,
         drop_after=args.drop_after, count_only=frozenset(args.count_only) if args.count_only else None,
     )  # fmt: skip
@@ -408,6 +416,7 @@ def hostility_from_args(args: argparse.Namespace) -> Hostility:
 
 def add_hostility_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="hold each reply this long, one after another")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="hold each reply this long after it came")
     parser.add_argument("--trickle", action="store_true", help="send each reply a few bytes at a time")
     parser.add_argument("--trickle-bytes", type=int, default=1, help="bytes per piece when trickling [1]")
     parser.add_argument("--trickle-pause-ms", type=float, default=1.0, help="pause between pieces [1 ms]")

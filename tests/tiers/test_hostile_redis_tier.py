@@ -101,10 +101,11 @@ def test_the_proxy_alone_changes_nothing(folder, reference, upstream):
     "hostility",
     [
         Hostility(delay_ms=5),  # a fixed time per reply
+        Hostility(latency_ms=5),  # a fixed time per round trip
         Hostility(trickle=True, trickle_bytes=1, trickle_pause_ms=0),  # every reply one byte at a time
         Hostility(trickle=True, trickle_bytes=7, trickle_pause_ms=0.01, count_only=READS),
     ],
-    ids=["delay", "trickle", "trickle-reads"],
+    ids=["delay", "latency", "trickle", "trickle-reads"],
 )
 def test_a_slow_redis_still_serves_the_same_tokens(folder, reference, redis_url, hostility):
     # Today a slow tier is always loaded from, however slow; with a load-or-compute rule a tier
@@ -187,6 +188,7 @@ def test_replies_are_framed_whole():
     ("fields", "match"),
     [
         ({"delay_ms": -1}, "delay_ms must be .* got -1"),
+        ({"latency_ms": float("nan")}, "latency_ms must be .* got nan"),
         ({"trickle_bytes": 0}, "trickle_bytes must be an integer >= 1, got 0"),
         ({"stall_after": 1, "drop_after": 1}, "cannot both be set"),
         ({"garbage": "noise"}, "garbage must be one of bytes, payload, got 'noise'"),
