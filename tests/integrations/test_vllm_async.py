@@ -396,7 +396,7 @@ def test_a_host_block_evicted_while_the_lookup_ran_ends_the_match_there(clock):
         threads.close()
 
 
-def test_an_admitted_or_finished_request_is_looked_up_again(clock):
+def test_an_admitted_request_is_not_looked_up_again_and_a_finished_one_is_forgotten(clock):
     request = FakeRequest("a", list(range(21)))
     redis = GatedLookup("redis", request.block_hashes)
     planner, _, threads = _planner_with_lookups(request, clock, 0, redis)
@@ -404,10 +404,24 @@ def test_an_admitted_or_finished_request_is_looked_up_again(clock):
         planner.add(request)
         assert _match_when_back(planner, request, threads) == 20
         planner.allocated(request, [1, 2, 3, 4, 5, 6], 20)
-        assert planner.match(request, 0) is None  # preempted and asked again: a new lookup
-        _match_when_back(planner, request, threads)
-        planner.finished("a")
+        assert planner.match(request, 0) == 0  # asked again after its async load: the host tier only
+        other = FakeRequest("b", list(range(21)))
+        assert planner.match(other, 0) is None  # another request is looked up
+        planner.finished("b")
         assert planner.lookups is not None and planner.lookups.num_pending == 0
-        assert redis.lookups == 2  # once per admission (Redis holds every block: one call each)
+        assert redis.lookups == 1  # Redis holds every block: one call per lookup
     finally:
         threads.close()
+
+
+def test_a_request_whose_async_load_failed_is_not_offered_the_stores_again():
+    # vLLM frees a request whose asynchronous load failed from its first block and asks about it anew:
+    # a store that lists blocks it cannot return must not be offered them again, or the request loops
+    request = FakeRequest("a", list(range(21)))
+    planner, _ = _host_and_redis(request, 1, slice(0, 5))
+    planner.add(request)
+    assert planner.match(request, 0) == 20 and planner.loads_async("a")  # block 0 from cpu, 1-4 from Redis
+    planner.allocated(request, [1, 2, 3, 4, 5, 6], 20)
+    assert planner.build([]).receiving == ("a",)
+    assert planner.match(request, 0) == 4  # the host tier's block only, copied on the step
+    assert planner.hit_tokens_by_tier("a") == {"cpu": 4} and not planner.loads_async("a")

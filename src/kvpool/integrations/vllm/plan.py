@@ -220,6 +220,7 @@ class _Tracked:
     runs: tuple[tuple[str, int], ...] = ()  # the last match: (tier, blocks) in lookup order
     loads: list[tuple[str, bytes, int]] = field(default_factory=list)  # allocated, not yet planned
     load_async: bool = False  # the allocated loads are waited for off vLLM's step
+    loaded_async: bool = False  # it had an asynchronous load: the stores are not offered again
     # an asynchronous load's promotions, planned when vLLM schedules the request: (index, key, block, tiers)
     promotions: list[tuple[int, bytes, int, tuple[str, ...]]] = field(default_factory=list)
 
@@ -280,6 +281,11 @@ class TierPlanner:
         Never reaches the request's last token (vLLM computes at least that one). Changes no
         tier: it may be asked again for the same request when its allocation is refused. With
         ``lookups``, None while the stores' answers are not back (vLLM asks again next step).
+
+        A request that already had an asynchronous load is offered the host tier only: vLLM
+        asks again when that load failed from its first block (it frees the blocks and admits the
+        request anew), and a store that lists blocks it cannot return would be offered them at
+        every step, for ever. (A preempted request then computes what a store would have served.)
         """
         if num_computed_tokens % self.block_size:
             raise ConfigError(f"num_computed_tokens {num_computed_tokens} is not a multiple of {self.block_size}")
@@ -287,7 +293,10 @@ class TierPlanner:
         first = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         keys = [bytes(h) for h in request.block_hashes[first:limit]]
-        if self.lookups is None:
+        if tracked.loaded_async:
+            held = self.host.contains_prefix(keys) if self.host is not None else 0
+            runs: tuple[tuple[str, int], ...] = ((self.host.name, held),) if held and self.host is not None else ()
+        elif self.lookups is None:
             runs = self.policy.match(keys)
         else:
             found = self.lookups.match(request.request_id, keys)
@@ -341,6 +350,7 @@ class TierPlanner:
                 index += 1
         tracked.loads = loads
         tracked.load_async = self.loads_async(request.request_id)
+        tracked.loaded_async = tracked.loaded_async or tracked.load_async
         if self.lookups is not None:
             self.lookups.forget(request.request_id)  # admitted: a later admission (preempted) asks again
         self._allocated[request.request_id] = None
