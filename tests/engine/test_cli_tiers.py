@@ -32,6 +32,7 @@ def generate(folder: str, *tiers: str, extra: tuple[str, ...] = ()) -> tuple[dic
         args += ["--kv-tier", tier]
     if any(not tier.startswith("cpu:") for tier in tiers):
         args.append("--kv-tier-unauthenticated")  # these tests share unsigned entries; the rule: test_tier_trust.py
+        args.append("--kv-tier-always-load")  # every hit loads: load or compute would decide by this machine's timing
     code = "import sys; from kvpool.cli.commands import cli; sys.exit(cli())"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

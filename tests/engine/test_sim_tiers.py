@@ -21,7 +21,7 @@ from kvpool.engine.llm_engine import LLMEngine
 from kvpool.sim.simulator import CostModel, SimulationConfig, simulate
 from kvpool.sim.traces import TokenSegment, TraceRequest
 from kvpool.tiers import WritePolicy, parse_specs
-from tests.engine.test_tiers import BLOCK, BLOCK_BYTES, PARAMS, TINY_POOL, UNSIGNED
+from tests.engine.test_tiers import BLOCK, BLOCK_BYTES, PARAMS, TIERS_AS_TESTED, TINY_POOL
 from tests.engine.tiny_models import build_model, random_prompt, save_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -42,12 +42,15 @@ def request_sequence() -> list[list[int]]:
 @pytest.mark.parametrize("write", list(WritePolicy), ids=lambda w: w.value)
 def test_the_simulator_serves_from_each_tier_what_the_engine_does(folder, tmp_path, write):
     specs = [f"cpu:{24 * BLOCK_BYTES}", f"disk:{tmp_path}:1MiB"]  # 24 host blocks: the CPU tier evicts too
-    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=specs, kv_tier_write=write, **UNSIGNED, log=None)
+    # Every hit loads (the simulator's cost model is not this machine's), and each request's saves
+    # are written before the next arrives, as the trace's arrivals far apart replay them.
+    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=specs, kv_tier_write=write, **TIERS_AS_TESTED, log=None)
     prompts = request_sequence()
     outputs = []
-    for prompt in prompts:  # one after another, as the trace's arrivals far apart replay them
+    for prompt in prompts:
         rid = engine.add_request(prompt, PARAMS)
         outputs.append(engine.run_until_done([rid])[rid].output_token_ids)
+        assert engine.kv_tiers.flush_saves(timeout=60)
     engine.kv_tiers.close()
     by_engine = engine.cached_tokens_by_tier
 
@@ -63,6 +66,7 @@ def test_the_simulator_serves_from_each_tier_what_the_engine_does(folder, tmp_pa
         cost=CostModel(kv_bytes_per_token=BLOCK_BYTES // BLOCK),
         tiers=parse_specs(specs),
         tier_write=write,
+        load_or_compute=False,
     )
     predicted = simulate(trace, config).hit_tokens_by_tier
     assert predicted == {"gpu": 0, "cpu": 0, "disk": 0} | by_engine

@@ -13,7 +13,7 @@ from kvpool.engine.startup import EngineOptions
 from kvpool.errors import ConfigError
 from kvpool.tiers import weights
 from kvpool.tiers.weights import model_digest
-from tests.engine.test_tiers import PARAMS, TINY_POOL, UNSIGNED, prompts, run
+from tests.engine.test_tiers import PARAMS, TIERS_AS_TESTED, TINY_POOL, prompts, run
 from tests.engine.tiny_models import build_model, save_model
 
 LATER = 10**10  # ten seconds, in nanoseconds: hashing "later" makes freshly written files safe to remember
@@ -55,9 +55,9 @@ def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, r
     batch = prompts(11, count=2)
     b_alone = tokens(run(LLMEngine(b, **TINY_POOL, log=None), batch))
     assert b_alone != tokens(run(LLMEngine(a, **TINY_POOL, log=None), batch))  # the weights really differ
-    writer = LLMEngine(a, **TINY_POOL, kv_tiers=tiers, **UNSIGNED, log=None)
+    writer = LLMEngine(a, **TINY_POOL, kv_tiers=tiers, **TIERS_AS_TESTED, log=None)
     run(writer, batch)
-    reader = LLMEngine(b, **TINY_POOL, kv_tiers=tiers, **UNSIGNED, log=None)
+    reader = LLMEngine(b, **TINY_POOL, kv_tiers=tiers, **TIERS_AS_TESTED, log=None)
     outs = run(reader, batch)
     assert tokens(outs) == b_alone
     assert all(o.cached_tokens_by_tier.get("disk", 0) == o.cached_tokens_by_tier.get("redis", 0) == 0 for o in outs)
@@ -76,7 +76,7 @@ def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, r
         planted += 1
     assert planted > 0
     for tier, spec in zip(("disk", "redis"), tiers):  # one tier each: a refused disk entry ends the lookup
-        fresh = LLMEngine(b, **TINY_POOL, kv_tiers=[spec], **UNSIGNED, log=None)
+        fresh = LLMEngine(b, **TINY_POOL, kv_tiers=[spec], **TIERS_AS_TESTED, log=None)
         outs = run(fresh, batch)
         assert tokens(outs) == b_alone
         assert all(o.cached_tokens_by_tier.get(tier, 0) == 0 for o in outs)
@@ -84,7 +84,7 @@ def test_same_shapes_other_weights_never_share_tier_entries(folders, tmp_path, r
         assert figures["hits"] == 0 and figures["corrupt_by_kind"].get("foreign layout", 0) > 0
         assert figures["removed"] > 0  # under its own namespace, a refused entry is removed
     # the first model still finds its own entries, untouched
-    again = LLMEngine(a, **TINY_POOL, kv_tiers=tiers[1:], **UNSIGNED, log=None)
+    again = LLMEngine(a, **TINY_POOL, kv_tiers=tiers[1:], **TIERS_AS_TESTED, log=None)
     assert all(o.cached_tokens_by_tier.get("redis", 0) > 0 for o in run(again, batch))
 
 
@@ -177,7 +177,7 @@ def test_a_namespace_replaces_the_digest(folders, tmp_path, monkeypatch):
         **TINY_POOL,
         kv_tiers=[f"disk:{tmp_path}:1MiB"],
         kv_tier_namespace="prod-7",
-        **UNSIGNED,
+        **TIERS_AS_TESTED,
         log=lines.append,
     )
     store = engine.kv_tiers.worker.stores["disk"]

@@ -25,8 +25,9 @@ TINY_POOL = dict(
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 PROMPT_LEN = 30
 LOADABLE = (PROMPT_LEN - 1) // BLOCK * BLOCK  # 28: whole blocks before the last prompt token
-#: Disk and Redis tiers opened without a secret (their checksum catches damage, not tampering): what these tests check.
-UNSIGNED = {"kv_tier_unauthenticated": True}
+#: Disk and Redis tiers opened without a secret (their checksum catches damage, not tampering), and every hit
+#: loaded (load or compute would decide by this machine's timing, which a loaded machine changes): what these test.
+TIERS_AS_TESTED = {"kv_tier_unauthenticated": True, "kv_tier_always_load": True}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,8 @@ def run(engine: LLMEngine, batch: list[list[int]]):
     for prompt in batch:
         rid = engine.add_request(prompt, PARAMS)
         outs.append(engine.run_until_done([rid])[rid])
+        if engine.kv_tiers is not None:  # disk and Redis saves are written off the step: wait for them
+            assert engine.kv_tiers.flush_saves(timeout=60)
     return outs
 
 
@@ -104,10 +107,10 @@ def test_preempted_requests_come_back_through_the_cpu_tier(folder, reference):
 def test_the_disk_tier_survives_a_restart(folder, reference, tmp_path):
     spec = f"disk:{tmp_path}:1MiB"
     batch = prompts(2)
-    first = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], **UNSIGNED, log=None)
+    first = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], **TIERS_AS_TESTED, log=None)
     assert_same_tokens(run(first, batch), batch, reference)
     first.kv_tiers.close()
-    second = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], **UNSIGNED, log=None)  # a new engine: an empty pool
+    second = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], **TIERS_AS_TESTED, log=None)  # a new engine: an empty pool
     outs = run(second, batch)
     assert_same_tokens(outs, batch, reference)
     assert [o.cached_tokens_by_tier for o in outs] == [{"gpu": 0, "disk": LOADABLE}] * len(batch)
@@ -117,7 +120,7 @@ def test_the_disk_tier_survives_a_restart(folder, reference, tmp_path):
 def test_damaged_disk_entries_are_computed_and_counted(folder, reference, tmp_path):
     spec = f"disk:{tmp_path}:1MiB"
     batch = prompts(3)
-    writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], **UNSIGNED, log=None)
+    writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], **TIERS_AS_TESTED, log=None)
     run(writer, batch)
     writer.kv_tiers.close()
     files = sorted(p for p in tmp_path.rglob("*.kv"))
@@ -128,7 +131,7 @@ def test_damaged_disk_entries_are_computed_and_counted(folder, reference, tmp_pa
             path.write_bytes(data[: len(data) // 2])  # truncated
         elif i % 3 == 1:
             path.write_bytes(data[:-5] + bytes(b ^ 0xFF for b in data[-5:]))  # corrupted payload
-    reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], **UNSIGNED, log=None)
+    reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[spec], **TIERS_AS_TESTED, log=None)
     outs = run(reader, batch)
     assert_same_tokens(outs, batch, reference)
     figures = reader.kv_tier_figures()["disk"]
@@ -158,9 +161,9 @@ def test_the_redis_tier_is_shared_between_engines(folder, reference, redis_url):
     # A loaded machine can hold a reply past the store's 1 s socket timeout, which costs a hit; this test counts hits.
     redis_url += ("&" if "?" in redis_url else "?") + "socket_timeout=30"
     batch = prompts(5, count=3)
-    first = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_url], **UNSIGNED, log=None)
+    first = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_url], **TIERS_AS_TESTED, log=None)
     assert_same_tokens(run(first, batch), batch, reference)
-    second = LLMEngine(folder, **TINY_POOL, kv_tiers=["cpu:64KiB", redis_url], **UNSIGNED, log=None)
+    second = LLMEngine(folder, **TINY_POOL, kv_tiers=["cpu:64KiB", redis_url], **TIERS_AS_TESTED, log=None)
     outs = run(second, batch)
     assert_same_tokens(outs, batch, reference)
     assert [o.cached_tokens_by_tier for o in outs] == [{"gpu": 0, "redis": LOADABLE}] * len(batch)
@@ -170,7 +173,7 @@ def test_the_redis_tier_is_shared_between_engines(folder, reference, redis_url):
 
 def test_redis_killed_mid_run_costs_hits_not_tokens(folder, reference, redis_server):
     batch = prompts(6, count=3)
-    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], **UNSIGNED, log=None)
+    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], **TIERS_AS_TESTED, log=None)
     assert_same_tokens(run(engine, batch[:1]), batch[:1], reference)
     redis_server.stop()
     outs = run(engine, batch)  # the first again (its blocks are in a Redis that is gone), then two new ones
@@ -185,7 +188,7 @@ def test_redis_killed_mid_run_costs_hits_not_tokens(folder, reference, redis_ser
     engine.manager.reset_prefix_cache()
     assert_same_tokens(run(engine, batch[1:]), batch[1:], reference)
     assert engine.kv_tier_figures()["redis"]["blocks_saved"] > saved
-    again = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], **UNSIGNED, log=None)
+    again = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], **TIERS_AS_TESTED, log=None)
     outs = run(again, batch[1:])
     assert_same_tokens(outs, batch[1:], reference)
     assert all(o.cached_tokens_by_tier.get("redis") == LOADABLE for o in outs)
@@ -238,7 +241,7 @@ def test_damaged_and_foreign_redis_entries_are_computed_and_counted(folder, refe
     import redis
 
     batch = prompts(8, count=2)
-    writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], **UNSIGNED, log=None)
+    writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], **TIERS_AS_TESTED, log=None)
     run(writer, batch)
     writer.kv_tiers.close()
     client = redis.Redis.from_url(redis_server.url)
@@ -252,7 +255,7 @@ def test_damaged_and_foreign_redis_entries_are_computed_and_counted(folder, refe
             client.set(key, value[:-3] + bytes(b ^ 0x55 for b in value[-3:]))  # corrupted payload
         else:
             client.set(key, values[i - 1])  # another block's entry: stored under another key
-    reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], **UNSIGNED, log=None)
+    reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[redis_server.url], **TIERS_AS_TESTED, log=None)
     outs = run(reader, batch)
     assert_same_tokens(outs, batch, reference)
     figures = reader.kv_tier_figures()["redis"]

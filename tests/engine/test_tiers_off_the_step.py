@@ -17,7 +17,15 @@ import pytest
 
 from kvpool.engine.llm_engine import LLMEngine
 from kvpool.errors import ConfigError
-from tests.engine.test_tiers import LOADABLE, PARAMS, TINY_POOL, UNSIGNED, folder, prompts, reference  # noqa: F401
+from tests.engine.test_tiers import (  # noqa: F401
+    LOADABLE,
+    PARAMS,
+    TIERS_AS_TESTED,
+    TINY_POOL,
+    folder,
+    prompts,
+    reference,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -47,7 +55,7 @@ def step_until_fetching(engine: LLMEngine, gate: Gate) -> None:
 
 def _write_then_gate(folder, tmp_path, prompt, **options):
     """An engine whose disk tier holds ``prompt``'s blocks, with an empty pool and its store gated."""
-    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=[f"disk:{tmp_path}:1MiB"], **UNSIGNED, log=None, **options)
+    engine = LLMEngine(folder, **TINY_POOL, kv_tiers=[f"disk:{tmp_path}:1MiB"], **TIERS_AS_TESTED, log=None, **options)
     rid = engine.add_request(prompt, PARAMS)
     engine.run_until_done([rid])
     assert engine.manager.reset_prefix_cache()

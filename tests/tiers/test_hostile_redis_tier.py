@@ -35,7 +35,7 @@ from throttled_redis import Hostility, ThrottledRedis, reply_end  # noqa: E402
 from kvpool.engine.llm_engine import LLMEngine  # noqa: E402
 from kvpool.scheduler import FinishReason  # noqa: E402
 from tests.engine import test_tiers as engine_tiers  # noqa: E402
-from tests.engine.test_tiers import BLOCK, LOADABLE, PARAMS, TINY_POOL, UNSIGNED, prompts  # noqa: E402
+from tests.engine.test_tiers import BLOCK, LOADABLE, PARAMS, TIERS_AS_TESTED, TINY_POOL, prompts  # noqa: E402
 
 folder = engine_tiers.folder  # fixtures of the engine's tier tests: the tiny model's folder,
 reference = engine_tiers.reference  # and its greedy tokens with everything computed
@@ -61,11 +61,11 @@ def serve_through(folder, reference, upstream: str, hostility: Hostility, seed: 
     ``query`` goes on the proxy's URL (redis-py options); ``options`` to the reading engine.
     """
     batch, salt = prompts(seed, count=2), uuid.uuid4().hex  # a salt of its own: keys no other test reads
-    writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[upstream], **UNSIGNED, log=None)
+    writer = LLMEngine(folder, **TINY_POOL, kv_tiers=[upstream], **TIERS_AS_TESTED, log=None)
     run(writer, batch, salt)
     writer.kv_tiers.close()
     with ThrottledRedis(upstream, hostility) as proxy:
-        reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[proxy.url + query], **UNSIGNED, **options, log=None)
+        reader = LLMEngine(folder, **TINY_POOL, kv_tiers=[proxy.url + query], **TIERS_AS_TESTED, **options, log=None)
         outs = run(reader, batch, salt)
         figures = reader.kv_tier_figures()["redis"]
     reader.kv_tiers.close()  # after the proxy closed its connections: a read it left hanging has ended

@@ -109,6 +109,11 @@ ENGINE_OPTIONS: dict[str, Decorator] = {
         help="When blocks go down to the KV tiers: write-through (when a block fills) or write-back "
         "(when the pool evicts it, which saves bandwidth).",
     ),
+    "kv_tier_always_load": click.option(
+        "--kv-tier-always-load", "kv_tier_always_load", is_flag=True, default=False,
+        help="Load every KV tier hit, even where computing its tokens is measured to be faster "
+        "(load or compute is off).",
+    ),
     "kv_tier_load_deadline": click.option(
         "--kv-tier-load-deadline", "kv_tier_load_deadline", type=float, metavar="SECONDS",
         default=DEFAULT_LOAD_DEADLINE_S, show_default=True,

@@ -145,6 +145,8 @@ class _AsyncFetch:
     request_id: str
     loads: tuple[BlockLoad, ...]
     staging: torch.Tensor
+    #: Byte views of the staging rows, made on the caller's thread (no torch on a load thread).
+    views: list[memoryview] = field(default_factory=list)
     #: Each tier's fetch, as the load thread timed it: (tier, blocks, seconds).
     timings: list[tuple[str, int, float]] = field(default_factory=list)
 
@@ -265,7 +267,7 @@ class KVTransferWorker:
         for tier, rows in by_tier.items():
             started = time.perf_counter()
             loads = [meta.loads[byte_loads[row]] for row in rows]
-            for row, load, arrived in zip(rows, loads, self._fetch_into(tier, loads, staging, rows)):
+            for row, load, arrived in zip(rows, loads, self._fetch_into(tier, loads, _row_views(staging, rows))):
                 if arrived:
                     row_of[byte_loads[row]] = row
                 else:
@@ -315,7 +317,7 @@ class KVTransferWorker:
                 del self._fetching[rid]
                 continue
             staging = torch.empty((len(fetched), *self.block_shape), dtype=self.kv_caches.spec.dtype)
-            job = _AsyncFetch(rid, fetched, staging)
+            job = _AsyncFetch(rid, fetched, staging, _row_views(staging, range(len(fetched))))
             if threads is None:  # no threads: the fetch runs here, and is reported at the next get_finished
                 self._land(job, self._fetch(job), None)
                 continue
@@ -324,7 +326,6 @@ class KVTransferWorker:
     def _fetch(self, job: _AsyncFetch) -> list[bool]:
         """On a load thread: every byte-tier block of one request into its staging rows, tier by tier, in order."""
         arrived: list[bool] = []
-        rows = list(range(len(job.loads)))
         start = 0
         while start < len(job.loads):
             tier = job.loads[start].tier
@@ -332,7 +333,7 @@ class KVTransferWorker:
             while stop < len(job.loads) and job.loads[stop].tier == tier:
                 stop += 1
             started = time.perf_counter()
-            got = self._fetch_into(tier, job.loads[start:stop], job.staging, rows[start:stop])
+            got = self._fetch_into(tier, job.loads[start:stop], job.views[start:stop])
             seconds = time.perf_counter() - started
             self.figures[tier].load_seconds += seconds
             job.timings.append((tier, stop - start, seconds))
@@ -418,9 +419,8 @@ class KVTransferWorker:
         if self.threads is not None and self._fetches:
             self.threads.wait_for_loads(timeout)
 
-    def _fetch_into(self, tier: str, loads: Sequence[BlockLoad], staging: torch.Tensor, rows: list[int]) -> list[bool]:
-        """Read the blocks from a byte tier straight into their staging ``rows``; whether each arrived, verified."""
-        buffers = _row_views(staging, rows)
+    def _fetch_into(self, tier: str, loads: Sequence[BlockLoad], buffers: list[memoryview]) -> list[bool]:
+        """Read the blocks from a byte tier straight into their staging rows' ``buffers``; whether each arrived, verified."""
         try:
             return [bool(ok) for ok in self.stores[tier].get_many_into([load.key for load in loads], buffers)]
         except Exception as exc:  # noqa: BLE001  # a store should not raise; if it does, these are misses
@@ -511,27 +511,37 @@ class KVTransferWorker:
             figures.blocks_saved += len(to_host)
             figures.bytes_saved += len(to_host) * self.block_bytes
             figures.save_seconds += copied * len(to_host)
-        jobs = [(tier, [saves[to_bytes[row]].key for row in rows], rows) for tier, rows in by_tier.items()]
+        # Each tier's (key, view of its staging row) pairs, made here: no torch on the save thread.
+        jobs = [
+            (tier, list(zip([saves[to_bytes[row]].key for row in rows], _row_views(staging, rows))))
+            for tier, rows in by_tier.items()
+        ]
         if threads is None:
-            self._store_rows(jobs, staging, copied)
-        elif jobs and not threads.submit_save(lambda: self._store_rows(jobs, staging, copied)):
-            for tier, _keys, rows in jobs:
-                self.figures[tier].dropped_saves += len(rows)
+            self._store_rows(jobs, copied)
+        elif jobs and not threads.submit_save(functools.partial(self._store_rows, jobs, copied, staging)):
+            for tier, items in jobs:
+                self.figures[tier].dropped_saves += len(items)
         # Reported done once copied out: the pool's blocks are free to go, whatever the store does later.
         self._saved.update(s.request_id for s in saves if s.request_id is not None)  # a spill has none
 
     def _store_rows(
-        self, jobs: Sequence[tuple[str, list[bytes], list[int]]], staging: torch.Tensor, copied: float
+        self,
+        jobs: Sequence[tuple[str, list[tuple[bytes, memoryview]]]],
+        copied: float,
+        staging: torch.Tensor | None = None,
     ) -> None:
-        """Put staged rows into their byte tiers (on the save thread, or here without threads)."""
-        for tier, keys, rows in jobs:
+        """Put staged rows into their byte tiers (on the save thread, or here without threads).
+
+        ``staging`` only keeps the rows' memory alive until they are written.
+        """
+        for tier, items in jobs:
             figures = self.figures[tier]
             started = time.perf_counter()
-            stored = self._put(tier, keys, rows, staging)
-            figures.save_seconds += time.perf_counter() - started + copied * len(rows)
+            stored = self._put(tier, items)
+            figures.save_seconds += time.perf_counter() - started + copied * len(items)
             figures.blocks_saved += stored
             figures.bytes_saved += stored * self.block_bytes
-            figures.failed_saves += len(rows) - stored
+            figures.failed_saves += len(items) - stored
 
     def _copy_out(
         self, saves: Sequence[BlockSave], to_host: list[int], to_bytes: list[int], staging: torch.Tensor
@@ -559,8 +569,8 @@ class KVTransferWorker:
                 if to_bytes:
                     staging[:, layer, kv].copy_(cache.index_select(0, bytes_ids))
 
-    def _put(self, tier: str, keys: Sequence[bytes], rows: list[int], staging: torch.Tensor) -> int:
-        items = list(zip(keys, _row_views(staging, rows)))  # views of the staging rows: no copy
+    def _put(self, tier: str, items: list[tuple[bytes, memoryview]]) -> int:
+        """``items``: keys and views of their staging rows (no copy)."""
         try:
             return int(self.stores[tier].put_many(items))
         except Exception as exc:  # noqa: BLE001  # a store should not raise; if it does, the blocks are unsaved
@@ -586,7 +596,7 @@ class KVTransferWorker:
 
     def close(self) -> None:
         if self.threads is not None:
-            self.threads.close()
+            self.threads.close(drain_timeout=30.0)
         for store in self.stores.values():
             try:
                 store.close()
@@ -687,6 +697,11 @@ class KVTiers:
             out[name] = row
         return out
 
+    def flush_saves(self, timeout: float | None = None) -> bool:
+        """Block until the disk and Redis saves queued so far are written (at most ``timeout`` s); True if they are."""
+        threads = self.worker.threads
+        return True if threads is None else threads.drain_saves(timeout)
+
     def close(self) -> None:
         if self.lookup_threads is not None:
             self.lookup_threads.close()
@@ -708,6 +723,7 @@ def build_kv_tiers(
     targets: Sequence[TierTarget] | None = None,
     async_loads: bool = True,
     load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S,
+    always_load: bool = False,
 ) -> KVTiers | None:
     """Open the tiers ``specs`` name, in lookup order, saving by the ``write`` policy; None when there are none.
 
@@ -716,7 +732,8 @@ def build_kv_tiers(
     an engine never reads another model's entries. A disk or Redis tier is opened with
     ``secret_file``, or with ``unauthenticated`` (:func:`kvpool.tiers.store.check_tier_trust`).
     With ``async_loads``, disk and Redis transfers run on transfer threads, off the step, and a
-    load that takes longer than ``load_deadline_s`` seconds is computed instead.
+    load that takes longer than ``load_deadline_s`` seconds is computed instead. Each tier hit is
+    loaded only where that is measured to beat computing it, unless ``always_load``.
     """
     # ``targets``: ``specs`` already parsed (EngineOptions.kv_tier_targets); parsed here only when not given
     targets = parse_specs(specs) if targets is None else tuple(targets)
@@ -791,11 +808,13 @@ def build_kv_tiers(
         block_bytes=spec.block_bytes,
         prefill_tokens_per_s=_PREFILL_PRIOR[kv_caches.device.type == "cuda"],
     )
-    chooser = LoadOrCompute(costs, block_size=spec.block_size)
+    chooser = None if always_load else LoadOrCompute(costs, block_size=spec.block_size)
     connector = TierHierarchyConnector(
         manager, tiers, write=write, async_loads=threads is not None, chooser=chooser, lookups=lookups
     )
-    worker = KVTransferWorker(kv_caches, host.num_blocks if host is not None else 0, stores, threads, costs)
+    worker = KVTransferWorker(
+        kv_caches, host.num_blocks if host is not None else 0, stores, threads, None if always_load else costs
+    )
     return KVTiers(
         connector=connector,
         worker=worker,

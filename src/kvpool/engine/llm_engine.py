@@ -193,7 +193,7 @@ class LLMEngine:
             (getattr(setup.model.config, "architectures", None) or [type(setup.model).__name__])[0], record,
             model_folder=setup.model_path, namespace=chosen.kv_tier_namespace, write=chosen.kv_tier_write,
             unauthenticated=chosen.kv_tier_unauthenticated, targets=chosen.kv_tier_targets,
-            load_deadline_s=chosen.kv_tier_load_deadline,
+            load_deadline_s=chosen.kv_tier_load_deadline, always_load=chosen.kv_tier_always_load,
         )  # fmt: skip
         if self.kv_tiers is not None:
             setup.runner.kv_load_wait = self.kv_tiers.worker.wait_for_layer_load

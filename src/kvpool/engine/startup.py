@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from kvpool.checks import MIN_MODEL_LEN, check_int
+from kvpool.checks import MIN_MODEL_LEN, check_flag, check_int
 from kvpool.engine.batch import SequenceChunk
 from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches
 from kvpool.engine.kv_transfer import check_tier_specs
@@ -127,6 +127,8 @@ class EngineOptions:
         kv_tier_write: when blocks go down to the tiers, a
             :class:`kvpool.tiers.WritePolicy` or its name: ``write-through``
             (when a block fills) or ``write-back`` (when the pool evicts it).
+        kv_tier_always_load: load every tier hit, even where computing its tokens
+            is measured to be faster (load or compute, :mod:`kvpool.tiers.load_or_compute`, is off).
         kv_tier_load_deadline: seconds a disk or Redis load may take; a request
             whose blocks have not arrived by then computes them instead. Those
             loads run off the step: the request waits, the batch steps on.
@@ -159,6 +161,7 @@ class EngineOptions:
     kv_tier_namespace: str | None = None
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
     kv_tier_load_deadline: float = DEFAULT_LOAD_DEADLINE_S
+    kv_tier_always_load: bool = False
     threads: int | str | None = None
     tenant_weights: TenantWeights = field(default_factory=TenantWeights)
     tensor_parallel_size: int = 1
@@ -193,6 +196,7 @@ class EngineOptions:
         object.__setattr__(self, "kv_tiers", check_tier_specs(self.kv_tiers))
         object.__setattr__(self, "kv_tier_targets", parse_specs(self.kv_tiers))  # the one parse
         object.__setattr__(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
+        check_flag("kv_tier_always_load", self.kv_tier_always_load)
         deadline = self.kv_tier_load_deadline
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf:
             raise ConfigError(f"kv_tier_load_deadline must be a finite number of seconds > 0, got {deadline!r}")

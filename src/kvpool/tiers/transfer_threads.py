@@ -231,6 +231,8 @@ class TransferThreads:
             self._saves.put(_STOP, timeout=drain_timeout)
         except queue.Full:  # the save thread is stuck in a store: it is a daemon, left behind
             pass
+        else:
+            self._saver.join(drain_timeout)  # gone before the caller's process may exit
         for future, _ in self._pending.values():
             future.cancel()
         self._pending.clear()
