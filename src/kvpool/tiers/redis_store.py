@@ -293,24 +293,38 @@ class RedisStore:
     # -- faults -----------------------------------------------------------------------------
 
     def _call(self, what: str, operation: Callable[[Any], Any]) -> Any:
-        """``operation(client)``, or None at once while Redis is down; a fault starts or extends the backoff."""
+        """``operation(client)``, or None at once while Redis is down; a fault starts or extends the backoff.
+
+        The lock guards the client and the backoff only: the round trip itself runs outside it, so a
+        large save on one thread (the save thread) never holds up a lookup or a load on another (the
+        client's connection pool gives each its own connection).
+        """
         with self._lock:
             if not self.available:
                 return None
             try:
                 if self._client is None:
                     self._client = self._connect()
-                result = operation(self._client)
             except self._faults as exc:
                 self._failed(what, exc)
                 return None
-            if self._failures:
-                _log.warning(
-                    "kvpool redis tier: %s answers again after %d failed tries", self.display_url, self._failures
-                )
-                self._counters.forget_warning("down")
-                self._failures = 0
-            return result
+            client = self._client
+        try:
+            result = operation(client)
+        except self._faults as exc:
+            with self._lock:
+                if self._client is client:  # the first to see this client fail backs off; the others just miss
+                    self._failed(what, exc)
+            return None
+        if self._failures:
+            with self._lock:
+                if self._failures:
+                    _log.warning(
+                        "kvpool redis tier: %s answers again after %d failed tries", self.display_url, self._failures
+                    )
+                    self._counters.forget_warning("down")
+                    self._failures = 0
+        return result
 
     def _connect(self) -> Any:
         retry = self._redis.retry.Retry(self._redis.backoff.NoBackoff(), 0)  # our backoff decides when to retry
