@@ -34,10 +34,9 @@ def test_options_load_asynchronously_by_default_with_the_default_deadline():
 def test_a_bad_async_option_is_refused_naming_it():
     with pytest.raises(ConfigError, match="'async_loads' must be True or False, got 'yes'"):
         ConnectorOptions.from_extra_config({"tiers": ["cpu:1MiB"], "async_loads": "yes"})
-    # the deadline is checked where the worker's threads start, naming it
-    options = ConnectorOptions.from_extra_config({"tiers": ["cpu:1MiB"], "load_deadline_s": -1})
-    with pytest.raises(ConfigError, match="load_deadline_s must be a finite number of seconds > 0, got -1"):
-        TransferThreads("vllm", load_deadline_s=options.load_deadline_s)
+    for bad in (-1, 0, True, "2", float("nan")):  # checked with the rest of the config, naming it
+        with pytest.raises(ConfigError, match="'load_deadline_s' must be a finite number of seconds > 0"):
+            ConnectorOptions.from_extra_config({"tiers": ["cpu:1MiB"], "load_deadline_s": bad})
 
 
 def _host_and_redis(request: FakeRequest, host_blocks: int, redis_blocks: slice, *, async_loads: bool = True):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -71,7 +70,7 @@ from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.kinds import WritePolicy
 from kvpool.tiers.store import TierTarget, check_tier_trust, parse_specs
-from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S
+from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, check_load_deadline
 
 __all__ = ["EngineOptions", "EngineSetup", "start_engine"]
 
@@ -197,9 +196,7 @@ class EngineOptions:
         object.__setattr__(self, "kv_tier_targets", parse_specs(self.kv_tiers))  # the one parse
         object.__setattr__(self, "kv_tier_write", WritePolicy.parse(self.kv_tier_write))
         check_flag("kv_tier_always_load", self.kv_tier_always_load)
-        deadline = self.kv_tier_load_deadline
-        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < math.inf:
-            raise ConfigError(f"kv_tier_load_deadline must be a finite number of seconds > 0, got {deadline!r}")
+        check_load_deadline(self.kv_tier_load_deadline, "kv_tier_load_deadline")
         parse_threads(self.threads)
         if check_int("tensor_parallel_size", self.tensor_parallel_size) != 1:
             raise ConfigError(

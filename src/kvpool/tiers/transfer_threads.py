@@ -35,10 +35,17 @@ from dataclasses import dataclass
 from kvpool.checks import check_int
 from kvpool.errors import ConfigError
 
-__all__ = ["DEFAULT_LOAD_DEADLINE_S", "LoadOutcome", "TransferFigures", "TransferThreads"]
+__all__ = ["DEFAULT_LOAD_DEADLINE_S", "LoadOutcome", "TransferFigures", "TransferThreads", "check_load_deadline"]
 
 #: How long a load may take before its request computes instead (seconds).
 DEFAULT_LOAD_DEADLINE_S = 2.0
+
+
+def check_load_deadline(value: object, name: str = "load_deadline_s") -> float:
+    """``value`` as seconds when it is a finite number > 0 (not a bool); ConfigError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +107,11 @@ class TransferThreads:
             raise ConfigError(f"a transfer thread's name is a non-empty string, got {name!r}")
         check_int("load_threads", load_threads)
         check_int("max_queued_saves", max_queued_saves)
-        deadline = load_deadline_s
-        if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not 0 < deadline < math.inf:
-            raise ConfigError(f"load_deadline_s must be a finite number of seconds > 0, got {deadline!r}")
+        deadline = check_load_deadline(load_deadline_s)
         if not callable(clock):
             raise ConfigError(f"clock must be callable, got {clock!r}")
         self.name = name
-        self.load_deadline_s = float(deadline)
+        self.load_deadline_s = deadline
         self.figures = TransferFigures()
         self._clock = clock
         self._loads = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix=f"kvpool-{name}-load")

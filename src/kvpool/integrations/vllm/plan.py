@@ -47,7 +47,7 @@ from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.lookups import OffStepLookups
 from kvpool.tiers.policy import TierPolicy
 from kvpool.tiers.store import BACKENDS, TierTarget, check_tier_trust
-from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads
+from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads, check_load_deadline
 
 __all__ = [
     "VllmBlockLoad",
@@ -113,14 +113,16 @@ class ConnectorOptions:
             unauthenticated_name="kv_connector_extra_config 'unauthenticated'",
         )
         async_loads = check_flag("kv_connector_extra_config 'async_loads'", extra.get("async_loads", True))
-        deadline = extra.get("load_deadline_s", DEFAULT_LOAD_DEADLINE_S)
+        deadline = check_load_deadline(
+            extra.get("load_deadline_s", DEFAULT_LOAD_DEADLINE_S), "kv_connector_extra_config 'load_deadline_s'"
+        )
         return cls(
             tiers=tiers,
             secret_file=secret_file,
             unauthenticated=unauthenticated,
             namespace=namespace,
             async_loads=async_loads,
-            load_deadline_s=deadline,  # type: ignore[arg-type]  # TransferThreads checks it, naming it
+            load_deadline_s=deadline,
         )
 
     @property
