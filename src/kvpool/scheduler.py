@@ -673,13 +673,7 @@ class Scheduler:
             promised = num_hit + match.num_tokens
             valid = failed.get(rid, promised)
             if valid < promised:
-                kept = match.truncated(valid - num_hit)
-                lost = match.tokens_by_tier()
-                for tier, tokens in kept.tokens_by_tier().items():
-                    lost[tier] -= tokens
-                for tier, tokens in lost.items():
-                    self._count_cached(entry, tier, -tokens)
-                entry.num_cached_total -= promised - valid
+                self._uncount_lost(entry, match, match.truncated(valid - num_hit), promised - valid)
             self.manager.cache_loaded_blocks(entry.request, valid)
             entry.request.num_computed_tokens = valid
             entry.loading = None
@@ -765,6 +759,15 @@ class Scheduler:
             )
         return match
 
+    def _uncount_lost(self, entry: _Entry, match: ExternalMatch, kept: ExternalMatch, num_lost: int) -> None:
+        """A load delivered only ``kept`` of ``match``: the ``num_lost`` tokens it did not no longer count as cached."""
+        lost = match.tokens_by_tier()
+        for tier, tokens in kept.tokens_by_tier().items():
+            lost[tier] -= tokens
+        for tier, tokens in lost.items():
+            self._count_cached(entry, tier, -tokens)
+        entry.num_cached_total -= num_lost
+
     def _count_cached(self, entry: _Entry, tier: str, tokens: int) -> None:
         entry.cached_by_tier[tier] = entry.cached_by_tier.get(tier, 0) + tokens
         self.cached_tokens_by_tier[tier] = self.cached_tokens_by_tier.get(tier, 0) + tokens
@@ -835,12 +838,7 @@ class Scheduler:
                     f"{num_hit} (the local hit) to below {chunk.start_position} (the promised tokens)"
                 )
             kept = match.truncated(valid - num_hit)
-            lost = match.tokens_by_tier()
-            for tier, tokens in kept.tokens_by_tier().items():
-                lost[tier] -= tokens
-            for tier, tokens in lost.items():
-                self._count_cached(entry, tier, -tokens)
-            entry.num_cached_total -= chunk.start_position - valid
+            self._uncount_lost(entry, match, kept, chunk.start_position - valid)
             entry.loading = (num_hit, kept) if kept.runs else None
             entry.request.num_computed_tokens = valid
             num_cached = chunk.num_cached_tokens - (chunk.start_position - valid)
