@@ -172,6 +172,7 @@ def ttft(tier: str, spec_text: str, prompt_tokens: int, repeats: int) -> dict[st
     for rep in range(repeats):
         salt = f"{tier}-{rep}-{time.time_ns()}"
         for times in (computed, loaded):
+            settle(engine)
             engine.manager.reset_prefix_cache()
             rid = engine.add_request(prompt, params, cache_salt=salt)
             out = engine.run_until_done([rid])[rid]
@@ -312,10 +313,19 @@ def capped_sizes(sizes: tuple[int, ...], context: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(min(n, context - 1) for n in sizes))
 
 
+def settle(engine: Any) -> None:
+    """Wait until the engine's disk and Redis saves are written (they are written off the step): a load
+    measured right after the compute that saved it would otherwise race its own saves."""
+    flush = getattr(engine.kv_tiers, "flush_saves", None)  # None: no tiers, or saves on the step (older code)
+    if flush is not None:
+        flush(600)
+
+
 def ttft_of(engine: Any, prompt: list[int], salt: str) -> tuple[float, int, str]:
     """One request's TTFT after the pool's prefix cache is emptied, the tokens it loaded from tiers, and from which."""
     from kvpool.engine.sampling import SamplingParams
 
+    settle(engine)
     engine.manager.reset_prefix_cache()
     rid = engine.add_request(prompt, SamplingParams(max_tokens=1), cache_salt=salt)
     out = engine.run_until_done([rid])[rid]
@@ -328,6 +338,7 @@ def pair_ttft(engine: Any, first: tuple[list[int], str], second: tuple[list[int]
     """Two requests added one right after the other: each one's TTFT."""
     from kvpool.engine.sampling import SamplingParams
 
+    settle(engine)
     engine.manager.reset_prefix_cache()
     params = SamplingParams(max_tokens=1)
     a = engine.add_request(first[0], params, cache_salt=first[1])
