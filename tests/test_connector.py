@@ -547,3 +547,35 @@ def test_a_preview_of_the_match_remembers_nothing_of_the_request():
     assert conn._offered == {}
     assert conn.get_num_new_matched_tokens(a, 0).num_tokens == 12
     assert set(conn._offered) == {"a"}
+
+
+def test_a_lookup_is_given_up_once_computing_would_have_been_faster():
+    import threading
+
+    from kvpool.tiers.load_or_compute import LinkPrior, LoadOrCompute, TransferCosts
+    from kvpool.tiers.transfer_threads import TransferThreads
+
+    now = [0.0]
+    threads = TransferThreads("test-lookups", load_deadline_s=60.0, clock=lambda: now[0])
+    gate = threading.Event()
+    disk = DictStore("disk")
+    inner = disk.contains_prefix
+    disk.contains_prefix = lambda keys: gate.wait(30) and inner(keys)
+    costs = TransferCosts({"disk": LinkPrior(bandwidth_bytes_per_s=1e9, latency_s=1e-4)}, block_bytes=64,
+                          prefill_tokens_per_s=100.0)  # fmt: skip  # 12 tokens: 0.12 s to compute
+    mgr = KVCacheManager(32, BS)
+    conn = TierHierarchyConnector(mgr, [ByteTier(disk)], chooser=LoadOrCompute(costs, block_size=BS), lookups=threads)
+    try:
+        a = Request("a", prompt(13))
+        mgr.hash_request(a)
+        disk.data.update((bytes(h), b"kv") for h in a.block_hashes)
+        assert conn.get_num_new_matched_tokens(a, 0).pending
+        now[0] = 0.1
+        assert conn.get_num_new_matched_tokens(a, 0).pending  # computing would take 0.12 s: still worth waiting
+        now[0] = 0.13
+        given_up = conn.get_num_new_matched_tokens(a, 0)
+        assert not given_up.pending and given_up.num_tokens == 0  # computed: the stores count as misses
+        assert conn._lookups.gave_up == 1
+    finally:
+        gate.set()
+        threads.close()

@@ -65,6 +65,10 @@ class MatchChooser(Protocol):
         """An admitted request was offered ``offered`` by the tiers and loads ``chosen``."""
         ...
 
+    def compute_seconds(self, num_tokens: int) -> float:
+        """What computing ``num_tokens`` prompt tokens is estimated to take (how long a lookup is worth waiting)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class _Resident:
@@ -173,7 +177,9 @@ class TierHierarchyConnector:
         if self._lookups is None:
             found = self.policy.match(keys)
         else:
-            answered = self._lookups.match(request.request_id, keys)
+            # Waiting for the stores longer than computing the tokens would take is never worth it.
+            give_up = None if self.chooser is None else self.chooser.compute_seconds(len(keys) * bs)
+            answered = self._lookups.match(request.request_id, keys, give_up_after=give_up)
             if answered is None:
                 return PENDING  # the stores have not answered yet: skipped this step, asked again
             found = answered

@@ -357,6 +357,10 @@ class LoadOrCompute:
         every = self.probe_every
         return every is not None and any(self._decisions[t].declined_in_a_row >= every for t, _ in runs)
 
+    def compute_seconds(self, num_tokens: int) -> float:
+        """What computing ``num_tokens`` prompt tokens is estimated to take (:meth:`TransferCosts.compute_seconds`)."""
+        return self.costs.compute_seconds(num_tokens)
+
     def count(self, offered: ExternalMatch, chosen: ExternalMatch) -> None:
         """An admitted request was offered ``offered`` and loads ``chosen``, its leading part; counted per tier.
 

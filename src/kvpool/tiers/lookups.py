@@ -86,6 +86,7 @@ class _Snapshot:
 class _Lookup:
     keys: tuple[bytes, ...]
     ticket: int
+    started: float
     answers: _Answers | None = None  # None until the load thread is back
 
 
@@ -102,9 +103,16 @@ class OffStepLookups:
         self._tickets: dict[int, str] = {}
         #: Lookups that ran past the deadline (every store answered a miss).
         self.timed_out = 0
+        #: Lookups given up on before they were back (``give_up_after``): the stores counted as misses.
+        self.gave_up = 0
 
-    def match(self, request_id: str, keys: Sequence[bytes]) -> Runs | None:
-        """``policy.match(keys)``, or None while the stores' answers for ``request_id`` are not back. Never blocks."""
+    def match(self, request_id: str, keys: Sequence[bytes], *, give_up_after: float | None = None) -> Runs | None:
+        """``policy.match(keys)``, or None while the stores' answers for ``request_id`` are not back. Never blocks.
+
+        ``give_up_after``: seconds after which a lookup not yet back counts its stores as misses (the
+        host tier still answers): a caller that knows computing the tokens takes less than that stops
+        waiting for the stores (the load deadline still bounds every other lookup).
+        """
         if not keys:
             return ()
         self._collect()
@@ -114,7 +122,10 @@ class OffStepLookups:
             self._submit(request_id, keys)
             return None
         if lookup.answers is None:
-            return None
+            if give_up_after is None or self.threads.clock() - lookup.started < give_up_after:
+                return None
+            lookup.answers = {}
+            self.gave_up += 1
         answers = lookup.answers
         tiers = [
             tier if isinstance(tier, HostTier) else ByteTier(_Answered(tier.name, answers.get(tier.name, {})))
@@ -138,7 +149,7 @@ class OffStepLookups:
         host = self.policy.host
         held = [host.contains_prefix((key,)) == 1 for key in keys] if host is not None else []
         ticket = self.threads.submit_load(functools.partial(self._ask, keys, held))
-        self._lookups[request_id] = _Lookup(keys, ticket)
+        self._lookups[request_id] = _Lookup(keys, ticket, self.threads.clock())
         self._tickets[ticket] = request_id
 
     def _ask(self, keys: tuple[bytes, ...], held: list[bool]) -> _Answers:

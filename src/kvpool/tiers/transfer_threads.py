@@ -146,6 +146,11 @@ class TransferThreads:
             self._load_done.notify_all()
 
     @property
+    def clock(self) -> Callable[[], float]:
+        """The time source of the deadlines (what a caller measures its own waits by)."""
+        return self._clock
+
+    @property
     def loads_in_flight(self) -> int:
         """Loads submitted and not yet handed back by :meth:`finished_loads`."""
         return len(self._pending)
