@@ -579,3 +579,39 @@ def test_a_lookup_is_given_up_once_computing_would_have_been_faster():
     finally:
         gate.set()
         threads.close()
+
+
+def test_stores_measured_slower_than_computing_are_not_asked():
+    import threading
+
+    from kvpool.tiers.load_or_compute import LinkPrior, LoadOrCompute, TransferCosts
+    from kvpool.tiers.transfer_threads import TransferThreads
+
+    now = [0.0]
+    threads = TransferThreads("test-lookups", load_deadline_s=60.0, clock=lambda: now[0])
+    gate, asked = threading.Event(), []
+    disk = DictStore("disk")
+    inner = disk.contains_prefix
+    disk.contains_prefix = lambda keys: asked.append(len(keys)) or (gate.wait(30) and inner(keys))
+    costs = TransferCosts({"disk": LinkPrior(bandwidth_bytes_per_s=1e9, latency_s=1e-4)}, block_bytes=64,
+                          prefill_tokens_per_s=100.0)  # fmt: skip
+    chooser = LoadOrCompute(costs, block_size=BS)
+    mgr = KVCacheManager(32, BS)
+    conn = TierHierarchyConnector(mgr, [ByteTier(disk)], chooser=chooser, lookups=threads)
+    try:
+        a, b = Request("a", prompt(13)), Request("b", prompt(13, base=300))
+        mgr.hash_request(a)
+        mgr.hash_request(b)
+        assert conn.get_num_new_matched_tokens(a, 0).pending  # the prior: a lookup is cheap, asked
+        now[0] = 5.0
+        gate.set()
+        threads.wait_for_loads(30)
+        conn.get_num_new_matched_tokens(a, 0)  # back: measured at 5 s for 3 keys
+        assert chooser.lookup_seconds(3) > 1.0 and chooser.lookups == {"asked": 1, "skipped": 0}
+        calls = len(asked)
+        match = conn.get_num_new_matched_tokens(b, 0)  # 12 tokens compute in 0.12 s: the stores are not asked
+        assert not match.pending and match.num_tokens == 0 and len(asked) == calls
+        assert chooser.lookups["skipped"] == 1
+    finally:
+        gate.set()
+        threads.close()

@@ -69,6 +69,14 @@ class MatchChooser(Protocol):
         """What computing ``num_tokens`` prompt tokens is estimated to take (how long a lookup is worth waiting)."""
         ...
 
+    def note_lookup(self, num_keys: int, seconds: float) -> None:
+        """A lookup of ``num_keys`` keys in the stores took ``seconds``."""
+        ...
+
+    def worth_looking_up(self, num_keys: int, num_tokens: int) -> bool:
+        """Whether asking the stores is expected to beat computing ``num_tokens`` (counted; it may probe)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class _Resident:
@@ -137,7 +145,11 @@ class TierHierarchyConnector:
         self.async_loads = async_loads
         self._byte_tiers = frozenset(t.name for t in policy.tiers if isinstance(t, ByteTier))
         #: Disk and Redis looked up on threads, off the step (None: on the scheduler's thread).
-        self._lookups = OffStepLookups(policy, lookups) if lookups is not None and self._byte_tiers else None
+        self._lookups = None
+        if lookups is not None and self._byte_tiers:
+            self._lookups = OffStepLookups(policy, lookups, None if chooser is None else chooser.note_lookup)
+        # The host tier alone, for a request whose stores are not worth asking.
+        self._host_only = None if policy.host is None else TierPolicy([policy.host])
         self._offered: dict[str, ExternalMatch] = {}  # the tiers' answer before the chooser, per request asked
         self._pool = manager.pool
         self._host = policy.host
@@ -176,6 +188,12 @@ class TierHierarchyConnector:
         keys = request.block_hashes[first : (request.num_tokens - 1) // bs]
         if self._lookups is None:
             found = self.policy.match(keys)
+        elif (
+            self.chooser is not None
+            and not self._lookups.asked(request.request_id, keys)
+            and not self.chooser.worth_looking_up(len(keys), len(keys) * bs)
+        ):
+            found = () if self._host_only is None else self._host_only.match(keys)  # waiting would cost more
         else:
             # Waiting for the stores longer than computing the tokens would take is never worth it.
             give_up = None if self.chooser is None else self.chooser.compute_seconds(len(keys) * bs)
@@ -400,7 +418,7 @@ class TierHierarchyConnector:
         self._pending_loads.clear()
         self._offered.clear()
         if self._lookups is not None:
-            self._lookups = OffStepLookups(self.policy, self._lookups.threads)
+            self._lookups = OffStepLookups(self.policy, self._lookups.threads, self._lookups.on_lookup)
         self._saved_upto.clear()
         self._origin.clear()
         self._pinned.clear()

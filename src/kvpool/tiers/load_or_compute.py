@@ -65,6 +65,9 @@ DEFAULT_MARGIN = 1.25
 DEFAULT_DECAY = 0.1
 #: A tier declined for this many admitted requests in a row is loaded once anyway, to be measured again.
 DEFAULT_PROBE_EVERY = 256
+#: A store lookup's prior: its fixed seconds and seconds per key (a loopback Redis round trip, a pipeline).
+_LOOKUP_PRIOR_S = 300e-6
+_LOOKUP_PRIOR_PER_KEY_S = 2e-6
 #: Below this spread of sizes (standard deviation over mean) the fit keeps the prior's split.
 _MIN_SPREAD = 0.1
 #: The smallest seconds per byte (or token) a fit answers: a zero-second fetch is not infinitely fast.
@@ -329,6 +332,37 @@ class LoadOrCompute:
         self.probe_every = probe_every
         self._decisions = {name: _Decisions() for name in costs.tiers}
         self.requests = {"loaded": 0, "cut": 0, "computed": 0, "probed": 0}
+        # Off-step lookups of the disk and Redis tiers, all stores together: seconds on keys looked up.
+        self._lookup = _LineFit(_LOOKUP_PRIOR_S, _LOOKUP_PRIOR_PER_KEY_S, decay=costs.decay)
+        self._skipped_in_a_row = 0
+        #: Lookups asked of the stores, and skipped because waiting for them costs more than computing.
+        self.lookups = {"asked": 0, "skipped": 0}
+
+    def note_lookup(self, num_keys: int, seconds: float) -> None:
+        """One lookup of ``num_keys`` keys in the stores took ``seconds`` (its deadline, for one not back)."""
+        check_int("num_keys", num_keys)
+        self._lookup.add(num_keys, _finite("seconds", seconds))
+
+    def lookup_seconds(self, num_keys: int) -> float:
+        """What a lookup of ``num_keys`` keys in the stores is expected to take."""
+        check_int("num_keys", num_keys, minimum=0)
+        intercept, per_key = self._lookup.fit()
+        return intercept + per_key * num_keys
+
+    def worth_looking_up(self, num_keys: int, num_tokens: int) -> bool:
+        """Whether to ask the stores at all: a lookup expected to outlast computing the ``num_tokens`` is
+        skipped (the request computes, or takes the host tier's blocks), save every ``probe_every``-th, which
+        measures the stores again. Counted."""
+        if self.lookup_seconds(num_keys) < self.compute_seconds(num_tokens):
+            self._skipped_in_a_row = 0
+        elif self.probe_every is None or self._skipped_in_a_row + 1 < self.probe_every:
+            self._skipped_in_a_row += 1
+            self.lookups["skipped"] += 1
+            return False
+        else:
+            self._skipped_in_a_row = 0
+        self.lookups["asked"] += 1
+        return True
 
     def _blocks(self, match: object) -> list[tuple[str, int]]:
         """``(tier, blocks)`` of each run; ConfigError naming what is wrong with ``match``."""
@@ -399,5 +433,6 @@ class LoadOrCompute:
             figures["tiers"][name]["blocks_loaded"] = decisions.blocks_loaded
             figures["tiers"][name]["blocks_computed"] = decisions.blocks_computed
         figures["requests"] = dict(self.requests)
+        figures["lookups"] = dict(self.lookups, expected_s_per_64_keys=self.lookup_seconds(64))
         figures["margin"] = self.margin
         return figures

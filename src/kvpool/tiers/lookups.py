@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.tiers.policy import ByteTier, HostTier, TierPolicy
@@ -96,11 +96,18 @@ class OffStepLookups:
     O(keys) per call on the scheduler's thread, plus the match over recorded answers.
     """
 
-    def __init__(self, policy: TierPolicy, threads: TransferThreads) -> None:
+    def __init__(
+        self,
+        policy: TierPolicy,
+        threads: TransferThreads,
+        on_lookup: Callable[[int, float], None] | None = None,
+    ) -> None:
         self.policy = policy
         self.threads = threads
+        #: Told each lookup's keys and seconds (its deadline, for one not back in time) as it comes back.
+        self.on_lookup = on_lookup
         self._lookups: dict[str, _Lookup] = {}
-        self._tickets: dict[int, str] = {}
+        self._tickets: dict[int, tuple[str, int]] = {}  # ticket -> (request, keys looked up)
         #: Lookups that ran past the deadline (every store answered a miss).
         self.timed_out = 0
         #: Lookups given up on before they were back (``give_up_after``): the stores counted as misses.
@@ -133,11 +140,14 @@ class OffStepLookups:
         ]
         return TierPolicy(tiers).match(keys)
 
+    def asked(self, request_id: str, keys: Sequence[bytes]) -> bool:
+        """Whether a lookup of these very ``keys`` for ``request_id`` is on its way or back."""
+        lookup = self._lookups.get(request_id)
+        return lookup is not None and lookup.keys == tuple(keys)
+
     def forget(self, request_id: str) -> None:
         """Drop what was looked up for ``request_id`` (admitted, finished): a later match asks again."""
-        lookup = self._lookups.pop(request_id, None)
-        if lookup is not None:
-            self._tickets.pop(lookup.ticket, None)
+        self._lookups.pop(request_id, None)  # its ticket stays until it comes back: measured, then dropped
 
     @property
     def num_pending(self) -> int:
@@ -150,7 +160,7 @@ class OffStepLookups:
         held = [host.contains_prefix((key,)) == 1 for key in keys] if host is not None else []
         ticket = self.threads.submit_load(functools.partial(self._ask, keys, held))
         self._lookups[request_id] = _Lookup(keys, ticket, self.threads.clock())
-        self._tickets[ticket] = request_id
+        self._tickets[ticket] = (request_id, len(keys))
 
     def _ask(self, keys: tuple[bytes, ...], held: list[bool]) -> _Answers:
         """On a load thread: the match over the host tier's snapshot and the stores, each store's answers noted."""
@@ -166,8 +176,13 @@ class OffStepLookups:
 
     def _collect(self) -> None:
         for outcome in self.threads.finished_loads():
-            request_id = self._tickets.pop(outcome.ticket, None)
-            lookup = self._lookups.get(request_id) if request_id is not None else None
+            asked = self._tickets.pop(outcome.ticket, None)
+            if asked is None:
+                continue
+            request_id, num_keys = asked
+            if self.on_lookup is not None:
+                self.on_lookup(num_keys, outcome.seconds)  # measured even when its request stopped waiting
+            lookup = self._lookups.get(request_id)
             if lookup is None or lookup.ticket != outcome.ticket:
                 continue  # forgotten meanwhile
             if outcome.timed_out:
