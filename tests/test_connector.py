@@ -615,3 +615,14 @@ def test_stores_measured_slower_than_computing_are_not_asked():
     finally:
         gate.set()
         threads.close()
+
+
+def test_a_lookup_expected_to_reach_its_deadline_is_not_asked():
+    from kvpool.tiers.load_or_compute import LinkPrior, LoadOrCompute, TransferCosts
+
+    costs = TransferCosts({"disk": LinkPrior(bandwidth_bytes_per_s=1e9, latency_s=1e-4)}, block_bytes=64,
+                          prefill_tokens_per_s=1.0)  # fmt: skip  # 64 tokens: a minute to compute
+    chooser = LoadOrCompute(costs, block_size=BS)
+    chooser.note_lookup(16, 2.0)  # a lookup that timed out at its 2 s deadline
+    assert chooser.worth_looking_up(16, 64)  # beats a minute of compute...
+    assert not chooser.worth_looking_up(16, 64, deadline_s=2.0)  # ...but would answer nothing in time

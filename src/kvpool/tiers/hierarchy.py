@@ -73,8 +73,9 @@ class MatchChooser(Protocol):
         """A lookup of ``num_keys`` keys in the stores took ``seconds``."""
         ...
 
-    def worth_looking_up(self, num_keys: int, num_tokens: int) -> bool:
-        """Whether asking the stores is expected to beat computing ``num_tokens`` (counted; it may probe)."""
+    def worth_looking_up(self, num_keys: int, num_tokens: int, deadline_s: float | None = None) -> bool:
+        """Whether asking the stores is expected to beat computing ``num_tokens`` and the lookup's deadline
+        (counted; it may probe)."""
         ...
 
 
@@ -191,7 +192,7 @@ class TierHierarchyConnector:
         elif (
             self.chooser is not None
             and not self._lookups.asked(request.request_id, keys)
-            and not self.chooser.worth_looking_up(len(keys), len(keys) * bs)
+            and not self.chooser.worth_looking_up(len(keys), len(keys) * bs, self._lookups.threads.load_deadline_s)
         ):
             found = () if self._host_only is None else self._host_only.match(keys)  # waiting would cost more
         else:

@@ -68,6 +68,8 @@ DEFAULT_PROBE_EVERY = 256
 #: A store lookup's prior: its fixed seconds and seconds per key (a loopback Redis round trip, a pipeline).
 _LOOKUP_PRIOR_S = 300e-6
 _LOOKUP_PRIOR_PER_KEY_S = 2e-6
+#: A lookup expected to take this share of its deadline or more is not asked (it would likely answer nothing).
+_DEADLINE_SHARE = 0.9
 #: Below this spread of sizes (standard deviation over mean) the fit keeps the prior's split.
 _MIN_SPREAD = 0.1
 #: The smallest seconds per byte (or token) a fit answers: a zero-second fetch is not infinitely fast.
@@ -349,11 +351,15 @@ class LoadOrCompute:
         intercept, per_key = self._lookup.fit()
         return intercept + per_key * num_keys
 
-    def worth_looking_up(self, num_keys: int, num_tokens: int) -> bool:
-        """Whether to ask the stores at all: a lookup expected to outlast computing the ``num_tokens`` is
-        skipped (the request computes, or takes the host tier's blocks), save every ``probe_every``-th, which
-        measures the stores again. Counted."""
-        if self.lookup_seconds(num_keys) < self.compute_seconds(num_tokens):
+    def worth_looking_up(self, num_keys: int, num_tokens: int, deadline_s: float | None = None) -> bool:
+        """Whether to ask the stores at all: a lookup expected to outlast computing the ``num_tokens``, or its
+        ``deadline_s`` (past which it answers nothing), is skipped (the request computes, or takes the host
+        tier's blocks), save every ``probe_every``-th, which measures the stores again. Counted."""
+        limit = self.compute_seconds(num_tokens)
+        if deadline_s is not None:
+            # a lookup that timed out measures its deadline: expecting nine tenths of it is expecting nothing back
+            limit = min(limit, _DEADLINE_SHARE * _finite("deadline_s", deadline_s, positive=True))
+        if self.lookup_seconds(num_keys) < limit:
             self._skipped_in_a_row = 0
         elif self.probe_every is None or self._skipped_in_a_row + 1 < self.probe_every:
             self._skipped_in_a_row += 1
