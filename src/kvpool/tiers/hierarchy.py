@@ -187,6 +187,8 @@ class TierHierarchyConnector:
         if first * bs != num_computed_tokens:
             return NO_MATCH  # a partial local hit cannot be extended by whole blocks
         keys = request.block_hashes[first : (request.num_tokens - 1) // bs]
+        if not keys:
+            return NO_MATCH
         if self._lookups is None:
             found = self.policy.match(keys)
         elif (
