@@ -307,7 +307,6 @@ class KVCacheManager:
         *,
         num_encoder_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
     ) -> tuple[list[int], ...] | None:
         """Make room for ``num_new_tokens`` new tokens of ``request``.
 
@@ -332,9 +331,6 @@ class KVCacheManager:
                 computing them (first allocation of a request only). They get
                 slots like new tokens, count as computed, and their full
                 blocks are cached at once, like computed ones.
-            delay_cache_blocks: cache nothing now (an asynchronous load: its
-                blocks must not be found before their KV arrives);
-                :meth:`cache_loaded_blocks` caches them once it has.
 
         Returns:
             The newly allocated block IDs, one list per group, or None when the
@@ -368,7 +364,6 @@ class KVCacheManager:
             and num_lookahead_tokens is _ZERO
             and num_encoder_tokens is _ZERO
             and num_external_computed_tokens is _ZERO
-            and delay_cache_blocks is False
         ):
             # The common step of a running request (a decode or a prefill chunk)
             # in a single-group model: the same checks and decisions as the
@@ -388,6 +383,45 @@ class KVCacheManager:
                 if total > held.slots:
                     held.slots = total
                 return (new,)
+        return self._allocate(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_encoder_tokens,
+            num_external_computed_tokens,
+            False,
+        )
+
+    def allocate_slots_to_load(
+        self,
+        request: Request,
+        num_new_computed_tokens: int,
+        new_computed_blocks: HitBlocks | None,
+        num_external_computed_tokens: int,
+    ) -> tuple[list[int], ...] | None:
+        """Admit ``request`` to wait for an asynchronous load: slots for its prefix hit and the
+        ``num_external_computed_tokens`` after it, none computed in this step, and nothing cached yet
+        (blocks must not be found before their KV arrives; :meth:`cache_loaded_blocks` caches them once
+        it has). The arguments and refusals are :meth:`allocate_slots`' (vLLM's ``delay_cache_blocks``)."""
+        return self._allocate(
+            request, 0, num_new_computed_tokens, new_computed_blocks, 0, 0, num_external_computed_tokens, True
+        )
+
+    def _allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: HitBlocks | None,
+        num_lookahead_tokens: int,
+        num_encoder_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> tuple[list[int], ...] | None:
+        """:meth:`allocate_slots`' general path (every check; then the groups), caching unless ``delay_cache_blocks``."""
+        held = self._owners.get(request._request_id) if isinstance(request, Request) else None
         # Validate everything first: past this block, nothing can fail.
         _check_request(request)
         rid = request.request_id
@@ -400,10 +434,6 @@ class KVCacheManager:
         ):
             if type(count) is not int or count < 0:
                 raise RequestStateError(f"request {rid!r}: {name}={count!r}, expected a non-negative int")
-        if type(delay_cache_blocks) is not bool:
-            raise RequestStateError(
-                f"request {rid!r}: delay_cache_blocks={delay_cache_blocks!r}, expected True or False"
-            )
         if num_encoder_tokens and not any(g.uses_encoder_tokens for g in self.groups):
             raise RequestStateError(
                 f"request {rid!r}: num_encoder_tokens={num_encoder_tokens} but the model has no cross-attention group"

@@ -624,9 +624,7 @@ class Scheduler:
         """Admit ``entry`` to wait for its asynchronous loads: blocks, uncached, for its hit and its loads only."""
         request = entry.request
         num_loaded = match.num_tokens
-        blocks = self.manager.allocate_slots(
-            request, 0, num_hit, hit, num_external_computed_tokens=num_loaded, delay_cache_blocks=True
-        )
+        blocks = self.manager.allocate_slots_to_load(request, num_hit, hit, num_loaded)
         if blocks is None:
             return False
         self.waiting.remove(entry)
