@@ -318,7 +318,12 @@ def test_a_client_gone_mid_stream_closes_the_replica_stream_and_frees_its_slot(r
             first = next(response.iter_lines())
             assert first.startswith("data: ")
             assert sum(r.served for r in replicas) == 1
-            in_flight_while_open = sum(r.in_flight for r in router.router.replicas)
+
+            def in_flight() -> int:
+                return sum(r.in_flight for r in router.router.replicas)
+
+            wait_for(lambda: in_flight() == 1, "one request in flight while its stream is open", timeout=10)
+            in_flight_while_open = in_flight()
         # the client closed its connection after one chunk: the router closes its own to the replica
         wait_for(lambda: sum(r.in_flight for r in router.router.replicas) == 0, "the slot freed")
         wait_for(lambda: sum(r.streams_cut for r in replicas) == 1, "the replica's stream cut short", timeout=30)
