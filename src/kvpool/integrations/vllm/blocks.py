@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.integrations.vllm.plan import StepPlan
+from kvpool.integrations.vllm.plan import StepPlan, TransferNotes
 from kvpool.tiers import BlockStore
 from kvpool.tiers.transfer_threads import LoadOutcome, TransferThreads
 
@@ -142,7 +143,11 @@ class TierWorker:
         self.host = None if host_slots is None else torch.zeros((host_slots + 1, layout.block_bytes), dtype=torch.uint8)
         self.transfers = transfers
         self.figures = WorkerFigures()
-        self._fetching: dict[int, tuple[str, _Wanted]] = {}  # ticket -> (request, its store loads)
+        #: Each fetch's size and seconds (and each timed forward pass), until the scheduler is sent them.
+        self.notes = TransferNotes()
+        self._fetching: dict[
+            int, tuple[str, _Wanted, list[tuple[str, int, int, float]]]
+        ] = {}  # ticket -> (request, its store loads, its fetches' timings)
         self._received: set[str] = set()  # receiving requests with nothing left to fetch
 
     # -- loads -------------------------------------------------------------------------------------
@@ -173,8 +178,9 @@ class TierWorker:
             if not wanted:
                 self._received.add(request_id)
                 continue
-            ticket = self.transfers.submit_load(functools.partial(self._fetch, wanted))
-            self._fetching[ticket] = (request_id, wanted)
+            timings: list[tuple[str, int, int, float]] = []
+            ticket = self.transfers.submit_load(functools.partial(self._fetch, wanted, timings))
+            self._fetching[ticket] = (request_id, wanted, timings)
 
     def load(self, plan: StepPlan) -> set[int]:
         """Copy the loads of the plan's other (not receiving) requests into vLLM's blocks now; the block IDs that failed."""
@@ -191,22 +197,27 @@ class TierWorker:
                 self.figures.loaded[load.tier] += 1
             else:
                 now.setdefault(load.tier, []).append((load.key, load.block_id))
-        for name, payloads in self._fetch(now).items():
+        for name, payloads in self._fetch(now, self.notes.loads).items():
             failed |= self._copy(name, now[name], payloads)
         if failed:
             self._warn_not_loaded(len(failed), count)
         return failed
 
-    def _fetch(self, wanted: _Wanted) -> dict[str, Sequence[bytes | None]]:
-        """Each tier's payloads for ``wanted`` (None for a block not returned); on a load thread when asynchronous."""
+    def _fetch(self, wanted: _Wanted, timings: list[tuple[str, int, int, float]]) -> dict[str, Sequence[bytes | None]]:
+        """Each tier's payloads for ``wanted`` (None for a block not returned); on a load thread when asynchronous.
+
+        Each tier's fetch is appended to ``timings`` as (tier, blocks, bytes, seconds), failed ones too.
+        """
         out: dict[str, Sequence[bytes | None]] = {}
         for name, items in wanted.items():
             store = self.stores.get(name)
+            started = time.perf_counter()
             try:
                 out[name] = store.get_many([key for key, _ in items]) if store is not None else [None] * len(items)
             except Exception as exc:  # noqa: BLE001  # a store's fault is a miss; vLLM recomputes
                 _log.warning("kvpool connector: reading %d blocks from %s failed (%s)", len(items), name, exc)
                 out[name] = [None] * len(items)
+            timings.append((name, len(items), len(items) * self.layout.block_bytes, time.perf_counter() - started))
         return out
 
     def _copy(self, name: str, items: list[tuple[bytes, int]], payloads: Sequence[bytes | None]) -> set[int]:
@@ -236,8 +247,15 @@ class TierWorker:
         failed: set[int] = set()
         outcomes: list[LoadOutcome] = self.transfers.finished_loads() if self.transfers is not None else []
         for outcome in outcomes:
-            request_id, wanted = self._fetching.pop(outcome.ticket)
+            request_id, wanted, timings = self._fetching.pop(outcome.ticket)
             done.add(request_id)
+            timed = list(timings)  # a fetch past its deadline may still be running: what it timed so far
+            self.notes.loads.extend(timed)
+            if outcome.timed_out:  # a tier not back took the deadline, as the engine's worker counts it
+                back = {tier for tier, *_ in timed}
+                self.notes.failed.extend(
+                    (name, len(items), outcome.seconds) for name, items in wanted.items() if name not in back
+                )
             count = sum(len(items) for items in wanted.values())
             if outcome.ok:
                 _log.debug(
@@ -264,6 +282,13 @@ class TierWorker:
                 self.describe(),
             )
         return done, failed
+
+    def take_notes(self) -> TransferNotes | None:
+        """What was measured since the last call (None: nothing), for the scheduler's load or compute."""
+        if not self.notes:
+            return None
+        notes, self.notes = self.notes, TransferNotes()
+        return notes
 
     def _warn_not_loaded(self, failed: int, wanted: int) -> None:
         _log.warning(

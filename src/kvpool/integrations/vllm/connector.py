@@ -26,12 +26,14 @@ with ``"kv_load_failure_policy": "recompute"`` vLLM then computes it, and no req
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
@@ -39,10 +41,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.blocks import KVBlockLayout, TierWorker
-from kvpool.integrations.vllm.plan import ConnectorOptions, StepPlan, TierPlanner, VllmScheduledChunk
+from kvpool.integrations.vllm.plan import ConnectorOptions, StepPlan, TierPlanner, TransferNotes, VllmScheduledChunk
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers import ByteTier, CpuTarget, EntryCodec, HostTier, LayoutFingerprint, open_store
 from kvpool.tiers.kinds import BlockStore
+from kvpool.tiers.load_or_compute import LoadOrCompute, TransferCosts, registry_links
 from kvpool.tiers.store import BACKENDS
 from kvpool.tiers.transfer_threads import TransferThreads
 
@@ -54,9 +57,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVPoolConnector", "KVPoolConnectorMetadata", "vllm_fingerprint"]
+__all__ = ["KVPoolConnector", "KVPoolConnectorMetadata", "KVPoolWorkerMetadata", "vllm_fingerprint"]
 
 _log = logging.getLogger("kvpool.integrations.vllm")
 
@@ -73,6 +77,23 @@ def _log_where_vllm_logs() -> None:
 
 # Where vLLM's metrics file each tier's hits (the backend registry names the member).
 _HIT_SOURCES = {kind.value: getattr(CacheHitSource, backend.vllm_hit_source) for kind, backend in BACKENDS.items()}
+
+
+# The prefill rate load or compute assumes until a forward pass is timed (the engine's figures: a CPU, an accelerator).
+_PREFILL_PRIOR = {"cpu": 2_000.0}
+_PREFILL_PRIOR_ACCELERATOR = 20_000.0
+
+
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers measured in one step (:class:`~kvpool.integrations.vllm.plan.TransferNotes`), to the scheduler."""
+
+    def __init__(self, notes: TransferNotes) -> None:
+        self.notes = notes
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVPoolWorkerMetadata):
+            self.notes.extend(other.notes)
+        return self
 
 
 class KVPoolConnectorMetadata(KVConnectorMetadata):
@@ -170,7 +191,25 @@ class KVPoolConnector(KVConnectorBase_V1):
                     tiers.append(ByteTier(self._stores[target.kind.value]))
             off_step = options.async_loads and bool(self._stores)  # the cpu tier alone is looked up in memory
             lookups = TransferThreads("vllm-lookup", load_deadline_s=options.load_deadline_s) if off_step else None
-            self._planner = TierPlanner(tiers, self._block_size, async_loads=options.async_loads, lookups=lookups)
+            chooser = None
+            if not options.always_load:
+                rate = options.prefill_tokens_per_s or _PREFILL_PRIOR.get(
+                    current_platform.device_type, _PREFILL_PRIOR_ACCELERATOR
+                )
+                costs = TransferCosts(
+                    registry_links(t.name for t in tiers), block_bytes=self._block_bytes, prefill_tokens_per_s=rate
+                )
+                chooser = LoadOrCompute(costs, block_size=self._block_size)
+            self._planner = TierPlanner(
+                tiers, self._block_size, async_loads=options.async_loads, lookups=lookups, chooser=chooser
+            )
+        # The worker times each forward pass for load or compute's prefill rate where the host sees the pass
+        # end (vLLM-CPU), unless the rate is configured or the rule is off.
+        self._time_steps = (
+            not options.always_load and options.prefill_tokens_per_s is None and current_platform.device_type == "cpu"
+        )
+        self._step_started: float | None = None
+        self._step_transfer_s = 0.0
         _log.info(
             "kvpool connector (%s): tiers %s, entries %s (namespace %s), %d bytes per block, %s loads (deadline %s s)",
             role.name.lower(),
@@ -210,11 +249,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is not None and plan.receiving and self._worker is not None:
             self._worker.start_receiving(plan)
+        self._step_started, self._step_transfer_s = time.perf_counter(), 0.0
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if plan is not None and plan.loads and self._worker is not None:
+            started = time.perf_counter()
             self._load_errors |= self._worker.load(plan)
+            self._step_transfer_s += time.perf_counter() - started  # not the forward pass's time
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # synchronous loads are in place before the forward pass; vLLM schedules no asynchronous one
@@ -226,8 +268,19 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._plan()
-        if plan is not None and plan.saves and self._worker is not None:
+        if plan is None or self._worker is None:
+            return
+        if self._time_steps and self._step_started is not None and plan.num_scheduled_tokens:
+            # bind .. here, less the loads: the forward pass (start_load_kv runs before or after it)
+            seconds = time.perf_counter() - self._step_started - self._step_transfer_s
+            self._worker.notes.steps.append((plan.num_scheduled_tokens, max(seconds, 0.0)))
+        self._step_started = None
+        if plan.saves:
             self._worker.save(plan)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        notes = self._worker.take_notes() if self._worker is not None else None
+        return None if notes is None else KVPoolWorkerMetadata(notes)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # vLLM holds a request in WAITING_FOR_REMOTE_KVS, and an aborted one's blocks, until it is
@@ -252,6 +305,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             )
             self._worker.close()  # runs the queued saves, then closes the stores
         else:
+            chooser = self._planner.chooser if self._planner is not None else None
+            if chooser is not None:
+                _log.info("kvpool connector: load or compute %s", chooser.figures())
             lookups = self._planner.lookups if self._planner is not None else None
             if lookups is not None:
                 lookups.threads.close()
@@ -276,8 +332,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         return tokens, tokens > 0 and planner.loads_async(request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens:
-            self._scheduler().allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+        # every admission: load or compute counts its decision there, none loaded included
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else ()
+        self._scheduler().allocated(request, block_ids, num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVPoolWorkerMetadata):
+            self._scheduler().note(meta.notes)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources: dict[CacheHitSource, int] = {}

@@ -36,14 +36,17 @@ reassigned by a later plan is read or written by this plan's copies first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpool.checks import check_flag
+from kvpool.connector import ExternalMatch, TierRun
 from kvpool.errors import ConfigError
 from kvpool.tiers import ByteTier, CpuTarget, HostTier, parse_specs
 from kvpool.tiers.entry import check_namespace
+from kvpool.tiers.load_or_compute import LoadOrCompute
 from kvpool.tiers.lookups import OffStepLookups
 from kvpool.tiers.policy import TierPolicy
 from kvpool.tiers.store import BACKENDS, TierTarget, check_tier_trust
@@ -57,9 +60,21 @@ __all__ = [
     "VllmScheduledChunk",
     "StepPlan",
     "TierPlanner",
+    "TransferNotes",
 ]
 
-_OPTION_KEYS = frozenset({"tiers", "secret_file", "unauthenticated", "namespace", "async_loads", "load_deadline_s"})
+_OPTION_KEYS = frozenset(
+    {
+        "tiers",
+        "secret_file",
+        "unauthenticated",
+        "namespace",
+        "async_loads",
+        "load_deadline_s",
+        "always_load",
+        "prefill_tokens_per_s",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +90,12 @@ class ConnectorOptions:
     holding only the requests that wait on them; ``load_deadline_s``: how long such a load may take
     before its request computes those blocks instead (checked where the worker's transfer threads
     start, :class:`~kvpool.tiers.transfer_threads.TransferThreads`).
+
+    Load or compute (:class:`~kvpool.tiers.load_or_compute.LoadOrCompute`, the engine's rule): a
+    match is trimmed to the blocks whose load is measured to beat computing them. ``always_load``
+    (default false) turns it off. ``prefill_tokens_per_s``: this deployment's prefill rate, fixed
+    (vLLM tells a connector no rate; None: the worker measures it on vLLM-CPU, from each step's
+    forward pass, and elsewhere, where a pass is not timed on the host, the prior is 20,000).
     """
 
     tiers: tuple[TierTarget, ...]
@@ -83,6 +104,8 @@ class ConnectorOptions:
     namespace: str | None = None
     async_loads: bool = True
     load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S
+    always_load: bool = False
+    prefill_tokens_per_s: float | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object]) -> ConnectorOptions:
@@ -116,6 +139,12 @@ class ConnectorOptions:
         deadline = check_load_deadline(
             extra.get("load_deadline_s", DEFAULT_LOAD_DEADLINE_S), "kv_connector_extra_config 'load_deadline_s'"
         )
+        always_load = check_flag("kv_connector_extra_config 'always_load'", extra.get("always_load", False))
+        rate = extra.get("prefill_tokens_per_s")
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0
+        ):
+            raise ConfigError(f"kv_connector_extra_config 'prefill_tokens_per_s' must be a number > 0, got {rate!r}")
         return cls(
             tiers=tiers,
             secret_file=secret_file,
@@ -123,6 +152,8 @@ class ConnectorOptions:
             namespace=namespace,
             async_loads=async_loads,
             load_deadline_s=deadline,
+            always_load=always_load,
+            prefill_tokens_per_s=None if rate is None else float(rate),
         )
 
     @property
@@ -182,6 +213,31 @@ class StepPlan:
     loads: tuple[VllmBlockLoad, ...] = ()
     saves: tuple[VllmBlockSave, ...] = ()
     receiving: tuple[str, ...] = ()
+    #: Tokens the step computes (all its requests': what its forward pass is timed against).
+    num_scheduled_tokens: int = 0
+
+
+@dataclass(slots=True)
+class TransferNotes:
+    """What a worker measured since its last report, for the scheduler's load-or-compute rule.
+
+    ``loads``: (tier, blocks, bytes, seconds) per fetch; ``failed``: (tier, blocks, seconds) per
+    fetch that never came back (it took its deadline); ``steps``: (tokens, seconds) per forward
+    pass. Sent back to the scheduler as vLLM's worker metadata, where :meth:`TierPlanner.note`
+    hands it to the measurement, as the engine's worker does.
+    """
+
+    loads: list[tuple[str, int, int, float]] = field(default_factory=list)
+    failed: list[tuple[str, int, float]] = field(default_factory=list)
+    steps: list[tuple[int, float]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.failed or self.steps)
+
+    def extend(self, other: TransferNotes) -> None:
+        self.loads += other.loads
+        self.failed += other.failed
+        self.steps += other.steps
 
 
 class PlannedRequest(Protocol):
@@ -225,6 +281,7 @@ class _Tracked:
     loaded_async: bool = False  # it had an asynchronous load: the stores are not offered again
     # an asynchronous load's promotions, planned when vLLM schedules the request: (index, key, block, tiers)
     promotions: list[tuple[int, bytes, int, tuple[str, ...]]] = field(default_factory=list)
+    offered: ExternalMatch | None = None  # what the tiers held before load or compute trimmed it
 
 
 class TierPlanner:
@@ -234,7 +291,11 @@ class TierPlanner:
     :class:`~kvpool.tiers.hierarchy.ByteTier`, which turns a store's fault into a miss).
     ``async_loads``: a match that a store serves is loaded off vLLM's step (:meth:`loads_async`);
     ``lookups``: the threads the stores are looked up on, off vLLM's step too
-    (:class:`~kvpool.tiers.lookups.OffStepLookups`; None: on the caller's thread).
+    (:class:`~kvpool.tiers.lookups.OffStepLookups`; None: on the caller's thread);
+    ``chooser``: load or compute, the engine's :class:`~kvpool.tiers.load_or_compute.LoadOrCompute`
+    asked the same way :class:`~kvpool.tiers.hierarchy.TierHierarchyConnector` asks it (a lookup not
+    worth waiting for is not asked, one outlasting the compute is given up, each match is trimmed,
+    each admission counted); None: every hit loads.
     O(blocks looked up) per match, O(blocks moved) per plan.
     """
 
@@ -245,6 +306,7 @@ class TierPlanner:
         *,
         async_loads: bool = False,
         lookups: TransferThreads | None = None,
+        chooser: LoadOrCompute | None = None,
     ) -> None:
         names = [t.name for t in tiers]
         if not tiers or len(set(names)) != len(names):
@@ -259,7 +321,12 @@ class TierPlanner:
         self.host = self.policy.host
         self.async_loads = check_flag("async_loads", async_loads)
         has_store = any(not isinstance(t, HostTier) for t in self.tiers)
-        self.lookups = OffStepLookups(self.policy, lookups) if lookups is not None and has_store else None
+        if chooser is not None and not isinstance(chooser, LoadOrCompute):
+            raise ConfigError(f"chooser must be a LoadOrCompute, got {chooser!r}")
+        self.chooser = chooser
+        on_lookup = None if chooser is None else chooser.note_lookup
+        self.lookups = OffStepLookups(self.policy, lookups, on_lookup) if lookups is not None and has_store else None
+        self._host_only = None if self.host is None else TierPolicy([self.host])
         self._requests: dict[str, _Tracked] = {}
         self._allocated: dict[str, None] = {}  # requests with loads not yet planned, in allocation order
         #: Cumulative blocks matched per tier (what vLLM was told it can load).
@@ -295,18 +362,31 @@ class TierPlanner:
         first = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         keys = [bytes(h) for h in request.block_hashes[first:limit]]
-        if tracked.loaded_async:
-            held = self.host.contains_prefix(keys) if self.host is not None else 0
-            runs: tuple[tuple[str, int], ...] = ((self.host.name, held),) if held and self.host is not None else ()
+        chooser, bs = self.chooser, self.block_size
+        if tracked.loaded_async or not keys:
+            runs: tuple[tuple[str, int], ...] = self._host_only.match(keys) if self._host_only is not None else ()
         elif self.lookups is None:
             runs = self.policy.match(keys)
+        elif (
+            chooser is not None
+            and not self.lookups.asked(request.request_id, keys)
+            and not chooser.worth_looking_up(len(keys), len(keys) * bs, self.lookups.threads.load_deadline_s)
+        ):
+            runs = self._host_only.match(keys) if self._host_only is not None else ()  # waiting would cost more
         else:
-            found = self.lookups.match(request.request_id, keys)
+            # waiting for the stores longer than computing the tokens would take is never worth it
+            give_up = None if chooser is None else chooser.compute_seconds(len(keys) * bs)
+            found = self.lookups.match(request.request_id, keys, give_up_after=give_up)
             if found is None:
                 return None
             runs = found
+        tracked.offered = None
+        if chooser is not None and runs:
+            offered = ExternalMatch(tuple(TierRun(name, blocks * bs) for name, blocks in runs))
+            tracked.offered = offered
+            runs = tuple((run.tier, run.num_tokens // bs) for run in chooser.choose(offered).runs)
         tracked.first_block, tracked.runs = first, runs
-        return sum(blocks for _name, blocks in runs) * self.block_size
+        return sum(blocks for _name, blocks in runs) * bs
 
     def loads_async(self, request_id: str) -> bool:
         """Whether the last match of ``request_id`` is loaded off vLLM's step: a disk or Redis tier serves part of it.
@@ -330,11 +410,16 @@ class TierPlanner:
     def allocated(self, request: PlannedRequest, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks) and will count ``num_external_tokens`` loaded.
 
-        ConfigError naming the count if it is not whole blocks of the last match.
+        Call it at every admission, with 0 external tokens too: load or compute counts each
+        admitted request's decision here, where the engine counts it. ConfigError naming the count
+        if it is not whole blocks of the last match.
         """
+        tracked = self._track(request)
+        offered, tracked.offered = tracked.offered, None
+        if self.chooser is not None and offered is not None and num_external_tokens <= offered.num_tokens:
+            self.chooser.count(offered, offered.truncated(num_external_tokens))
         if num_external_tokens == 0:
             return
-        tracked = self._track(request)
         blocks, partial = divmod(num_external_tokens, self.block_size)
         matched = sum(n for _name, n in tracked.runs)
         if partial or not 0 < blocks <= matched:
@@ -358,6 +443,21 @@ class TierPlanner:
         self._allocated[request.request_id] = None
         for name, _key, _block in loads:
             self.matched_blocks[name] += 1
+
+    def note(self, notes: TransferNotes) -> None:
+        """A worker's measurements (:class:`TransferNotes`) into load or compute's; nothing without a chooser.
+
+        A fixed prefill rate (``prefill_tokens_per_s`` configured) is kept: the worker sends no steps then.
+        """
+        if self.chooser is None:
+            return
+        costs = self.chooser.costs
+        for tier, blocks, num_bytes, seconds in notes.loads:
+            costs.note_load(tier, blocks, num_bytes, seconds)
+        for tier, blocks, seconds in notes.failed:
+            costs.note_failed_load(tier, blocks, seconds)
+        for tokens, seconds in notes.steps:
+            costs.note_prefill(tokens, seconds)
 
     def build(self, chunks: Sequence[VllmScheduledChunk]) -> StepPlan:
         """The step's loads and saves for vLLM's scheduled ``chunks``; resets what allocation queued.
@@ -425,7 +525,8 @@ class TierPlanner:
             tracked.saved_upto = max(tracked.saved_upto, full)
         if self.host is not None and pinned:
             self.host.release(pinned)
-        return StepPlan(tuple(loads), tuple(saves), tuple(receiving))
+        scheduled = sum(chunk.num_scheduled_tokens for chunk in chunks)
+        return StepPlan(tuple(loads), tuple(saves), tuple(receiving), scheduled)
 
     def _save(self, key: bytes, block_id: int, tiers: tuple[str, ...], pinned: list[int]) -> VllmBlockSave | None:
         placement = self.policy.place(key, tiers)  # a host slot when the cpu tier is among them
