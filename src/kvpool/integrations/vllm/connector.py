@@ -334,7 +334,18 @@ class KVPoolConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         # every admission: load or compute counts its decision there, none loaded included
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else ()
-        self._scheduler().allocated(request, block_ids, num_external_tokens)
+        planner = self._scheduler()
+        chooser = planner.chooser
+        declined = 0 if chooser is None else chooser.requests["cut"] + chooser.requests["computed"]
+        planner.allocated(request, block_ids, num_external_tokens)
+        if chooser is not None and chooser.requests["cut"] + chooser.requests["computed"] > declined:
+            declined += 1
+            if declined & (declined - 1) == 0:  # the 1st, 2nd, 4th, 8th ... declined: what the rule weighed
+                _log.info(
+                    "kvpool connector: load or compute computed a tier hit (%d requests so far): %s",
+                    declined,
+                    chooser.figures(),
+                )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
