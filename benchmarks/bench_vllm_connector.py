@@ -314,6 +314,7 @@ def run(num_prompts: int, log_dir: Path, slow_reply_s: float = 0.05, num_pairs: 
                     result[f"slow_{mode}"] = pairs(slow, slow_pairs[mode])
                 finally:
                     slow.stop()
+                result[f"slow_{mode}_declined"] = _declined(slow.log)
             result["slow_proxy_replies"] = proxy.replies
         finally:
             proxy.close()
@@ -380,6 +381,17 @@ def _refusals(log: Path) -> dict[str, int]:
     text = log.read_text(errors="replace")
     found = re.findall(r"(\d+) of (\d+) blocks not loaded", text)
     return {"warnings": len(found), "blocks_not_loaded": sum(int(a) for a, _ in found)}
+
+
+def _declined(log: Path) -> dict[str, Any]:
+    """How often load or compute computed a tier hit, and what it weighed the last time it said so (its log)."""
+    found = re.findall(
+        r"load or compute computed a tier hit \((\d+) requests so far\): (.*)$", log.read_text(errors="replace"), re.M
+    )
+    if not found:
+        return {"declined_at_least": 0}
+    count, figures = found[-1]
+    return {"declined_at_least": int(count), "last_figures": figures[:2000]}
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
