@@ -8,11 +8,12 @@ Run::
     python benchmarks/bench_tier_stores.py --pipeline-sweep   # also: Redis blocks per pipeline
     python benchmarks/bench_tier_stores.py --kind-rows        # also: each store signing with every other kind
     python benchmarks/bench_tier_stores.py --sync             # flush dirty pages before each save (steadier saves)
+    python benchmarks/bench_tier_stores.py --slice-blocks 64  # rows take turns per whole batch (default: every 16 blocks)
 
 Each figure is the median of ``--repeats`` batches of ``--batch`` blocks of ``--block-bytes``
 random bytes (1 MiB by default; SmolLM2-135M's 16-token block is 360 KiB), every batch under
-fresh keys, so saves really write and loads really read. The rows take turns on each batch, each
-batch starting one row later than the last, so whatever else the machine is doing (the writeback
+fresh keys, so saves really write and loads really read. The rows take turns on each slice of 16
+blocks of a batch (``--slice-blocks``), each batch starting one row later than the last, so whatever else the machine is doing (the writeback
 of the row before included) weighs on all of them alike; the ratio to the raw row of the
 same tier is the figure that matters on a busy machine. Every tier runs without a secret
 (checksum only) and with one (entries signed with :meth:`Signature.best_available`: AES-256-GMAC
@@ -241,19 +242,39 @@ def rows_to_measure(args: argparse.Namespace, redis_url: str | None, disk_dir: P
 
 
 def run(rows: list[Row], args: argparse.Namespace) -> dict[tuple[str, str], tuple[float, float]]:
-    """Median save and load GB/s per row; the rows take turns on each batch, so load on the machine hits all alike."""
+    """Median save and load GB/s per row; the rows take turns on each slice of a batch, so load hits all alike.
+
+    A batch's time for a disk or Redis row is the sum of its slices' (``--slice-blocks`` blocks
+    each, every row saving then loading one slice before the next row takes it); a CPU row moves
+    its whole batch at once, in the first slice's turn. The page cache's cost per written page
+    swings several times over within seconds on a shared machine (0.5 to 10 ms per MiB here), so
+    rows that take turns every 64 MiB can land on different halves of a swing; turns every 16
+    blocks put the rows being compared side by side. ``--slice-blocks`` equal to ``--batch`` is
+    one turn per batch (the order before).
+    """
     saves: dict[tuple[str, str], list[float]] = {(t, v): [] for t, v, _s, _l in rows}
     loads: dict[tuple[str, str], list[float]] = {(t, v): [] for t, v, _s, _l in rows}
     size = args.batch * args.block_bytes
+    step = max(1, min(args.slice_blocks, args.batch))
     for repeat in range(args.repeats):
         batch = one_batch(args.batch, args.block_bytes)
+        put = dict.fromkeys(saves, 0.0)
+        got = dict.fromkeys(loads, 0.0)
         # Each batch starts one row later, so no row always follows the same one (and its dirty pages).
         start = repeat % len(rows)
-        for tier, variant, save, load in rows[start:] + rows[:start]:
-            if args.sync:
-                os.sync()  # the rows before wrote their batches: their writeback lands before this row's clock starts
-            saves[tier, variant].append(timed(save, batch))
-            loads[tier, variant].append(timed(load, batch))
+        for first in range(0, args.batch, step):
+            part = batch[first : first + step]
+            for tier, variant, save, load in rows[start:] + rows[:start]:
+                whole = tier == "cpu"  # the worker's rows move their whole batch, whatever the items
+                if whole and first:
+                    continue
+                if args.sync:
+                    os.sync()  # the rows before wrote their slices: their writeback lands before this row's clock starts
+                put[tier, variant] += timed(save, batch if whole else part)
+                got[tier, variant] += timed(load, batch if whole else part)
+        for name in saves:
+            saves[name].append(put[name])
+            loads[name].append(got[name])
         print(f"  batch {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     return {
         name: (size / statistics.median(saves[name]) / 1e9, size / statistics.median(loads[name]) / 1e9)
@@ -361,11 +382,20 @@ def main(argv: Sequence[str] | None = None) -> dict[tuple[str, str], tuple[float
         help="flush every dirty page (os.sync) before each save, so no row's save pays for the writeback of another's",
     )
     parser.add_argument(
+        "--slice-blocks",
+        type=int,
+        default=16,
+        help="blocks per turn: the disk and Redis rows take turns on slices of this many blocks of each batch "
+        "(--batch: one turn per batch)",
+    )
+    parser.add_argument(
         "--kind-rows",
         action="store_true",
         help="also: each store signing with every other kind this process computes",
     )
     args = parser.parse_args(argv)
+    if args.slice_blocks < 1:
+        parser.error(f"--slice-blocks must be at least 1, got {args.slice_blocks}")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"{args.repeats} batches of {args.batch} x {args.block_bytes:,}-byte blocks, {os.cpu_count()} CPUs, "
