@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -199,6 +200,44 @@ def command_name(frame: bytes) -> bytes:
     return words[0] if words else b""
 
 
+def _bulk_strings(frame: bytes, count: int) -> list[bytes]:
+    """The first ``count`` bulk strings of a RESP array request (fewer where it has fewer)."""
+    out: list[bytes] = []
+    pos = frame.find(b"\r\n") + 2
+    while len(out) < count and frame[pos : pos + 1] == b"$":
+        length_end = frame.find(b"\r\n", pos)
+        n = int(frame[pos + 1 : length_end])
+        out.append(frame[length_end + 2 : length_end + 2 + n])
+        pos = length_end + 2 + n + 2
+    return out
+
+
+def _script_commands() -> dict[bytes, bytes]:
+    """The redis tier's scripts by SHA1 (lowercase hex), each as the command it runs on every key."""
+    from kvpool.tiers.redis_store import LOOKUP_SCRIPT, READ_SCRIPT
+
+    return {
+        hashlib.sha1(s.encode()).hexdigest().encode(): c
+        for s, c in ((LOOKUP_SCRIPT, b"STRLEN"), (READ_SCRIPT, b"GETRANGE"))
+    }
+
+
+_SCRIPTS = _script_commands()
+
+
+def counted_name(frame: bytes) -> bytes:
+    """What a request counts as: its command, or for the redis tier's scripts the command they run on each key
+    (EVALSHA of the read script counts as GETRANGE, so ``count_only`` names reads however they are sent)."""
+    name = command_name(frame)
+    if name.upper() in (b"EVALSHA", b"EVAL") and frame[:1] == b"*":
+        body = _bulk_strings(frame, 2)[1:]
+        sha = body[0].lower() if name.upper() == b"EVALSHA" and body else None
+        if name.upper() == b"EVAL" and body:
+            sha = hashlib.sha1(body[0]).hexdigest().encode()
+        return _SCRIPTS.get(sha or b"", name)
+    return name
+
+
 def request_end(buf: bytes | bytearray, pos: int) -> int | None:
     """Where the client's request starting at ``pos`` ends: a RESP array, or an inline command's line."""
     if buf[pos : pos + 1] == b"*":
@@ -344,7 +383,7 @@ class ThrottledRedis:
             buf += chunk
             pos = 0
             while pos < len(buf) and (end := request_end(buf, pos)) is not None:
-                commands.append(command_name(bytes(buf[pos:end])))
+                commands.append(counted_name(bytes(buf[pos:end])))
                 pos = end
             del buf[:pos]
             up_writer.write(chunk)
@@ -372,7 +411,8 @@ class ThrottledRedis:
         h = self.hostility
         if self.ended.is_set():
             return h.drop_after is None  # stalled: swallow it and keep the connection; dropped: close
-        if not h.counts(command):
+        # a script's first call answering NOSCRIPT (then it is loaded) is no block read, whatever it counts as
+        if not h.counts(command) or (h.count_only is not None and reply.startswith(b"-NOSCRIPT")):
             writer.write(reply)
             await writer.drain()
             return True

@@ -23,8 +23,12 @@ block is computed and saved again instead of staying unloadable. kvpool does
 not bound what it puts in Redis: entries leave by their TTL or by the server's own
 ``maxmemory-policy`` (``allkeys-lru`` suits a cache), and a block Redis evicted is a miss.
 
-Many blocks travel in one round trip: a pipeline of GETRANGEs (split per node on a cluster), of
-SETs, of STRLENs for lookups, at most :data:`PIPELINE_BLOCKS` blocks each. Replies are parsed by
+Many blocks travel in one round trip: a pipeline of SETs, at most :data:`PIPELINE_BLOCKS` blocks
+each. Lookups and reads come back in one reply per round trip: a script (:data:`LOOKUP_SCRIPT`,
+:data:`READ_SCRIPT`, sent by its SHA once loaded) runs each key's STRLEN or bounded GETRANGE on the
+server and answers them together, where a pipeline answers once per key (a server or proxy that
+spends a fixed time per reply made a 16-block lookup cost 16 of them). On a cluster (keys on many
+nodes), or a server that refuses scripts (the refusal is logged once), they are pipelines. Replies are parsed by
 hiredis where it is installed (the ``tiers`` extra installs it; redis-py picks it up), and
 ``get_many_into`` verifies each value and copies its payload straight into the caller's buffer. Faults never stop serving: a Redis that is down, dies or times out (short socket timeouts)
 costs one warning; until a retry, cheaply timed with a doubling backoff, every call answers at
@@ -46,7 +50,7 @@ from kvpool.tiers.counters import StoreCounters, TierStats
 from kvpool.tiers.entry import CorruptEntry, CorruptKind, EntryCodec, Payload
 from kvpool.tiers.kinds import TierBackend, TierKind
 
-__all__ = ["BACKEND", "REDIS_SCHEMES", "RedisStore", "RedisTarget"]
+__all__ = ["BACKEND", "LOOKUP_SCRIPT", "READ_SCRIPT", "REDIS_SCHEMES", "RedisStore", "RedisTarget"]
 
 #: URL schemes a Redis tier spec may start with.
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+cluster", "rediss+cluster"})
@@ -57,6 +61,11 @@ _TIMEOUTS = {"socket_timeout": 1.0, "socket_connect_timeout": 0.5}
 #: Blocks per pipeline (one round trip): measured with benchmarks/bench_tier_stores.py --pipeline-sweep;
 #: past it, a longer pipeline only buffers more replies at once.
 PIPELINE_BLOCKS = 16
+
+#: A lookup of a run of keys in one reply: each key's length (0: absent).
+LOOKUP_SCRIPT = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('STRLEN', k) end return r"
+#: A read of a run of keys in one reply: each value's first ARGV[i] + 1 bytes (b"": absent).
+READ_SCRIPT = "local r = {} for i, k in ipairs(KEYS) do r[i] = redis.call('GETRANGE', k, 0, ARGV[i]) end return r"
 
 
 def _import_redis() -> Any:
@@ -133,6 +142,8 @@ class RedisStore:
         self._retry_at = float("-inf")
         self._closed = False
         self._lock = threading.Lock()
+        self._scripts: dict[str, Any] | None = None  # per script: the client's Script; None: pipelines only
+        self.scripted = not self.cluster  # False once the server refused a script (or on a cluster)
 
     # -- the BlockStore contract ------------------------------------------------------------
 
@@ -159,10 +170,8 @@ class RedisStore:
             return 0
 
         def lengths(client: Any) -> list[int]:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.strlen(self.redis_key(key))
-            return list(pipe.execute())
+            names = [self.redis_key(key) for key in keys]
+            return self._each(client, LOOKUP_SCRIPT, "strlen", names, [()] * len(names))
 
         found = self._call("look up", lengths)
         count = 0
@@ -224,10 +233,9 @@ class RedisStore:
             batch = keys[start : start + PIPELINE_BLOCKS]
 
             def read(client: Any, batch: Sequence[bytes] = batch) -> list[bytes]:
-                pipe = client.pipeline(transaction=False)
-                for key in batch:
-                    pipe.getrange(self.redis_key(key), 0, cap(len(key)))  # one byte past the bound tells a bigger one
-                return list(pipe.execute())
+                names = [self.redis_key(key) for key in batch]
+                bounds = [(0, cap(len(key))) for key in batch]  # one byte past the bound tells a bigger one
+                return self._each(client, READ_SCRIPT, "getrange", names, bounds)
 
             values = self._call("read", read)
             if values is None:
@@ -244,6 +252,34 @@ class RedisStore:
                     yield key, None
                 else:
                     yield key, value
+
+    def _each(
+        self, client: Any, script: str, command: str, names: list[bytes], args: Sequence[tuple[int, ...]]
+    ) -> list[Any]:
+        """``command(name, *arg)`` for each name, answered in one reply (a script) where the server runs scripts.
+
+        A server that refuses the script (scripting disabled, an ACL without EVALSHA) is logged once and
+        asked by pipelines from then on. Faults of the round trip itself propagate to :meth:`_call`.
+        """
+        scripts = self._scripts
+        if self.scripted and scripts is not None and script in scripts:
+            try:
+                reply = scripts[script](keys=names, args=[a[-1] for a in args if a], client=client)
+            except self._redis.exceptions.ResponseError as exc:
+                self.scripted = False
+                _log.warning(
+                    "kvpool redis tier: %s refuses scripts (%s); lookups and reads use pipelines, one reply a key",
+                    self.display_url,
+                    exc,
+                )
+            else:
+                if not isinstance(reply, list) or len(reply) != len(names):
+                    raise self._redis.exceptions.DataError(f"a script answered {len(names)} keys with {reply!r:.80}")
+                return reply
+        pipe = client.pipeline(transaction=False)
+        for name, arg in zip(names, args):
+            getattr(pipe, command)(name, *arg)
+        return list(pipe.execute())
 
     def _remove(self, names: list[bytes]) -> None:
         """Delete refused entries under this store's prefix, so their blocks can be saved again.
@@ -330,7 +366,9 @@ class RedisStore:
         retry = self._redis.retry.Retry(self._redis.backoff.NoBackoff(), 0)  # our backoff decides when to retry
         if self.cluster:
             return self._redis.cluster.RedisCluster.from_url(self._url, retry=retry, **_TIMEOUTS)
-        return self._redis.Redis.from_url(self._url, retry=retry, **_TIMEOUTS)
+        client = self._redis.Redis.from_url(self._url, retry=retry, **_TIMEOUTS)
+        self._scripts = {script: client.register_script(script) for script in (LOOKUP_SCRIPT, READ_SCRIPT)}
+        return client
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self._drop_client()  # reconnect (and rediscover a cluster's nodes) on the next try
