@@ -317,3 +317,27 @@ def test_threads_share_one_store(redis_url):
     for t in threads:
         t.join()
     assert wrong == [] and store.stats.hits == 4 * 5 * 20 and store.stats.errors == 0
+
+
+def test_lookups_and_reads_are_scripts_and_a_server_refusing_scripts_gets_pipelines(tmp_path, caplog):
+    server = RedisServer(tmp_path / "noscript", tcp=True).start()
+    try:
+        admin = redis.Redis(port=server.port)
+        admin.acl_setuser("noscript", enabled=True, passwords=["+pw"], keys=["~*"], commands=["+@all", "-@scripting"])
+        scripted = RedisStore(server.url, fresh_codec())
+        assert scripted.put_many(items(range(3))) == 3
+        assert scripted.contains_prefix([block_key(i) for i in range(4)]) == 3
+        assert scripted.get_many([block_key(2), block_key(9)]) == [payload(2), None]
+        assert scripted.scripted and scripted.stats.errors == 0
+
+        codec = fresh_codec()
+        refused = RedisStore(f"redis://noscript:pw@127.0.0.1:{server.port}/0", codec)
+        assert refused.put_many(items(range(3))) == 3
+        with caplog.at_level(logging.WARNING, logger="kvpool"):
+            assert refused.contains_prefix([block_key(i) for i in range(4)]) == 3
+            assert refused.get_many([block_key(1), block_key(9)]) == [payload(1), None]
+            assert refused.contains_prefix([block_key(0)]) == 1
+        assert not refused.scripted and refused.stats.errors == 0
+        assert sum("refuses scripts" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        server.stop()
