@@ -19,8 +19,9 @@ command it answers, then treated as the :class:`Hostility` says:
   one at once: a server that disappears.
 
 ``count_only`` (command names, e.g. ``{"GETRANGE"}``) narrows which replies are counted and treated:
-with it, ``stall_after=3`` stalls in the middle of a pipeline of block reads rather than during the
-client's connection handshake. Once a stall or drop has happened it applies to every reply.
+with it, ``stall_after=1`` stalls at the second read of block values rather than during the
+client's connection handshake (the store's read script counts as the GETRANGEs it runs: one reply
+for a run of up to 16 blocks). Once a stall or drop has happened it applies to every reply.
 
 As a library (tests import it as the benchmarks' smoke tests do, with ``benchmarks/`` on ``sys.path``)::
 
