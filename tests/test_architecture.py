@@ -22,6 +22,7 @@ LAYERS = {
     "routing": 2,
     "model_names": 1,  # kvpool's model names -> their folders, torch-free (the engine converts; the router reads)
     "fair_share": 1,  # how tenants share the batch, the pool and a step (the scheduler asks it)
+    "cost_model": 1,  # how long an engine step takes: named cost profiles (the simulator and the emulator ask it)
     "sampling_params": 2,  # a request's sampling options, their fields and ranges (torch-free; the engine samples)
     "prompts": 2,  # how a prompt becomes token IDs: the rule the engine, the server and the router follow
     "block": 3,
