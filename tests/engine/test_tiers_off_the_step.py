@@ -58,6 +58,7 @@ def _write_then_gate(folder, tmp_path, prompt, **options):
     engine = LLMEngine(folder, **TINY_POOL, kv_tiers=[f"disk:{tmp_path}:1MiB"], **TIERS_AS_TESTED, log=None, **options)
     rid = engine.add_request(prompt, PARAMS)
     engine.run_until_done([rid])
+    assert engine.kv_tiers.flush_saves(timeout=60)  # saves are queued: a lookup before they land finds fewer blocks
     assert engine.manager.reset_prefix_cache()
     return engine, Gate(engine.kv_tiers.worker.stores["disk"])
 
