@@ -320,9 +320,9 @@ def test_threads_share_one_store(redis_url):
 
 
 def test_lookups_and_reads_are_scripts_and_a_server_refusing_scripts_gets_pipelines(tmp_path, caplog):
-    server = RedisServer(tmp_path / "noscript", tcp=True).start()
+    server = RedisServer(tmp_path / "noscript").start()  # a unix socket: no port to pick
     try:
-        admin = redis.Redis(port=server.port)
+        admin = redis.Redis(unix_socket_path=str(server.socket_path))
         admin.acl_setuser("noscript", enabled=True, passwords=["+pw"], keys=["~*"], commands=["+@all", "-@scripting"])
         scripted = RedisStore(server.url, fresh_codec())
         assert scripted.put_many(items(range(3))) == 3
@@ -331,7 +331,7 @@ def test_lookups_and_reads_are_scripts_and_a_server_refusing_scripts_gets_pipeli
         assert scripted.scripted and scripted.stats.errors == 0
 
         codec = fresh_codec()
-        refused = RedisStore(f"redis://noscript:pw@127.0.0.1:{server.port}/0", codec)
+        refused = RedisStore(f"unix://noscript:pw@{server.socket_path}", codec)
         assert refused.put_many(items(range(3))) == 3
         with caplog.at_level(logging.WARNING, logger="kvpool"):
             assert refused.contains_prefix([block_key(i) for i in range(4)]) == 3
