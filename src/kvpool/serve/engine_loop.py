@@ -20,7 +20,7 @@ before the next step is scheduled. With nothing to do the thread sleeps on the
 inbox. Deltas are handed to the event loop once per step for all requests.
 
 A request that fails in a step comes back from
-:meth:`LLMEngine.step <kvpool.engine.llm_engine.LLMEngine.step>` as a finished
+:meth:`LLMEngine.step <kvpool.engine.llm_engine.LLMEngine.step>` (or an emulated engine's) as a finished
 delta whose ``output.error`` says why; its stream gets that delta like any
 other, and every other request goes on. Should a step itself raise (a bug in
 the engine, not a request's doing), every open stream gets the error and the
@@ -41,7 +41,7 @@ from kvpool.checks import check_int
 from kvpool.errors import RequestStateError, ServiceError
 
 if TYPE_CHECKING:
-    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serve.served_engine import ServedEngine
     from kvpool.engine.outputs import RequestDelta
     from kvpool.engine.sampling import SamplingParams
 
@@ -52,7 +52,7 @@ _LOGGER = logging.getLogger("kvpool.serve")
 T = TypeVar("T")
 
 #: Called on the engine thread after every step with the engine and the step's deltas.
-StepHook = Callable[["LLMEngine", "Sequence[RequestDelta]"], None]
+StepHook = Callable[["ServedEngine", "Sequence[RequestDelta]"], None]
 #: What a request's stream yields: a delta, or the error that ended the request.
 StreamItem = "RequestDelta | BaseException"
 
@@ -111,7 +111,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: ServedEngine,
         *,
         max_waiting: int,
         max_request_tokens: int | None = None,
@@ -189,11 +189,11 @@ class EngineLoop:
         """Abort a request (thread-safe, returns at once); a finished or unknown one is left alone."""
         self._inbox.put(lambda: self._abort(request_id))
 
-    def run_soon(self, fn: Callable[[LLMEngine], object]) -> None:
+    def run_soon(self, fn: Callable[[ServedEngine], object]) -> None:
         """Run ``fn(engine)`` on the engine thread before its next step (thread-safe, returns at once)."""
         self._inbox.put(lambda: fn(self.engine))
 
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def call(self, fn: Callable[[ServedEngine], T]) -> T:
         """``fn(engine)`` run on the engine thread between steps; its result (or error)."""
         loop = self._require_loop()
         done: asyncio.Future[T] = loop.create_future()

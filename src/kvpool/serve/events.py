@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serve.served_engine import ServedEngine
     from kvpool.engine.outputs import RequestDelta
     from kvpool.kv_events import KVEventPublisher
 
@@ -35,12 +35,12 @@ class EventWiring:
         close: sends what is queued and closes the publisher's sockets.
     """
 
-    hook: Callable[[LLMEngine, Sequence[RequestDelta]], None]
+    hook: Callable[[ServedEngine, Sequence[RequestDelta]], None]
     describe: Callable[[], object]
     close: Callable[[], None]
 
 
-def event_wiring(engine: LLMEngine, publisher: KVEventPublisher) -> EventWiring:
+def event_wiring(engine: ServedEngine, publisher: KVEventPublisher) -> EventWiring:
     """The hook, the ``/kv-events`` body and the closing of ``publisher`` for ``engine``.
 
     The engine must record events (``enable_kv_events=True``); an engine that
@@ -69,7 +69,7 @@ def event_wiring(engine: LLMEngine, publisher: KVEventPublisher) -> EventWiring:
         num_blocks=engine.num_blocks if engine.kv_tiers is None else None,
     )
 
-    def publish(engine: LLMEngine, deltas: Sequence[RequestDelta]) -> None:
+    def publish(engine: ServedEngine, deltas: Sequence[RequestDelta]) -> None:
         taken = engine.manager.take_events()
         if taken:
             publisher.publish(taken)

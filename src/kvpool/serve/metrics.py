@@ -110,7 +110,7 @@ if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
     from prometheus_client.metrics_core import Metric
 
-    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serve.served_engine import ServedEngine
     from kvpool.engine.outputs import RequestDelta, RequestOutput
     from kvpool.serve.engine_loop import Job
 
@@ -246,7 +246,7 @@ class ServerMetrics:
     and the context length the token buckets' top).
     """
 
-    def __init__(self, model_name: str, prefix: str = DEFAULT_PREFIX, *, engine: LLMEngine | None = None) -> None:
+    def __init__(self, model_name: str, prefix: str = DEFAULT_PREFIX, *, engine: ServedEngine | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         prefix = check_prefix(prefix)
@@ -400,7 +400,7 @@ class ServerMetrics:
 
     # -- the engine thread ---------------------------------------------------------------
 
-    def after_step(self, engine: LLMEngine, deltas: Sequence[RequestDelta]) -> None:
+    def after_step(self, engine: ServedEngine, deltas: Sequence[RequestDelta]) -> None:
         """Bring every figure up to date after one engine step (engine thread)."""
         now = time.monotonic()
         scheduler = engine.scheduler
@@ -586,7 +586,7 @@ class _LoadOrComputeSeries:
             self._inc(self._decisions, ("requests", decision), count)
 
 
-def _uncached_prompt(engine: LLMEngine, delta: RequestDelta) -> int:
+def _uncached_prompt(engine: ServedEngine, delta: RequestDelta) -> int:
     """The prompt tokens a request that got its first token had computed (not served by a cache)."""
     if delta.output is not None:
         return max(0, delta.output.num_prompt_tokens - delta.output.num_cached_tokens)
@@ -597,7 +597,7 @@ def _uncached_prompt(engine: LLMEngine, delta: RequestDelta) -> int:
     return max(0, int(figures.num_prompt_tokens) - int(figures.num_cached_tokens))
 
 
-def _cache_config(engine: LLMEngine) -> dict[str, str]:
+def _cache_config(engine: ServedEngine) -> dict[str, str]:
     """``cache_config_info``'s labels: those of vLLM's CacheConfig that kvpool has, with vLLM's names."""
     plan = engine.setup.plan
     options = engine.setup.options

@@ -1,7 +1,7 @@
 """The ASGI application: OpenAI routes, health, metrics and KV events over one engine.
 
-:func:`build_app` takes a started :class:`~kvpool.engine.llm_engine.LLMEngine`
-and a :class:`ServeConfig`; the app's lifespan starts and stops the engine
+:func:`build_app` takes a started engine (:class:`~kvpool.serve.served_engine.ServedEngine`:
+kvpool's, or an emulated replica's) and a :class:`ServeConfig`; the app's lifespan starts and stops the engine
 thread (:class:`~kvpool.serve.engine_loop.EngineLoop`). Any ASGI server runs
 it; ``kvpool serve`` uses uvicorn.
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
-    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serve.served_engine import ServedEngine
     from kvpool.kv_events import KVEventPublisher
 
 __all__ = ["ServeConfig", "build_app", "pool_health"]
@@ -59,7 +59,7 @@ def _is_loopback(request: Request) -> bool:
 
 
 def build_app(
-    engine: LLMEngine,
+    engine: ServedEngine,
     config: ServeConfig,
     *,
     hooks: tuple[StepHook, ...] = (),
@@ -104,7 +104,7 @@ def build_app(
 
 
 def _with_events(
-    engine: LLMEngine, config: ServeConfig, hooks: tuple[StepHook, ...], events: KVEventPublisher
+    engine: ServedEngine, config: ServeConfig, hooks: tuple[StepHook, ...], events: KVEventPublisher
 ) -> tuple[ServeConfig, tuple[StepHook, ...], Callable[[], None]]:
     """The config, hooks and closing call of a server that publishes the pool's events through ``events``."""
     from kvpool.serve.events import event_wiring

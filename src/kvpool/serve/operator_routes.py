@@ -17,13 +17,13 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
-    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serve.served_engine import ServedEngine
     from kvpool.serve.server_state import ServerState
 
 __all__ = ["OperatorRoutes", "pool_health"]
 
 
-def pool_health(engine: LLMEngine) -> dict[str, Any]:
+def pool_health(engine: ServedEngine) -> dict[str, Any]:
     """The engine's bookkeeping at a glance (run on the engine thread, between steps)."""
     manager = engine.manager
     scheduler = engine.scheduler

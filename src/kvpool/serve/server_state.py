@@ -26,7 +26,7 @@ from kvpool.tenancy import KeyRing, SaltPolicy
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serve.served_engine import ServedEngine
     from kvpool.openai_http.protocol import GenerationRequest
 
 __all__ = ["ServeConfig", "ServerState"]
@@ -77,7 +77,7 @@ class ServeConfig:
 class ServerState:
     """The routes' shared state: one engine loop, the metrics, the config."""
 
-    def __init__(self, engine: LLMEngine, config: ServeConfig, hooks: tuple[StepHook, ...]) -> None:
+    def __init__(self, engine: ServedEngine, config: ServeConfig, hooks: tuple[StepHook, ...]) -> None:
         self.config = config
         self.metrics = ServerMetrics(config.model_name, config.metrics_prefix, engine=engine)
         self.stats = StatsLog()

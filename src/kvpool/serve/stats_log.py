@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serve.served_engine import ServedEngine
     from kvpool.engine.outputs import RequestDelta
 
 __all__ = ["StatsLog"]
@@ -42,7 +42,7 @@ class StatsLog:
         self._last = (self._clock(), 0, 0, 0, 0)
         self._last_state = (0, 0)
 
-    def after_step(self, engine: LLMEngine, deltas: Sequence[RequestDelta]) -> None:
+    def after_step(self, engine: ServedEngine, deltas: Sequence[RequestDelta]) -> None:
         """A step hook (engine thread): counts its tokens and reads the engine's figures."""
         scheduler = engine.scheduler
         for delta in deltas:
@@ -61,7 +61,7 @@ class StatsLog:
         self.queries, self.hits = stats.queries, stats.hits
 
     @staticmethod
-    def _prompt_size(engine: LLMEngine, delta: RequestDelta) -> int:
+    def _prompt_size(engine: ServedEngine, delta: RequestDelta) -> int:
         if delta.output is not None:
             return delta.output.num_prompt_tokens
         try:

@@ -30,7 +30,7 @@ from kvpool.openai_http.protocol import APIError, GenerationRequest
 from kvpool.serve.tenant_worker import TenantWorker
 
 if TYPE_CHECKING:
-    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.serve.served_engine import ServedEngine
 
 __all__ = ["PIECE_CHARS", "TokenizerThread", "longest_token_chars", "prompt_chars"]
 
@@ -62,11 +62,11 @@ class TokenizerThread:
 
     Args:
         engine: its tokenizer, chat template and ``max_model_len`` are used
-            (read-only: :meth:`LLMEngine.encode` and :meth:`LLMEngine.render_chat`
+            (read-only: its ``encode`` and ``render_chat``
             touch nothing else of the engine).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: ServedEngine) -> None:
         self._engine = engine
         self.max_model_len = engine.max_model_len
         longest = None
