@@ -41,9 +41,9 @@ from kvpool.checks import check_int
 from kvpool.errors import RequestStateError, ServiceError
 
 if TYPE_CHECKING:
-    from kvpool.serve.served_engine import ServedEngine
     from kvpool.engine.outputs import RequestDelta
     from kvpool.engine.sampling import SamplingParams
+    from kvpool.serve.served_engine import ServedEngine
 
 __all__ = ["EngineLoop", "Job", "QueueFull", "StepHook", "StreamItem"]
 

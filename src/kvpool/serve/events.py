@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from kvpool.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvpool.serve.served_engine import ServedEngine
     from kvpool.engine.outputs import RequestDelta
     from kvpool.kv_events import KVEventPublisher
+    from kvpool.serve.served_engine import ServedEngine
 
 __all__ = ["EventWiring", "event_wiring"]
 

@@ -110,9 +110,9 @@ if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
     from prometheus_client.metrics_core import Metric
 
-    from kvpool.serve.served_engine import ServedEngine
     from kvpool.engine.outputs import RequestDelta, RequestOutput
     from kvpool.serve.engine_loop import Job
+    from kvpool.serve.served_engine import ServedEngine
 
 __all__ = ["DEFAULT_PREFIX", "ServerMetrics", "check_prefix", "request_token_buckets"]
 

@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
-    from kvpool.serve.served_engine import ServedEngine
     from kvpool.kv_events import KVEventPublisher
+    from kvpool.serve.served_engine import ServedEngine
 
 __all__ = ["ServeConfig", "build_app", "pool_health"]
 

@@ -26,8 +26,8 @@ from kvpool.tenancy import KeyRing, SaltPolicy
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from kvpool.serve.served_engine import ServedEngine
     from kvpool.openai_http.protocol import GenerationRequest
+    from kvpool.serve.served_engine import ServedEngine
 
 __all__ = ["ServeConfig", "ServerState"]
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpool.serve.served_engine import ServedEngine
     from kvpool.engine.outputs import RequestDelta
+    from kvpool.serve.served_engine import ServedEngine
 
 __all__ = ["StatsLog"]
 
