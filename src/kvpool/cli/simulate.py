@@ -235,6 +235,20 @@ def _progress(show: bool) -> Progress:
     help="When blocks go down to the tiers: when they fill, or when the pool evicts them (as the engine's flag).",
 )
 @click.option(
+    "--layer-groups",
+    "layer_groups",
+    is_flag=True,
+    help="Simulate the --model's layer groups (a hybrid model's full-attention and sliding-window groups, each "
+    "block a pool block) instead of one full-attention group.",
+)
+@click.option(
+    "--kv-tier-window-aware-saves",
+    "window_aware_saves",
+    is_flag=True,
+    help="With --layer-groups: window groups save only the blocks a request can still read (fewer bytes saved, "
+    "fewer hits on prefixes shared short of a request's last window); the default saves every full block.",
+)
+@click.option(
     "--kv-tier-always-load",
     "always_load",
     is_flag=True,
@@ -335,6 +349,8 @@ def simulate(
     curve: str | None,
     curve_policies: str,
     lookahead: int,
+    layer_groups: bool,
+    window_aware_saves: bool,
     plot_dir: Path | None,
     plot_path: Path | None,
     as_json: bool,
@@ -391,6 +407,8 @@ def simulate(
         curve=curve or (),  # type: ignore[arg-type]  # "100,200": SimulateOptions parses it
         curve_policies=tuple(p.strip() for p in curve_policies.split(",") if p.strip()),
         lookahead=lookahead,
+        layer_groups=layer_groups,
+        window_aware_saves=window_aware_saves,
     )
     if options.hash_algo is None and options.block_hash != FAST_HASH:
         click.echo(

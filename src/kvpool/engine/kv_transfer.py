@@ -755,7 +755,13 @@ def build_kv_tiers(
     from kvpool.tiers.store import open_store
 
     if not _one_pair_per_layer(kv_caches) or len(manager.groups) != 1:
-        raise ConfigError("KV tiers support models with one full-attention layer group")
+        kinds = [g.spec.kind.value for g in manager.groups]
+        raise ConfigError(
+            "KV tiers support models with one full-attention layer group in the engine: its transfer worker "
+            f"copies one block table's pages for every layer, and this model's layer groups are {kinds}. "
+            "The tiers' scheduler side serves full-attention plus sliding-window models (kvpool.tiers.windows; "
+            "kvpool simulate --layer-groups)"
+        )
     spec = kv_caches.spec
     secret = None if secret_file is None else read_secret_file(secret_file, purpose="KV tier secret")
     codec: EntryCodec | None = None

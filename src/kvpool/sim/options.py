@@ -24,6 +24,7 @@ from kvpool.hashing import HashAlgo
 from kvpool.routing import Routing
 from kvpool.sim.simulator import CostModel, policy_factory
 from kvpool.sim.transfers import DEFAULT_LINKS, TierLink, capacity_blocks
+from kvpool.specs import KVCacheGroup
 from kvpool.tiers.kinds import TierKind, WritePolicy
 from kvpool.tiers.store import TierTarget, parse_specs
 
@@ -83,6 +84,15 @@ def _kind_values(flag: str, items: tuple[str, ...], kinds: set[str]) -> dict[str
     return values
 
 
+def _groups(model: str, block_size: int) -> tuple[KVCacheGroup, ...]:
+    """``model``'s layer groups at ``block_size`` (kvpool.specs.group_layers)."""
+    from kvpool.model_config import load_model_config
+    from kvpool.model_layers import layer_specs_from_config
+    from kvpool.specs import group_layers
+
+    return group_layers(layer_specs_from_config(load_model_config(model), block_size=block_size))
+
+
 def _block_bytes(model: str, block_size: int) -> int:
     """Bytes of one pool block of ``model`` (every layer group) at ``block_size``."""
     from kvpool.model_config import load_model_config
@@ -129,6 +139,9 @@ class SimulateOptions:
         load_or_compute: load a tier hit only where that beats computing it (the engine's rule); False loads all.
         tier_bandwidth, tier_latency: ``KIND=GB/S`` and ``KIND=US`` overrides of a tier's link.
         kv_bytes_per_token: KV bytes per token, to size tier loads; None: from ``model``, else the cost model's.
+        layer_groups: simulate ``model``'s layer groups (a hybrid model's full-attention and window groups,
+            :func:`kvpool.specs.group_layers`) instead of one full-attention group; each group's block is a pool block.
+        window_aware_saves: a window group saves only the blocks a request can still read (default False: every full block).
         replicas: simulated replicas, each its own pool.
         routing: the rules that spread arrivals over replicas, each replayed in turn; empty: all three
             with several replicas or ``ttft_slo``, else prefix.
@@ -172,6 +185,10 @@ class SimulateOptions:
     curve: tuple[int, ...] = ()
     curve_policies: tuple[str, ...] = ("lru",)
     lookahead: int = 0
+    layer_groups: bool = False
+    window_aware_saves: bool = False
+    #: The model's layer groups when ``layer_groups`` (a hybrid model's), else empty (one full-attention group).
+    groups: tuple[KVCacheGroup, ...] = field(init=False)
     #: The tier specs, parsed.
     tier_targets: tuple[TierTarget, ...] = field(init=False)
     #: Each configured tier kind's link: the defaults, overridden by ``tier_bandwidth`` / ``tier_latency``.
@@ -203,7 +220,9 @@ class SimulateOptions:
         for name in ("step_overhead_ms", "prefill_us_per_token", "decode_us_per_seq"):
             _number(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.hash_algo is None:
-            put(self, "block_hash", FAST_HASH if fast_hash_installed() else FALLBACK_HASH)
+            # Layer groups may search hits from the end (sliding windows), which the verifying xxh3_128 index cannot.
+            fast = fast_hash_installed() and not self.layer_groups
+            put(self, "block_hash", FAST_HASH if fast else FALLBACK_HASH)
         elif self.hash_algo not in _HASHES:
             raise ConfigError(f"--hash must be one of {sorted(_HASHES)}, got {self.hash_algo!r}")
         elif self.hash_algo == FAST_HASH and not fast_hash_installed():
@@ -256,6 +275,19 @@ class SimulateOptions:
 
         # the pool and the cost model
         put(self, "num_blocks", 0 if self.curve_only else self._pool_blocks())
+        check_flag("--layer-groups", self.layer_groups)
+        check_flag("--kv-tier-window-aware-saves", self.window_aware_saves)
+        groups: tuple[KVCacheGroup, ...] = ()
+        if self.layer_groups:
+            if self.model is None:
+                raise ConfigError("--layer-groups simulates a model's layer groups: give --model CONFIG")
+            groups = _groups(self.model, self.block_size)
+            if any(g.block_size != self.block_size for g in groups):
+                raise ConfigError(
+                    f"--layer-groups: {self.model} groups blocks of {sorted({g.block_size for g in groups})} tokens "
+                    f"at --block-size {self.block_size}; give a --block-size its groups keep"
+                )
+        put(self, "groups", groups)
         kv_bytes = self.kv_bytes_per_token
         if kv_bytes is None and self.model is not None:
             kv_bytes = max(1, _block_bytes(self.model, self.block_size) // self.block_size)

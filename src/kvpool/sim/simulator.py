@@ -58,6 +58,7 @@ from kvpool.routing import Routing, chooser
 from kvpool.scheduler import ChunkDetail, RequestMetrics, Scheduler, SchedulerConfig, SchedulerOutput, StopConditions
 from kvpool.sim.traces import TraceRequest
 from kvpool.sim.transfers import DEFAULT_LINKS, KeyStore, TierLink, TimingWorker, build_tiers
+from kvpool.specs import KVCacheGroup
 from kvpool.tiers.hierarchy import TierHierarchyConnector
 from kvpool.tiers.kinds import TierKind, WritePolicy
 from kvpool.tiers.load_or_compute import LoadOrCompute
@@ -129,10 +130,17 @@ class SimulationConfig:
     routing: Routing = Routing.PREFIX
     #: Load a tier's blocks only where that is faster than computing them (the engine's rule); False: always load.
     load_or_compute: bool = True
+    #: The model's layer groups (a hybrid model's); empty: one full-attention group.
+    groups: tuple[KVCacheGroup, ...] = ()
+    #: A window group saves only the blocks a request can still read (default False: every full block).
+    window_aware_saves: bool = False
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, minimum=2)
         check_flag("load_or_compute", self.load_or_compute)
+        check_flag("window_aware_saves", self.window_aware_saves)
+        if not isinstance(self.groups, tuple) or not all(isinstance(g, KVCacheGroup) for g in self.groups):
+            raise ConfigError(f"groups must be a tuple of KVCacheGroup, got {self.groups!r}")
         check_int("replicas", self.replicas)
         interval = self.usage_interval_s
         if isinstance(interval, bool) or not isinstance(interval, int | float) or not 0 < interval < math.inf:
@@ -281,6 +289,7 @@ class _Replica:
         self.manager = KVCacheManager(
             config.num_blocks,
             config.block_size,
+            groups=config.groups or None,
             hash_algo=config.hash_algo,
             eviction_policy=policy_factory(config.policy),
         )
@@ -296,6 +305,7 @@ class _Replica:
                 links=config.tier_links,
                 shared=shared,
                 prefill_tokens_per_s=1 / per_token if config.load_or_compute and per_token > 0 else None,
+                window_aware_saves=config.window_aware_saves,
             )
         self.clock = start
         self.scheduler = Scheduler(

@@ -108,6 +108,8 @@ def _config(options: SimulateOptions) -> SimulationConfig:
         tier_links=options.tier_links,
         replicas=options.replicas,
         routing=options.rules[0],
+        groups=options.groups,
+        window_aware_saves=options.window_aware_saves,
     )
 
 

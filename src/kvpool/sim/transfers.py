@@ -220,12 +220,14 @@ def build_tiers(
     links: Mapping[TierKind, TierLink],
     shared: dict[TierKind, KeyStore],
     prefill_tokens_per_s: float | None = None,
+    window_aware_saves: bool = False,
 ) -> tuple[TierHierarchyConnector, TimingWorker]:
     """The engine's connector over ``targets`` for one simulated replica, and its timing worker.
 
     A fleet-wide tier's store (Redis) is taken from (or put in) ``shared``: one for every replica.
     ``prefill_tokens_per_s``: the replica's prefill rate, the prior of the connector's
     load-or-compute rule (its links' priors are ``links``); None: every hit is loaded.
+    ``window_aware_saves``: a hybrid model's window groups save only blocks still read (the connector's).
     """
     tiers: list[Tier] = []
     stores: dict[str, KeyStore] = {}
@@ -250,6 +252,8 @@ def build_tiers(
         costs = TransferCosts(priors, block_bytes=block_bytes, prefill_tokens_per_s=prefill_tokens_per_s)
         # A simulated link never changes, so a declined tier is never probed: a probe would only cost time.
         chooser = LoadOrCompute(costs, block_size=manager.block_size, probe_every=None)
-    connector = TierHierarchyConnector(manager, tiers, write=write, allow_fast_hash=True, chooser=chooser)
+    connector = TierHierarchyConnector(
+        manager, tiers, write=write, allow_fast_hash=True, chooser=chooser, window_aware_saves=window_aware_saves
+    )
     worker = TimingWorker(stores, links_by_name, block_size=manager.block_size, block_bytes=block_bytes, costs=costs)
     return connector, worker

@@ -18,6 +18,12 @@ The tiers it looks in:
 When a block goes down is the :class:`~kvpool.tiers.kinds.WritePolicy`, chosen
 once at construction: at fill (``WRITE_THROUGH``, :meth:`_save_on_fill`) or at
 eviction from the GPU pool (``WRITE_BACK``, :meth:`_spill_evicted`).
+
+Hybrid models (full attention plus sliding window, :mod:`kvpool.tiers.windows`):
+each group's blocks have keys of their own (the block hash and the group's
+tag), the hit is the one every group accepts (the device's rule over the pool
+and the tiers), and a window group loads and saves only the blocks a request
+can still read.
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ from kvpool.connector import (
 )
 from kvpool.errors import ConfigError
 from kvpool.events import BlockRemoved, BlockStored
-from kvpool.groups.full_attention import FullAttentionManager
 from kvpool.hashing import BlockHash
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
@@ -49,6 +54,7 @@ from kvpool.tiers.lookups import OffStepLookups
 from kvpool.tiers.policy import ByteTier, HostTier, PrefixLookup, Tier, TierCounters, TierPolicy
 from kvpool.tiers.store import event_medium
 from kvpool.tiers.transfer_threads import TransferThreads
+from kvpool.tiers.windows import TierGroup, common_hit, first_readable, tier_groups
 
 # HostTier, ByteTier and the rest moved to kvpool.tiers.policy; importable here as before.
 __all__ = ["ByteTier", "HostTier", "MatchChooser", "PrefixLookup", "Tier", "TierCounters", "TierHierarchyConnector"]
@@ -86,6 +92,17 @@ class _Resident:
     key: BlockHash
     origin: str | None  # the tier it was loaded from; None: computed here
     event: BlockStored | None  # its stored-block event (medium GPU), when events are recorded
+    tier_key: bytes  # what names it in the tiers (the hash, and in a hybrid model its group's tag)
+
+
+@dataclass(frozen=True, slots=True)
+class _HybridPlan:
+    """A hybrid request's match, block by block: each group's runs ``(tier, blocks)`` from its first block."""
+
+    first: int  # the local hit, in blocks
+    end: int  # the hit's end, in blocks
+    starts: tuple[int, ...]  # each group's first block to load
+    runs: tuple[tuple[tuple[str, int], ...], ...]  # each group's runs from its start to ``end``
 
 
 class TierHierarchyConnector:
@@ -104,10 +121,17 @@ class TierHierarchyConnector:
     before the step's loads and forward pass reuse the block. Blocks of the
     local hit are not sent again.
 
-    Requires a single full-attention layer group and, unless
-    ``allow_fast_hash`` (a simulation, where no other process shares a key), a
-    cryptographic block hash (a fast hash would let two prompts share a key
-    across processes).
+    Serves full-attention and sliding-window layer groups (a hybrid model's
+    blocks are named per group, :mod:`kvpool.tiers.windows`); a hybrid model
+    looks disk and Redis up on the scheduler's thread and loads synchronously.
+    ``window_aware_saves``: a window group saves only the blocks a request can
+    still read when they fill (default False: every full block, which keeps
+    hits of prefixes shared up to a point before the request's last window and
+    measured faster first tokens on every workload tried; see docs/tiers.md,
+    "Hybrid models", for what each costs).
+    Requires, unless ``allow_fast_hash`` (a simulation, where no other process
+    shares a key), a cryptographic block hash (a fast hash would let two
+    prompts share a key across processes).
     """
 
     def __init__(
@@ -120,6 +144,7 @@ class TierHierarchyConnector:
         chooser: MatchChooser | None = None,
         async_loads: bool = False,
         lookups: TransferThreads | None = None,
+        window_aware_saves: bool = False,
     ) -> None:
         if not isinstance(manager, KVCacheManager):
             raise ConfigError(f"manager must be a KVCacheManager, got {manager!r}")
@@ -127,14 +152,37 @@ class TierHierarchyConnector:
             raise ConfigError(f"write must be a WritePolicy, got {write!r}")
         if type(async_loads) is not bool:
             raise ConfigError(f"async_loads must be True or False, got {async_loads!r}")
+        if type(window_aware_saves) is not bool:
+            raise ConfigError(f"window_aware_saves must be True or False, got {window_aware_saves!r}")
         policy = TierPolicy(tiers)
         if not manager.enable_caching:
             raise ConfigError("KV tiers need prefix caching (blocks are found by their hash)")
         if not manager.hasher.algo.is_cryptographic and not allow_fast_hash:
             raise ConfigError(f"KV tiers need a cryptographic block hash, not {manager.hasher.algo.value!r}")
-        if len(manager.groups) != 1 or type(manager.groups[0]) is not FullAttentionManager:
-            raise ConfigError("KV tiers support models with one full-attention layer group")
+        groups = tier_groups(manager)  # a group the tiers cannot serve is refused here, naming its kind
+        hybrid = len(groups) > 1 or groups[0].is_window
+        if hybrid and async_loads:
+            raise ConfigError(
+                "asynchronous tier loads serve models of one full-attention layer group; this model's groups "
+                f"are {[g.manager.spec.kind.value for g in groups]} (its window blocks would be cached before "
+                "their KV arrives)"
+            )
+        if hybrid and lookups is not None and any(isinstance(t, ByteTier) for t in policy.tiers):
+            raise ConfigError(
+                "off-step disk and Redis lookups serve models of one full-attention layer group; a hybrid "
+                f"model ({[g.manager.spec.kind.value for g in groups]}) looks them up on the scheduler's thread"
+            )
         self.manager = manager
+        #: The layer groups as the tiers serve them (one home for keys and window rules: kvpool.tiers.windows).
+        self.groups: tuple[TierGroup, ...] = groups
+        self._hybrid = hybrid
+        self._num_groups = len(groups)
+        self._plans: dict[str, _HybridPlan] = {}  # hybrid: the latest match per request asked
+        #: Hybrid: a window group saves only the blocks the request can still read (False: every full block).
+        self.window_aware_saves = window_aware_saves
+        #: Hybrid: window blocks of a hit not loaded (out of the window at its end), and full ones not saved.
+        self.window_skipped_loads = 0
+        self.window_skipped_saves = 0
         self.policy = policy
         self.tiers = policy.tiers
         self.write = write
@@ -186,6 +234,8 @@ class TierHierarchyConnector:
         first = num_computed_tokens // bs
         if first * bs != num_computed_tokens:
             return NO_MATCH  # a partial local hit cannot be extended by whole blocks
+        if self._hybrid:
+            return self._hybrid_match(request, first, record=record)
         keys = request.block_hashes[first : (request.num_tokens - 1) // bs]
         if not keys:
             return NO_MATCH
@@ -213,12 +263,199 @@ class TierHierarchyConnector:
             match = ExternalMatch(match.runs, asynchronous=True)
         return match
 
+    # -- hybrid models ----------------------------------------------------------------
+
+    def _group_keys(self, request: Request, stop: int) -> list[list[bytes]]:
+        """Each group's tier keys of the request's first ``stop`` blocks."""
+        hashes = request.block_hashes[:stop]
+        return [[bytes(h) + g.tag for h in hashes] for g in self.groups]
+
+    def _held(self, keys: Sequence[bytes]) -> int:
+        return sum(blocks for _, blocks in self.policy.match(keys))
+
+    def _hybrid_plan(self, keys: list[list[bytes]], first: int, stop: int) -> _HybridPlan:
+        """The common hit of at most ``stop`` blocks after ``first`` and each group's runs (changes no tier).
+
+        A tier that lost a block between the search and the runs (an eviction) lowers the cap and searches again.
+        """
+        while True:
+            end, starts = common_hit(self.groups, keys, first, stop, self._held)
+            runs = tuple(self.policy.match(keys[g.index][starts[g.index] : end]) for g in self.groups)
+            short = [
+                starts[g.index] + sum(n for _, n in runs[g.index])
+                for g in self.groups
+                if starts[g.index] + sum(n for _, n in runs[g.index]) < end
+            ]
+            if not short:
+                return _HybridPlan(first, end, starts, runs)
+            stop = min(short)
+
+    def _plan_match(self, plan: _HybridPlan) -> ExternalMatch:
+        """The plan's tokens as runs by tier: a full-attention group's (the first), else the first group's.
+
+        In a window-only model the blocks before the window are named after the first run's tier.
+        """
+        if plan.end <= plan.first:
+            return NO_MATCH
+        bs = self.block_size
+        lead = next((g for g in self.groups if not g.is_window), self.groups[0])
+        runs = [TierRun(name, blocks * bs) for name, blocks in plan.runs[lead.index]]
+        gap = plan.starts[lead.index] - plan.first
+        if gap:  # a window group loads at least its hit's last block, so the lead has a run
+            runs[0] = TierRun(runs[0].tier, runs[0].num_tokens + gap * bs)
+        return ExternalMatch(tuple(runs))
+
+    def _hybrid_match(self, request: Request, first: int, *, record: bool) -> ExternalMatch:
+        stop = (request.num_tokens - 1) // self.block_size
+        if stop <= first:
+            return NO_MATCH
+        keys = self._group_keys(request, stop)
+        plan = self._hybrid_plan(keys, first, stop)
+        match = self._plan_match(plan)
+        if self.chooser is not None and match.runs:
+            offered = match
+            chosen = self.chooser.choose(match)
+            if chosen.num_tokens < match.num_tokens:
+                # A shorter hit moves the windows: searched again under the chosen length, never above it.
+                plan = self._hybrid_plan(keys, first, first + chosen.num_tokens // self.block_size)
+                match = self._plan_match(plan)
+            if record:
+                self._offered[request.request_id] = offered
+        if record:
+            self._plans[request.request_id] = plan
+        return match
+
+    def _admitted_plan(self, request: Request, pos: int, match: ExternalMatch) -> _HybridPlan | None:
+        """The plan behind ``match`` (this connector's latest answer for the request, else searched again).
+
+        ConfigError, with nothing changed, for a match the tiers do not hold.
+        """
+        rid = request.request_id
+        bs = self.block_size
+        end = pos + match.num_tokens // bs
+        plan = self._plans.get(rid)
+        if plan is None or plan.first != pos or plan.end != end:
+            if not match.runs:
+                return None
+            plan = self._hybrid_plan(self._group_keys(request, end), pos, end)
+            if plan.end != end:
+                raise ConfigError(
+                    f"request {rid!r}: the tiers hold {(plan.end - pos) * bs} of the {match.num_tokens} tokens "
+                    "admitted to load (the match was not this connector's latest answer)"
+                )
+        self._plans.pop(rid, None)
+        return plan
+
+    def _hybrid_admit(self, request: Request, plan: _HybridPlan) -> None:
+        """Loads of a hybrid request's plan, group by group; a window group's blocks before its window
+        (allocated and cached by the pool, never loaded) leave the pool's index."""
+        rid = request.request_id
+        pos = plan.first
+        asynchronous = False  # a hybrid model loads synchronously (refused at construction otherwise)
+        tables = self.manager.get_block_ids(rid)
+        hashes = request.block_hashes
+        n = self._num_groups
+        origin: dict[int, str] = {}
+        loads: list[BlockLoad] = []
+        pool = self._pool
+        for group in self.groups:
+            g = group.index
+            table = tables[g]
+            start = plan.starts[g]
+            for k in range(pos, start):  # out of the window at the hit's end: not loaded, so not cached
+                block = pool.block(table[k])
+                if block.block_id and block.block_hash is not None:
+                    pool.uncache(block)
+                self.window_skipped_loads += 1
+            k = start
+            for name, blocks in plan.runs[g]:
+                counters = self.counters[name]
+                for _ in range(blocks):
+                    key = bytes(hashes[k]) + group.tag
+                    slot = None
+                    if self._host is not None and name == self._host.name:
+                        slot = self._host.pin(key)
+                        self._pinned.setdefault(rid, []).append(slot)
+                    loads.append(BlockLoad(rid, k, table[k], key, name, slot, asynchronous))
+                    origin[k * n + g] = name
+                    counters.hit_blocks += 1
+                    k += 1
+        self._origin[rid] = origin
+        if loads:
+            self._pending_loads[rid] = loads
+
+    def _hybrid_fill(self, request: Request, first: int, stop: int, end: int, saves: list[BlockSave]) -> None:
+        """Blocks ``first .. stop-1`` of every group became full in a step ending at ``end`` tokens.
+
+        Write-through plans their saves, write-back remembers them; a window group's blocks the
+        request can no longer read (out of its window at ``end``) are skipped.
+        """
+        rid = request.request_id
+        hashes = request.block_hashes
+        tables = self.manager.get_block_ids(rid)
+        origin = self._origin.get(rid, {})
+        n = self._num_groups
+        back = self.write is WritePolicy.WRITE_BACK
+        tokens: Sequence[int] | None = None
+        for group in self.groups:
+            g = group.index
+            table = tables[g]
+            readable = first_readable(group, end) if group.is_window and self.window_aware_saves else 0
+            if readable > first:
+                self.window_skipped_saves += min(readable, stop) - first
+            for pos in range(max(first, readable), stop):
+                block_id = table[pos]
+                if not block_id:
+                    continue
+                source = origin.get(pos * n + g)
+                tiers = self._below(source)
+                if back:
+                    if not tiers:
+                        self._resident.pop(block_id, None)
+                        continue
+                    event = None
+                    if self._pool.records_events:
+                        tokens = tokens or request.all_token_ids
+                        event = self._pool.stored_event(
+                            request, hashes, [pos], group_id=g, block_size=self.block_size, tokens=tokens
+                        )
+                    self._resident[block_id] = _Resident(hashes[pos], source, event, bytes(hashes[pos]) + group.tag)
+                    continue
+                if not tiers:
+                    continue
+                key = bytes(hashes[pos]) + group.tag
+                tiers, slot = self._reserve_host(key, tiers, rid)
+                if not tiers:
+                    continue
+                saves.append(BlockSave(rid, block_id, key, tiers, slot))
+                for name in tiers:
+                    self.counters[name].saved_blocks += 1
+                self._saving.add(rid)
+                if self._pool.records_events:
+                    tokens = tokens or request.all_token_ids
+                    event = self._pool.stored_event(
+                        request, hashes, [pos], group_id=g, block_size=self.block_size, tokens=tokens
+                    )
+                    stored = self._stored.setdefault(rid, [])
+                    stored.extend(dataclasses.replace(event, medium=event_medium(name)) for name in tiers)
+
+    # -- admission --------------------------------------------------------------------
+
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_local_tokens: int, match: ExternalMatch
     ) -> None:
         rid = request.request_id
         bs = self.block_size
         pos = num_local_tokens // bs
+        if self._hybrid:
+            plan = self._admitted_plan(request, pos, match)  # refuses a match it did not make, changing nothing
+            self._saved_upto[rid] = pos
+            offered = self._offered.pop(rid, None)
+            if self.chooser is not None and offered is not None:
+                self.chooser.count(offered, ExternalMatch(match.runs, offered.asynchronous))
+            if plan is not None:
+                self._hybrid_admit(request, plan)
+            return
         self._saved_upto[rid] = pos
         if self._lookups is not None:
             self._lookups.forget(rid)  # admitted: a later admission (after a preemption) looks up again
@@ -261,7 +498,10 @@ class TierHierarchyConnector:
             full = min(end // bs, len(request.block_hashes))
             if full <= done:
                 continue
-            self._on_fill(request, done, full, saves)
+            if self._hybrid:
+                self._hybrid_fill(request, done, full, end, saves)
+            else:
+                self._on_fill(request, done, full, saves)
             self._saved_upto[rid] = full
         return ConnectorMetadata(tuple(loads), tuple(saves), tuple(spills))
 
@@ -310,7 +550,7 @@ class TierHierarchyConnector:
             if self._pool.records_events:
                 tokens = tokens or request.all_token_ids
                 event = self._pool.stored_event(request, hashes, [pos], block_size=self.block_size, tokens=tokens)
-            self._resident[table[pos]] = _Resident(hashes[pos], source, event)
+            self._resident[table[pos]] = _Resident(hashes[pos], source, event, bytes(hashes[pos]))
 
     def _note_evicted(self, blocks: Sequence[KVBlock]) -> None:
         """The GPU pool evicts ``blocks`` (their hashes still set): remember the ones write-back must save."""
@@ -330,7 +570,7 @@ class TierHierarchyConnector:
             return []
         spills: list[BlockSave] = []
         for block_id, entry in self._evicted:
-            key = bytes(entry.key)
+            key = entry.tier_key
             tiers, slot = self._reserve_host(key, self._below(entry.origin), None)
             if not tiers:
                 continue
@@ -358,9 +598,10 @@ class TierHierarchyConnector:
 
     def update_finished(self, result: TransferResult) -> None:
         bs = self.block_size
+        n = self._num_groups
         for rid, valid in result.failed_loads.items():
-            for pos, tier in self._origin.get(rid, {}).items():
-                if pos * bs >= valid:
+            for where, tier in self._origin.get(rid, {}).items():
+                if where // n * bs >= valid:
                     self.counters[tier].failed_blocks += 1
         done = result.finished_loads | result.finished_saves
         for rid in done:
@@ -378,6 +619,7 @@ class TierHierarchyConnector:
         self._saved_upto.pop(rid, None)
         self._origin.pop(rid, None)
         self._offered.pop(rid, None)
+        self._plans.pop(rid, None)
         if self._lookups is not None:
             self._lookups.forget(rid)
         if self._pending_loads.pop(rid, None) is not None and rid not in self._saving:
@@ -396,6 +638,7 @@ class TierHierarchyConnector:
         """
         self._pending_loads.pop(request_id, None)
         self._offered.pop(request_id, None)
+        self._plans.pop(request_id, None)
         if self._lookups is not None:
             self._lookups.forget(request_id)
         self._saving.discard(request_id)
@@ -420,6 +663,7 @@ class TierHierarchyConnector:
         """
         self._pending_loads.clear()
         self._offered.clear()
+        self._plans.clear()
         if self._lookups is not None:
             self._lookups = OffStepLookups(self.policy, self._lookups.threads, self._lookups.on_lookup)
         self._saved_upto.clear()
