@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvpool.checks import counted
 from kvpool.cli import shared_flags
 from kvpool.cli.generate import _log
-from kvpool.cli.params import POSITIVE_INT, reports_errors, require_extra
+from kvpool.cli.params import NON_NEGATIVE_INT, POSITIVE_INT, FiniteFloatRange, reports_errors, require_extra
 from kvpool.cli.shared_flags import DEFAULT_KV_CACHE_MEMORY, TenantFlags, take, tenant_flags
 from kvpool.model_names import DEFAULT_MODEL
 from kvpool.tenancy import KeyRing, SaltPolicy
+
+if TYPE_CHECKING:
+    from kvpool.serve.served_engine import ServedEngine
 
 __all__ = ["VLLM_API_KEY_ENV", "serve"]
 
@@ -132,15 +135,34 @@ VLLM_API_KEY_ENV = "VLLM_API_KEY"
               help="Client connections open at once; one more is answered 503 and closed.")  # fmt: skip
 @click.option("--enable-log-requests", is_flag=True, help="Log a line per request when admitted and when finished.")
 @click.option("--disable-log-stats", is_flag=True, help="No periodic stats line (throughput, queue, KV usage, hits).")
+@click.option(
+    "--emulate",
+    metavar="PROFILE",
+    default=None,
+    help="Serve an emulated replica: no weights and no torch, the model's tokenizer only; the real scheduler and "
+    "KV cache manager decide, and each step takes the time this cost profile gives (a built-in name or a JSON "
+    "file; docs/emulator.md).",
+)
+@click.option("--replicas", type=POSITIVE_INT, default=1, show_default=True,
+              help="With --emulate: this many replicas in one process, on consecutive ports (--port 0: a free port "
+              "each) and consecutive KV event ports; every address is printed.")  # fmt: skip
+@click.option("--time-scale", type=FiniteFloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="With --emulate: real seconds per modelled second (2 runs the replicas at half speed).")  # fmt: skip
+@click.option("--num-gpu-blocks-override", type=click.IntRange(min=2), default=None,
+              help="With --emulate: the KV pool's blocks, block 0 included (vLLM's flag) [default: --kv-cache-memory "
+              "over the profile's KV bytes per token].")  # fmt: skip
+@click.option("--seed", type=NON_NEGATIVE_INT, default=0, show_default=True,
+              help="With --emulate: mixed into every request's draw of output tokens.")  # fmt: skip
 @shared_flags.engine_flags
 @reports_errors("serve")
 def serve(model_arg: str | None, **flags: Any) -> None:
     """Serve the model over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models).
 
     Also /health (?verbose=1: requests, owned blocks, the pool's invariants),
-    /metrics (Prometheus) and /kv-events when events are configured.
+    /metrics (Prometheus) and /kv-events when events are configured. With --emulate PROFILE,
+    emulated replicas (no weights, no torch) instead of the model.
     """
-    require_extra("serve", "engine", "torch", "transformers")
+    emulation = _emulation(flags)
     require_extra("serve", "serve", "starlette", "uvicorn", "prometheus_client")
     from kvpool.serve import ServeConfig
     from kvpool.serve.connections import ConnectionLimits
@@ -157,7 +179,7 @@ def serve(model_arg: str | None, **flags: Any) -> None:
         isolate=not tenants.no_tenant_isolation, secret_file=tenants.tenant_secret_file
     )
     events = event_flags.publisher_options(isolated=salts.isolates_tenants)
-    engine = _start_engine(_engine_options(flags, events=events is not None, api_keys=api_keys))
+    engines = _start_engines(emulation, flags, events=events is not None, api_keys=api_keys)
     try:
         _log_tenants(api_keys, secret, tenants.tenant_secret_file)
         config = take(
@@ -170,10 +192,9 @@ def serve(model_arg: str | None, **flags: Any) -> None:
             log_requests=flags.pop("enable_log_requests"),
             stats_interval=None if flags.pop("disable_log_stats") else 10.0,
         )
-        _serve(engine, config, flags["host"], flags["port"], events, limits)
+        _serve(engines, config, flags["host"], flags["port"], events, limits)
     finally:
-        if engine.kv_tiers is not None:
-            engine.kv_tiers.close()
+        _close_tiers(engines)
 
 
 def _one_model(model_arg: str | None, flags: dict[str, Any]) -> None:
@@ -209,6 +230,98 @@ def _engine_options(flags: dict[str, Any], *, events: bool, api_keys: Any) -> di
         options["gpu_memory_utilization"] = flags["gpu_memory_utilization"]
         options["kv_cache_memory"] = None  # measured, as vLLM does
     return options
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmulationFlags:
+    """``serve``'s flags of an emulated replica (``--emulate PROFILE``; None: the real engine)."""
+
+    emulate: str | None
+    replicas: int
+    time_scale: float
+    num_gpu_blocks_override: int | None
+    seed: int
+
+    def refuse_without_emulate(self) -> None:
+        """The flags that only mean something with ``--emulate`` are refused without it."""
+        given = {
+            "--replicas": self.replicas != 1,
+            "--time-scale": self.time_scale != 1.0,
+            "--num-gpu-blocks-override": self.num_gpu_blocks_override is not None,
+            "--seed": self.seed != 0,
+        }
+        for flag, set_ in given.items():
+            if set_:
+                raise click.UsageError(f"{flag} needs --emulate PROFILE (kvpool's engine runs one real replica)")
+
+
+#: Engine flags an emulated replica has no use for, with the value that means "not given".
+_NOT_EMULATED = {
+    "kv_tiers": (), "kv_tier_secret_file": None, "kv_tier_namespace": None, "kv_tier_unauthenticated": False,
+    "kv_tier_always_load": False, "device": None, "dtype": None, "threads": None, "gpu_memory_utilization": None,
+    "tensor_parallel_size": 1,
+}  # fmt: skip
+
+
+def _emulation(flags: dict[str, Any]) -> EmulationFlags:
+    """The emulation flags; without ``--emulate``, the engine extra is needed and they must be left out."""
+    emulation = take(EmulationFlags, flags)
+    if emulation.emulate is None:
+        emulation.refuse_without_emulate()
+        require_extra("serve", "engine", "torch", "transformers")
+    return emulation
+
+
+def _start_engines(emulation: EmulationFlags, flags: dict[str, Any], *, events: bool, api_keys: Any) -> list[Any]:
+    """kvpool's engine (one), or ``--replicas`` emulated ones."""
+    if emulation.emulate is None:
+        return [_start_engine(_engine_options(flags, events=events, api_keys=api_keys))]
+    return _start_emulated(emulation, flags, events=events, api_keys=api_keys)
+
+
+def _start_emulated(emulation: EmulationFlags, flags: dict[str, Any], *, events: bool, api_keys: Any) -> list[Any]:
+    """``--replicas`` emulated engines over one tokenizer, their pool from the flags (no torch is imported)."""
+    require_extra("serve", "route", "tokenizers", "jinja2")
+    from kvpool.checks import parse_size
+    from kvpool.cost_model import load_profile
+    from kvpool.emulator import EmulatedEngine, EmulatorOptions, blocks_for_memory
+    from kvpool.emulator.fleet import context_length, tokenizer_folder
+    from kvpool.fair_share import TenantWeights
+    from kvpool.tokenizer_files import FolderTokenizer
+
+    for name, unset in _NOT_EMULATED.items():
+        if (tuple(flags[name]) if name == "kv_tiers" else flags[name]) != unset:
+            raise click.UsageError(f"--{name.replace('_', '-')} is not emulated: leave it out with --emulate")
+    if str(flags["kv_cache_memory"]).strip().lower() == "auto":
+        raise click.UsageError("--kv-cache-memory auto measures a device: give a size or --num-gpu-blocks-override")
+    profile = load_profile(emulation.emulate or "")
+    folder = tokenizer_folder(flags["model"])
+    tokenizer = FolderTokenizer(folder)
+    num_blocks = emulation.num_gpu_blocks_override or blocks_for_memory(
+        profile, parse_size(flags["kv_cache_memory"], field="--kv-cache-memory"), flags["block_size"]
+    )
+    limits = {name: flags[name] for name in ("max_num_seqs", "max_num_batched_tokens") if flags[name] is not None}
+    options = EmulatorOptions(
+        profile=profile, num_blocks=num_blocks, block_size=flags["block_size"],
+        max_model_len=flags["max_model_len"] or context_length(folder), **limits,
+        enable_prefix_caching=flags["enable_prefix_caching"], enable_kv_events=events, hash_algo=flags["hash_algo"],
+        time_scale=emulation.time_scale, seed=emulation.seed, model_name=str(flags["model"]),
+        tenant_weights=TenantWeights(dict(api_keys.weights) if api_keys is not None else {}),
+    )  # fmt: skip
+    engines = [EmulatedEngine(options, tokenizer) for _ in range(emulation.replicas)]
+    _log(
+        f"emulated: {counted(emulation.replicas, 'replica')} of {options.model_name} (tokenizer from {folder}), "
+        f"cost profile {profile.name!r} x time scale {options.time_scale:g}; each {options.num_blocks:,} blocks "
+        f"of {options.block_size} tokens, max_model_len {options.max_model_len:,}, {options.max_num_seqs} "
+        f"sequences and {options.max_num_batched_tokens} tokens a step"
+    )
+    return engines
+
+
+def _close_tiers(engines: list[Any]) -> None:
+    for engine in engines:
+        if engine.kv_tiers is not None:
+            engine.kv_tiers.close()
 
 
 def _log_tenants(api_keys: Any, secret: Any, secret_file: str | None) -> None:
@@ -301,33 +414,49 @@ def _events_setup(
     return {"endpoint": endpoint, "replay_endpoint": replay, "curve": curve, "content": content}
 
 
-def _serve(engine: Any, config: Any, host: str, port: int, events: dict[str, Any] | None, limits: Any) -> None:
-    """Serve until interrupted; with an events endpoint, the app publishes the pool's events after every step."""
-    if events is None:
-        _run(engine, config, host, port, limits)
-        return
+def _serve(engines: list[Any], config: Any, host: str, port: int, events: dict[str, Any] | None, limits: Any) -> None:
+    """Serve until interrupted; with an events endpoint, each app publishes its pool's events after every step.
+
+    Several (emulated) engines serve on consecutive ports and publish on consecutive event ports
+    (:mod:`kvpool.emulator.fleet`).
+    """
+    publishers: list[Any] = []
+    try:
+        if events is not None:
+            from kvpool.emulator.fleet import replica_endpoint
+
+            for i in range(len(engines)):
+                replay = events["replay_endpoint"]
+                endpoints = {
+                    "endpoint": replica_endpoint(events["endpoint"], i),
+                    "replay_endpoint": None if replay is None else replica_endpoint(replay, i),
+                }
+                publishers.append(_publisher({**events, **endpoints}, config))
+        _run(engines, config, host, port, limits, publishers or [None] * len(engines))
+    finally:
+        for publisher in publishers:
+            publisher.close()  # the app closes it when it stops; this covers a start that failed before
+
+
+def _publisher(events: dict[str, Any], config: Any) -> Any:
+    """The event publisher of one replica, and what it does said on stderr."""
     from kvpool.kv_events import EventContent, KVEventPublisher
 
     publisher = KVEventPublisher(**events)
-    try:
-        replaying = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
-        _log(f"KV events: {publisher.attach.value} {publisher.endpoint}{replaying}")
-        if publisher.curve is None:
-            _log("KV events are plain TCP: whoever reaches the endpoints reads them (--kv-events-secret-key: CURVE)")
-        else:
-            _log(f"KV events need CURVE: {counted(len(publisher.curve.clients), 'client key')} may subscribe")
-        if publisher.content is EventContent.HASHES:
-            _log("KV events carry block hashes only: no token IDs, LoRA names or cache salts")
-        elif config.salts.isolates_tenants:
-            _log(
-                "WARNING: --kv-events-include-token-ids: every subscriber reads every tenant's prompt tokens and salts"
-            )
-        _run(engine, config, host, port, limits, events=publisher)
-    finally:
-        publisher.close()  # the app closes it when it stops; this covers a start that failed before
+    replaying = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+    _log(f"KV events: {publisher.attach.value} {publisher.endpoint}{replaying}")
+    if publisher.curve is None:
+        _log("KV events are plain TCP: whoever reaches the endpoints reads them (--kv-events-secret-key: CURVE)")
+    else:
+        _log(f"KV events need CURVE: {counted(len(publisher.curve.clients), 'client key')} may subscribe")
+    if publisher.content is EventContent.HASHES:
+        _log("KV events carry block hashes only: no token IDs, LoRA names or cache salts")
+    elif config.salts.isolates_tenants:
+        _log("WARNING: --kv-events-include-token-ids: every subscriber reads every tenant's prompt tokens and salts")
+    return publisher
 
 
-def _start_engine(options: dict[str, Any]) -> Any:
+def _start_engine(options: dict[str, Any]) -> ServedEngine:
     import transformers
 
     from kvpool.engine.llm_engine import LLMEngine
@@ -337,14 +466,16 @@ def _start_engine(options: dict[str, Any]) -> Any:
     hf_logging.disable_progress_bar()
     engine = LLMEngine(**options, log=_log)
     _log(f"ready in {engine.setup.startup_seconds:.1f} s")
-    return engine
+    served: ServedEngine = engine  # what the server asks of an engine, checked here
+    return served
 
 
-def _run(engine: Any, config: Any, host: str, port: int, limits: Any, events: Any = None) -> None:
+def _run(engines: list[Any], config: Any, host: str, port: int, limits: Any, publishers: list[Any]) -> None:
     import logging
 
+    from kvpool.emulator.fleet import replica_port
     from kvpool.serve import build_app
-    from kvpool.serve.connections import serve_on, uvicorn_config
+    from kvpool.serve.connections import serve_many, serve_on, uvicorn_config
 
     if config.log_requests or config.stats_interval is not None:  # the server's own lines, on stderr
         handler = logging.StreamHandler()
@@ -353,10 +484,21 @@ def _run(engine: Any, config: Any, host: str, port: int, limits: Any, events: An
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
 
-    app = build_app(engine, config, events=events)
-    settings = uvicorn_config(app, host=host, port=port, limits=limits, log_level="warning", access_log=False)
-    serve_on(
-        settings,
-        lambda url: _log(f"serving {config.model_name!r} on {url}/v1"),
-        lambda url: _log(f"stopped serving {config.model_name!r} on {url}/v1"),
-    )
+    settings = [
+        uvicorn_config(
+            build_app(engine, config, events=publisher), host=host, port=replica_port(port, i), limits=limits,
+            log_level="warning", access_log=False,
+        )
+        for i, (engine, publisher) in enumerate(zip(engines, publishers))
+    ]  # fmt: skip
+
+    def announce(url: str) -> None:
+        _log(f"serving {config.model_name!r} on {url}/v1")
+
+    def stopped(url: str) -> None:
+        _log(f"stopped serving {config.model_name!r} on {url}/v1")
+
+    if len(settings) == 1:
+        serve_on(settings[0], announce, stopped)
+    else:
+        serve_many(settings, announce, stopped)

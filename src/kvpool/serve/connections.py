@@ -33,7 +33,7 @@ from kvpool.errors import ConfigError
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["ConnectionLimits", "uvicorn_config"]
+__all__ = ["ConnectionLimits", "serve_many", "serve_on", "uvicorn_config"]
 
 #: A connection past the cap gets this answer before it is closed.
 _REFUSAL = (
@@ -162,9 +162,7 @@ def serve_on(
     import uvicorn
 
     sock = listening_socket(config.host, config.port)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{port}"
+    url = _url(sock)
     # uvicorn shuts down on SIGTERM, then raises the signal again; its default action would end the process
     # there, before ``stopped``. The handler below only asks the server to stop (a signal landing before
     # uvicorn takes over its signals, or the one it raises again, included) and the exit, with status 143,
@@ -193,3 +191,70 @@ def serve_on(
             stopped(url)
     if terminated:
         raise SystemExit(128 + terminated[0])
+
+
+def serve_many(
+    configs: list[uvicorn.Config],
+    announce: Callable[[str], None],
+    stopped: Callable[[str], None] | None = None,
+) -> None:
+    """Run several servers on one event loop until SIGINT or SIGTERM stops them all (an emulated fleet).
+
+    Every socket is bound before any server starts (port 0: the OS chooses), and ``announce`` gets each
+    address, with its real port, in ``configs``' order, one call each; ``stopped`` gets them once every
+    server has stopped. A bind that fails closes the sockets already bound and raises ``ConfigError``.
+    """
+    import contextlib
+
+    import uvicorn
+
+    class FleetServer(uvicorn.Server):
+        """A uvicorn server that leaves the signals to :func:`serve_many`, which stops every server at once."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            yield
+
+    sockets: list[socket.socket] = []
+    try:
+        for config in configs:
+            sockets.append(listening_socket(config.host, config.port))
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    urls = [_url(sock) for sock in sockets]
+    servers = [FleetServer(config) for config in configs]
+    terminated: list[int] = []
+
+    async def run_all() -> None:
+        loop = asyncio.get_running_loop()
+
+        def stop(signum: int) -> None:
+            terminated.append(signum)
+            for server in servers:
+                server.should_exit = True
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stop, signum)
+        await asyncio.gather(*(server.serve(sockets=[sock]) for server, sock in zip(servers, sockets)))
+
+    try:
+        for url in urls:
+            announce(url)
+        asyncio.run(run_all())
+    finally:
+        for sock in sockets:
+            sock.close()
+        if stopped is not None:
+            for url in urls:
+                stopped(url)
+    if terminated:
+        raise SystemExit(128 + terminated[0])
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"

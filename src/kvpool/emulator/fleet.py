@@ -1,0 +1,70 @@
+"""Many emulated replicas in one process: their model folder, their context, their event endpoints.
+
+``kvpool serve --emulate PROFILE --replicas N`` starts N :class:`~kvpool.emulator.EmulatedEngine`
+objects, each its own scheduler, pool and HTTP server, sharing one tokenizer (read-only, and
+the heaviest thing a replica holds). Replica ``i`` listens on the given port plus ``i`` (port 0:
+each binds a free one) and publishes its KV events on the given event ports plus ``i``
+(:func:`replica_endpoint`), so every replica's events are a stream of their own, as N vLLM
+servers' are.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from kvpool.errors import ConfigError
+from kvpool.model_config import load_model_config, max_position_embeddings
+from kvpool.model_names import model_folder
+
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "context_length", "replica_endpoint", "replica_port", "tokenizer_folder"]
+
+#: The context of a model whose folder holds a tokenizer but no config.json.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+_TCP_PORT = re.compile(r"^(?P<head>(?:bind:|connect:)?tcp://.+:)(?P<port>\d+)$")
+
+
+def tokenizer_folder(model: str | os.PathLike[str]) -> Path:
+    """The folder whose tokenizer an emulated replica of ``model`` uses: a folder holding ``tokenizer.json``
+    as it is, else kvpool's model name's converted folder (:func:`kvpool.model_names.model_folder`)."""
+    folder = Path(model).expanduser()
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    return model_folder(model)
+
+
+def context_length(folder: Path) -> int:
+    """The model's context: its config.json's ``max_position_embeddings``, else :data:`DEFAULT_MAX_MODEL_LEN`."""
+    if not (folder / "config.json").is_file():
+        return DEFAULT_MAX_MODEL_LEN
+    return max_position_embeddings(load_model_config(folder))
+
+
+def replica_port(port: int, index: int) -> int:
+    """Replica ``index``'s HTTP port: ``port + index``, or 0 (a free port each) when ``port`` is 0."""
+    if port == 0:
+        return 0
+    if port + index > 65535:
+        raise ConfigError(f"replica {index} would listen on port {port + index}, past 65535: give a lower --port")
+    return port + index
+
+
+def replica_endpoint(endpoint: str, index: int) -> str:
+    """Replica ``index``'s KV event endpoint: a TCP endpoint's port plus ``index`` (port 0 stays 0); others
+    (ipc, inproc) are refused past the first replica, which they would share."""
+    if index == 0:
+        return endpoint
+    match = _TCP_PORT.match(endpoint)
+    if match is None:
+        raise ConfigError(
+            f"KV event endpoint {endpoint!r} cannot be given to several replicas: name a tcp://HOST:PORT endpoint, "
+            "and replica i publishes on PORT + i"
+        )
+    port = int(match["port"])
+    if port == 0:
+        return endpoint
+    if port + index > 65535:
+        raise ConfigError(f"replica {index}'s KV event port would be {port + index}, past 65535 ({endpoint!r})")
+    return f"{match['head']}{port + index}"
