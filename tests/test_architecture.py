@@ -29,6 +29,7 @@ LAYERS = {
     "events": 3,
     "kv_events": 4,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
     "model_config": 3,
+    "tokenizer_files": 3,  # a model folder's tokenizer and chat template, torch-free (the router and the emulator)
     "openai_http": 3,  # the OpenAI HTTP surface serve and route share: requests, auth, body limits, error bodies
     "request": 5,
     "linked_blocks": 5,
@@ -49,6 +50,7 @@ LAYERS = {
     "tiers": 12,  # tier kinds, specs, stores, entries and the tier hierarchy connector (torch-free)
     "engine": 13,
     "sim": 13,
+    "emulator": 13,  # replicas with no weights: the real scheduler and manager, time from a cost profile
     "serve": 14,  # the OpenAI-compatible HTTP server over the engine
     "router": 14,  # kvpool route: the prefix-aware front door over replicas (torch-free; a sibling of serve)
     "cli": 15,
