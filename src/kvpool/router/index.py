@@ -45,7 +45,7 @@ each); the Redis one lets several routers share one index (docs/routing.md).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
@@ -67,10 +67,10 @@ __all__ = [
     "index_from_url",
 ]
 
-#: Claims one replica may have in the in-memory index (about 350 MiB of index at the cap).
+#: Claims one replica may have in the in-memory index (vLLM's pool on a large GPU; about 30 MiB of index).
 MAX_BLOCKS_PER_REPLICA = 2**19
-#: Claims all replicas together may have in the in-memory index (about 700 MiB at the cap).
-MAX_BLOCKS = 2**20
+#: Claims all replicas together may have in the in-memory index: 32 replicas at their cap (1 GiB at most).
+MAX_BLOCKS = 2**24
 
 #: A block hash as replicas publish it: digest bytes (kvpool, vLLM's sha256 variants) or an int.
 ExternalHash = bytes | int
@@ -156,24 +156,128 @@ def _key(h: ExternalHash) -> bytes:
     raise ConfigError(f"a block hash is bytes or an int, got {h!r}")
 
 
-class MemoryIndex:
-    """The index in this process: two dictionaries kept in step, and bounded.
+#: Fingerprints are spread over this many tables, so that growing one re-inserts 1/256 of the blocks.
+_SHARD_BITS = 8
+_SHARD_MASK = (1 << _SHARD_BITS) - 1
+#: Key values no fingerprint takes (:func:`_fingerprint` sets bit 1): a slot never used, a slot let go.
+_EMPTY, _GONE = 0, 1
+#: Replicas per holder word: a block's holders are bits of one unsigned 64-bit word per 64 replicas.
+_BANK = 64
+#: Dead entries a replica's claim log may carry beyond its live claims before it is compacted.
+_LOG_SLACK = 1024
+#: Entries the cap's eviction takes from the head of a replica's log at a time, to sort by their stamps.
+_FRONT = 1024
 
-    ``_holders[hash]`` is the set of replicas holding the block; ``_held[replica][hash]``
-    the set of (medium, group) pairs holding it there, oldest claim first (a store or a match moves a
-    claim to the end). A block leaves ``_holders`` when its last medium on that replica
-    lets it go, or when its claim is dropped for a cap (:attr:`dropped` counts those).
+
+def _fingerprint(h: ExternalHash) -> int:
+    """The in-memory index's key for a hash: 64 bits, keyed per process (Python's ``hash``), bit 1 set.
+
+    Bytes and ints hash by different functions (an int as a tagged tuple), so an int and
+    bytes spelling the same digits are different blocks.
+    """
+    if isinstance(h, bytes):
+        return hash(h if type(h) is bytes else bytes(h)) | 2
+    if isinstance(h, int) and not isinstance(h, bool):
+        return hash(("int", h)) | 2
+    raise ConfigError(f"a block hash is bytes or an int, got {h!r}")
+
+
+def _words(size: int) -> array[int]:
+    return array("Q", bytes(8 * size))
+
+
+class _Replica:
+    """One replica's part of a :class:`MemoryIndex`: its holder bit, its claims' order, their media.
+
+    ``log`` / ``log_stamps``: every block it claims, with the clock value its entry was
+    written at, oldest first from ``head`` (entries of claims since dropped or removed
+    stay until the log is compacted). ``kinds``: the (medium, group) pairs its events
+    named, the first one its main kind; ``extra``: fingerprint -> bit mask of kinds, only
+    for the blocks not held in the main kind alone.
+    """
+
+    __slots__ = (
+        "id",
+        "bank",
+        "bit",
+        "count",
+        "kinds",
+        "kind_ids",
+        "extra",
+        "log",
+        "log_stamps",
+        "head",
+        "front",
+        "front_at",
+        "groups",
+    )
+
+    def __init__(self, replica_id: int) -> None:
+        self.id = replica_id
+        self.bank, offset = divmod(replica_id, _BANK)
+        self.bit = 1 << offset
+        self.count = 0  # blocks held (claims)
+        self.kinds: list[tuple[Medium, int]] = []
+        self.kind_ids: dict[tuple[Medium, int], int] = {}
+        self.extra: dict[int, int] = {}
+        self.log = array("q")
+        self.log_stamps = array("Q")
+        self.head = 0
+        self.front: list[tuple[int, int]] = []  # the oldest entries, taken from the log, by stamp
+        self.front_at = 0
+        self.groups: dict[int, int | None] = {}  # group id -> its tail (hybrid models)
+
+    def kind(self, medium: Medium, group: int) -> int:
+        found = self.kind_ids.get((medium, group))
+        if found is None:
+            found = self.kind_ids[(medium, group)] = len(self.kinds)
+            self.kinds.append((medium, group))
+        return found
+
+    def claims_of(self, fp: int) -> int:
+        """The bit mask of kinds holding block ``fp`` (which it holds)."""
+        return self.extra.get(fp, 1)
+
+
+class MemoryIndex:
+    """The index in this process: open-addressing tables of 64-bit fingerprints, and bounded.
+
+    Per block, in flat arrays (no Python object per block or claim): its fingerprint (a
+    64-bit hash of its hash, keyed per process: two hashes count as one block only when
+    their fingerprints agree, a chance of about 2^-64 per pair), a word of holder bits per
+    64 replicas, and the logical clock value it was last stored or matched at. The tables
+    are linear-probing, 256 of them by the fingerprint's low bits, each grown on its own
+    past 80% full, so growing never stalls for more than 1/256 of the blocks.
+
+    Per replica (:class:`_Replica`), a log of the blocks it claims in the order they were
+    claimed, 16 bytes an entry. A store or a match stamps the blocks it touches with the
+    clock, and no more; the cap's eviction reads the log from its oldest entry: a claim
+    whose block was stamped since its entry was written is written again at the end (it
+    was used, it goes last), one whose stamp is unchanged is dropped. So the claims
+    dropped first are the least recently stored or matched, "recently" counted over the
+    fleet (a block another replica stored or a match touched counts as used); each touch
+    costs O(1) once, whatever the number of replicas holding it.
+
+    Memory: about 60 bytes per claim when no two replicas hold the same block (24 bytes
+    per block in tables at least 40% full, 16 per log entry, the log compacted when it
+    reaches twice its live claims), and about 20 per claim when a block is held by many.
+    Blocks held in a second medium or group add a dict entry each (:attr:`_Replica.extra`).
 
     ``max_blocks_per_replica`` / ``max_blocks``: the caps (see the module's docstring);
     :meth:`limit` lowers one replica's cap to what it says it can hold.
     """
 
     __slots__ = (
+        "_keys",
+        "_stamps",
         "_holders",
-        "_held",
-        "_groups",
+        "_used",
+        "_live",
+        "_replicas",
+        "_free_ids",
         "_limits",
         "_claims",
+        "_clock",
         "max_blocks",
         "max_blocks_per_replica",
         "dropped",
@@ -183,14 +287,106 @@ class MemoryIndex:
         for name, value in (("max_blocks", max_blocks), ("max_blocks_per_replica", max_blocks_per_replica)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        self._holders: dict[bytes, set[str]] = {}
-        self._held: dict[str, OrderedDict[bytes, set[tuple[Medium, int]]]] = {}
-        self._groups: dict[str, dict[int, int | None]] = {}  # replica -> group id -> its tail (hybrid models)
+        shards = 1 << _SHARD_BITS
+        self._keys = [array("q", bytes(8 * 8)) for _ in range(shards)]  # fingerprint per slot
+        self._stamps = [_words(8) for _ in range(shards)]  # clock value of its last store or match
+        self._holders: list[list[array[int]]] = []  # [bank][shard]: holder bits per slot
+        self._used = [0] * shards  # slots not empty (live or let go)
+        self._live = [0] * shards  # slots holding a block
+        self._replicas: dict[str, _Replica] = {}
+        self._free_ids: list[int] = []  # ids of replicas cleared, for the next new one
         self._limits: dict[str, int] = {}  # replicas that said how many blocks they hold at most
         self._claims = 0  # (replica, block) pairs held, over all replicas
+        self._clock = 0
         self.max_blocks = max_blocks
         self.max_blocks_per_replica = max_blocks_per_replica
         self.dropped = 0
+
+    # -- the tables ----------------------------------------------------------------------------
+
+    def _find(self, fp: int) -> tuple[int, int] | None:
+        """(shard, slot) of block ``fp``, or None. O(1) expected."""
+        s = fp & _SHARD_MASK
+        keys = self._keys[s]
+        m = len(keys) - 1
+        i = (fp >> _SHARD_BITS) & m
+        k = keys[i]
+        while k != fp:
+            if k == _EMPTY:
+                return None
+            i = (i + 1) & m
+            k = keys[i]
+        return s, i
+
+    def _insert(self, fp: int) -> tuple[int, int]:
+        """(shard, slot) of block ``fp``, added (no holders, stamp 0) when absent. O(1) amortized."""
+        s = fp & _SHARD_MASK
+        keys = self._keys[s]
+        if (self._used[s] + 1) * 5 > len(keys) * 4:
+            keys = self._grow(s)
+        m = len(keys) - 1
+        i = (fp >> _SHARD_BITS) & m
+        free = -1
+        k = keys[i]
+        while k != fp:
+            if k == _EMPTY:
+                if free < 0:
+                    free = i
+                    self._used[s] += 1
+                keys[free] = fp
+                self._live[s] += 1
+                return s, free
+            if k == _GONE and free < 0:
+                free = i
+            i = (i + 1) & m
+            k = keys[i]
+        return s, i
+
+    def _grow(self, s: int) -> array[int]:
+        """Shard ``s`` re-inserted into a table sized for twice its live blocks (at least 8). O(its slots)."""
+        old_keys, old_stamps = self._keys[s], self._stamps[s]
+        old_holders = [bank[s] for bank in self._holders]
+        size = 8
+        while size < 2 * (self._live[s] + 1):
+            size *= 2
+        keys, stamps = array("q", bytes(8 * size)), _words(size)
+        holders = [_words(size) for _ in old_holders]
+        m = size - 1
+        for j, fp in enumerate(old_keys):
+            if fp == _EMPTY or fp == _GONE:
+                continue
+            i = (fp >> _SHARD_BITS) & m
+            while keys[i] != _EMPTY:
+                i = (i + 1) & m
+            keys[i] = fp
+            stamps[i] = old_stamps[j]
+            for new, old in zip(holders, old_holders):
+                new[i] = old[j]
+        self._keys[s], self._stamps[s] = keys, stamps
+        for bank, new in zip(self._holders, holders):
+            bank[s] = new
+        self._used[s] = self._live[s]
+        return keys
+
+    def _let_go(self, s: int, i: int) -> None:
+        """Slot ``i`` of shard ``s`` no longer holds a block when no replica holds it."""
+        if any(bank[s][i] for bank in self._holders):
+            return
+        self._keys[s][i] = _GONE
+        self._stamps[s][i] = 0
+        self._live[s] -= 1
+
+    # -- replicas --------------------------------------------------------------------------------
+
+    def _join(self, replica: str) -> _Replica:
+        if self._free_ids:
+            replica_id = self._free_ids.pop()
+        else:
+            replica_id = len(self._replicas)
+        joined = self._replicas[replica] = _Replica(replica_id)
+        while len(self._holders) <= joined.bank:
+            self._holders.append([_words(len(keys)) for keys in self._keys])
+        return joined
 
     def limit(self, replica: str, num_blocks: int | None) -> None:
         """Cap ``replica``'s claims at ``num_blocks`` (what it can hold; None: the default cap only)."""
@@ -198,74 +394,182 @@ class MemoryIndex:
             self._limits.pop(replica, None)
         else:
             self._limits[replica] = max(1, num_blocks)
-        held = self._held.get(replica)
+        held = self._replicas.get(replica)
         if held is not None:
-            self._drop_oldest(replica, held, len(held) - self._cap(replica))
+            self._drop_oldest(held, held.count - self._cap(replica))
 
     def _cap(self, replica: str) -> int:
         return min(self.max_blocks_per_replica, self._limits.get(replica, self.max_blocks_per_replica))
 
+    # -- claims ----------------------------------------------------------------------------------
+
     def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
-        held = self._held.get(replica)
-        if held is None:
-            held = self._held[replica] = OrderedDict()
-        self._groups.setdefault(replica, {})[group.id] = group.tail
-        claim = (medium, group.id)
-        before = len(held)
-        for h in reversed(list(hashes)):  # a chain's root is the newest claim of the batch: dropped last
-            key = _key(h)
-            media = held.get(key)
-            if media is None:
-                held[key] = {claim}
-                self._holders.setdefault(key, set()).add(replica)
+        fps = [_fingerprint(h) for h in hashes]  # every hash checked before anything changes
+        r = self._replicas.get(replica) or self._join(replica)
+        r.groups[group.id] = group.tail
+        kind = r.kind(medium, group.id)
+        kind_bit = 1 << kind
+        bit, bank, extra = r.bit, self._holders[r.bank], r.extra
+        n = len(fps)
+        clock = self._clock
+        self._clock += n
+        added = 0
+        for j in range(n - 1, -1, -1):  # a chain's root is the newest claim of the batch: dropped last
+            fp = fps[j]
+            s, i = self._insert(fp)
+            stamp = clock + n - j
+            self._stamps[s][i] = stamp
+            holders = bank[s]
+            if holders[i] & bit:
+                mask = extra.get(fp, 1) | kind_bit
+                if mask != 1:
+                    extra[fp] = mask
             else:
-                media.add(claim)
-                held.move_to_end(key)
-        self._claims += len(held) - before
-        self._drop_oldest(replica, held, len(held) - self._cap(replica))
+                holders[i] |= bit
+                if kind:
+                    extra[fp] = kind_bit
+                r.log.append(fp)
+                r.log_stamps.append(stamp)
+                added += 1
+        r.count += added
+        self._claims += added
+        self._drop_oldest(r, r.count - self._cap(replica))
         while self._claims > self.max_blocks:  # the global cap takes from the replica with the most claims
-            sizes = sorted(((len(held), r) for r, held in self._held.items()), reverse=True)
+            sizes = sorted(((held.count, name) for name, held in self._replicas.items()), reverse=True)
             (most, largest), runner_up = sizes[0], sizes[1][0] if len(sizes) > 1 else 0
             count = min(self._claims - self.max_blocks, most - runner_up + 1)
-            self._drop_oldest(largest, self._held[largest], count)
+            self._drop_oldest(self._replicas[largest], count)
 
-    def _drop_oldest(self, replica: str, held: OrderedDict[bytes, set[tuple[Medium, int]]], count: int) -> None:
-        for _ in range(max(0, count)):
-            key, _media = held.popitem(last=False)
-            self._forget_holder(key, replica)
-        if count > 0:
-            self._claims -= count
-            self.dropped += count
+    def _unclaim(self, r: _Replica, fp: int, s: int, i: int) -> None:
+        holders = self._holders[r.bank][s]
+        holders[i] &= ~r.bit
+        r.extra.pop(fp, None)
+        r.count -= 1
+        self._claims -= 1
+        self._let_go(s, i)
+
+    def _drop_oldest(self, r: _Replica, count: int) -> None:
+        """Drop ``r``'s ``count`` least recently used claims (see the class). O(count) amortized."""
+        if count <= 0:
+            return
+        dropped = refills = 0
+        bank = self._holders[r.bank]
+        while dropped < count and r.count:
+            if r.front_at >= len(r.front):
+                refills += 1  # past two rounds of the log, its order is taken as it is: the loop ends
+                self._refill(r, ordered=refills > 2 * (len(r.log) - r.head) // _FRONT + 4)
+                continue
+            stamp, fp = r.front[r.front_at]
+            r.front_at += 1
+            found = self._find(fp)
+            if found is None or not bank[found[0]][found[1]] & r.bit:
+                continue  # a claim since removed, or dropped through another entry
+            s, i = found
+            now = self._stamps[s][i]
+            if now != stamp:  # used since the front was sorted: among the newest now
+                r.log.append(fp)
+                r.log_stamps.append(now)
+                continue
+            self._unclaim(r, fp, s, i)
+            dropped += 1
+        self.dropped += dropped
+        self._compact(r)
+
+    def _refill(self, r: _Replica, *, ordered: bool = False) -> None:
+        """Move the oldest :data:`_FRONT` entries of ``r``'s log to its front, sorted by their blocks' stamps.
+
+        An entry whose block was used after the entry following the chunk was written
+        goes to the log's end instead: it is newer than the rest of the log, not older.
+        O(_FRONT log _FRONT). ``ordered``: every entry taken goes to the front.
+        """
+        log, stamps = r.log, r.log_stamps
+        if r.head >= len(log):
+            raise AssertionError(f"a bug: {r.count} claims held but none left in the claim log")
+        bank = self._holders[r.bank]
+        end = min(len(log), r.head + _FRONT)
+        after = stamps[end] if end < len(log) and not ordered else None
+        front: list[tuple[int, int]] = []
+        for k in range(r.head, end):
+            fp = log[k]
+            found = self._find(fp)
+            if found is None or not bank[found[0]][found[1]] & r.bit:
+                continue
+            now = self._stamps[found[0]][found[1]]
+            if after is not None and now > after:
+                log.append(fp)
+                stamps.append(now)
+            else:
+                front.append((now, fp))
+        r.head = end
+        front.sort()
+        r.front, r.front_at = front, 0
+
+    def _compact(self, r: _Replica) -> None:
+        """Rewrite ``r``'s log without dead entries once they outnumber its claims (and :data:`_LOG_SLACK`)."""
+        log, stamps = r.log, r.log_stamps
+        if len(log) - r.head <= 2 * r.count + _LOG_SLACK:
+            if r.head > len(log) // 2 and r.head > _LOG_SLACK:
+                del log[: r.head]
+                del stamps[: r.head]
+                r.head = 0
+            return
+        bank = self._holders[r.bank]
+        seen: set[int] = set()
+        kept_fps, kept_stamps = array("q"), array("Q")
+        for k in range(len(log) - 1, r.head - 1, -1):  # the newest entry of each claim is the one kept
+            fp = log[k]
+            if fp in seen:
+                continue
+            found = self._find(fp)
+            if found is not None and bank[found[0]][found[1]] & r.bit:
+                seen.add(fp)
+                kept_fps.append(fp)
+                kept_stamps.append(stamps[k])
+        kept_fps.reverse()
+        kept_stamps.reverse()
+        r.log, r.log_stamps, r.head = kept_fps, kept_stamps, 0
 
     def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
-        held = self._held.get(replica)
-        if held is None:
+        fps = [_fingerprint(h) for h in hashes]
+        r = self._replicas.get(replica)
+        if r is None:
             return
-        for h in hashes:
-            key = _key(h)
-            media = held.get(key)
-            if media is None:
+        kind = r.kind_ids.get((medium, group.id))
+        if kind is None:
+            return  # it never claimed a block there
+        kind_bit = 1 << kind
+        bank = self._holders[r.bank]
+        for fp in fps:
+            found = self._find(fp)
+            if found is None or not bank[found[0]][found[1]] & r.bit:
                 continue
-            media.discard((medium, group.id))
-            if not media:
-                del held[key]
-                self._claims -= 1
-                self._forget_holder(key, replica)
+            mask = r.extra.get(fp, 1)
+            if not mask & kind_bit:
+                continue
+            mask &= ~kind_bit
+            if not mask:
+                self._unclaim(r, fp, *found)
+            elif mask == 1:
+                del r.extra[fp]
+            else:
+                r.extra[fp] = mask
+        self._compact(r)
 
     def clear(self, replica: str) -> None:
-        self._groups.pop(replica, None)
-        held = self._held.pop(replica, None)
-        if held is None:
+        r = self._replicas.pop(replica, None)
+        if r is None:
             return
-        self._claims -= len(held)
-        for key in held:
-            self._forget_holder(key, replica)
+        bank = self._holders[r.bank]
+        for fp in [fp for _, fp in r.front[r.front_at :]] + r.log[r.head :].tolist():
+            found = self._find(fp)
+            if found is not None and bank[found[0]][found[1]] & r.bit:
+                s, i = found
+                bank[s][i] &= ~r.bit
+                self._let_go(s, i)
+        self._claims -= r.count
+        self._free_ids.append(r.id)
 
-    def _forget_holder(self, key: bytes, replica: str) -> None:
-        holders = self._holders[key]
-        holders.discard(replica)
-        if not holders:
-            del self._holders[key]
+    # -- lookups ---------------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[ExternalHash], replicas: Sequence[str]) -> list[int]:
         return self._match(hashes, replicas, None)
@@ -275,69 +579,159 @@ class MemoryIndex:
         self._match(hashes, replicas, media)
         return [media.get(r, ()) for r in replicas]
 
+    def _walk(self, hashes: Sequence[ExternalHash], bank: int, want: int, top: int) -> list[tuple[int, int]]:
+        """The chain walked for the replicas of holder bits ``want`` in ``bank``: (depth, bits whose run ends there).
+
+        Each block walked is stamped ``top - depth`` (a used prefix is dropped last, its
+        root last of all). O(blocks walked): one probe and one AND a block.
+        """
+        keys_of, holders_of, stamps_of = self._keys, self._holders[bank], self._stamps
+        alive = want
+        ends: list[tuple[int, int]] = []
+        depth = 0
+        for h in hashes:
+            fp = hash(h) | 2 if type(h) is bytes else _fingerprint(h)
+            s = fp & _SHARD_MASK
+            keys = keys_of[s]
+            m = len(keys) - 1
+            i = (fp >> _SHARD_BITS) & m
+            k = keys[i]
+            while k != fp:
+                if k == _EMPTY:
+                    break
+                i = (i + 1) & m
+                k = keys[i]
+            else:
+                held = holders_of[s][i] & alive
+                if held:
+                    stamps_of[s][i] = top - depth
+                    if held != alive:
+                        ends.append((depth, alive & ~held))
+                        alive = held
+                    depth += 1
+                    continue
+            break
+        ends.append((depth, alive))
+        return ends
+
     def _match(
         self, hashes: Sequence[ExternalHash], replicas: Sequence[str], media: dict[str, HeldMedia] | None
     ) -> list[int]:
         """:meth:`match`; with ``media``, each replica's matched blocks' media go into it as well."""
-        matched = dict.fromkeys(replicas, 0)
-        alive = set(replicas)  # replicas whose run of held blocks has not ended yet
-        keys = []
-        for depth, h in enumerate(hashes):
-            key = _key(h)
-            holders = self._holders.get(key)
-            if not holders:
-                break
-            alive &= holders
-            if not alive:
-                break
-            keys.append(key)
-            for replica in alive:
-                matched[replica] = depth + 1
-        for replica, depth in matched.items():
-            groups = self._groups.get(replica)
-            if depth and groups is not None and len(groups) > 1:
-                matched[replica] = self._usable(self._held[replica], keys[:depth], groups)
-        for replica, depth in matched.items():  # a prefix in use is the last a cap drops, its root last of all
-            if depth:
-                held = self._held[replica]
-                prefix = keys[:depth]
-                for key in reversed(prefix):
-                    held.move_to_end(key)
-                if media is not None:
-                    media[replica] = _runs(map(held.__getitem__, prefix))
-        return [matched[r] for r in replicas]
+        matched = [0] * len(replicas)
+        known = [(n, self._replicas.get(name)) for n, name in enumerate(replicas)]
+        banks: dict[int, int] = {}
+        for _, r in known:
+            if r is not None:
+                banks[r.bank] = banks.get(r.bank, 0) | r.bit
+        if not hashes or not banks:
+            return matched
+        top = self._clock + len(hashes)
+        self._clock = top
+        ends = {bank: self._walk(hashes, bank, want, top) for bank, want in banks.items()}
+        fps: list[int] | None = None
+        for n, r in known:
+            if r is None:
+                continue
+            depth = next(d for d, bits in ends[r.bank] if bits & r.bit)
+            if not depth:
+                continue
+            if len(r.groups) > 1 or (media is not None and r.extra):
+                if fps is None:
+                    fps = [_fingerprint(h) for h in hashes[: max(d for bank in ends.values() for d, _ in bank)]]
+                if len(r.groups) > 1:
+                    depth = self._usable(r, fps[:depth])
+            matched[n] = depth
+            if media is not None and depth:
+                if r.extra and fps is not None:
+                    media[replicas[n]] = _runs(self._claims_of(r, fp) for fp in fps[:depth])
+                else:
+                    media[replicas[n]] = ((frozenset({r.kinds[0][0]}), depth),)
+        return matched
 
     @staticmethod
-    def _usable(
-        held: OrderedDict[bytes, set[tuple[Medium, int]]], keys: list[bytes], groups: dict[int, int | None]
-    ) -> int:
-        """The longest prefix of ``keys`` every group of a hybrid replica holds what it needs of.
+    def _claims_of(r: _Replica, fp: int) -> tuple[tuple[Medium, int], ...]:
+        """The (medium, group) pairs holding block ``fp`` at ``r`` (which holds it), in kind order."""
+        mask = r.claims_of(fp)
+        return tuple(kind for j, kind in enumerate(r.kinds) if mask >> j & 1)
+
+    def _usable(self, r: _Replica, fps: list[int]) -> int:
+        """The longest prefix of ``fps`` every group of a hybrid replica holds what it needs of.
 
         A full-attention group must hold each block up to the prefix's end; a group with a
-        ``tail`` only the last ``tail`` blocks before it. O(len(keys) x groups x tail).
+        ``tail`` only the last ``tail`` blocks before it. O(len(fps) x groups x tail).
         """
-        holding = [{g for _, g in held[key]} for key in keys]
-        whole = [g for g, tail in groups.items() if tail is None]
-        tailed = [(g, tail) for g, tail in groups.items() if tail is not None]
+        holding = [{g for _, g in self._claims_of(r, fp)} for fp in fps]
+        whole = [g for g, tail in r.groups.items() if tail is None]
+        tailed = [(g, tail) for g, tail in r.groups.items() if tail is not None]
         best = 0
-        for depth in range(1, len(keys) + 1):
+        for depth in range(1, len(fps) + 1):
             if not all(g in holding[depth - 1] for g in whole):
                 break  # a full-attention group misses a block: no longer prefix can be used
             if all(all(g in holding[j] for j in range(max(0, depth - tail), depth)) for g, tail in tailed):
                 best = depth
         return best
 
+    # -- figures and checks ----------------------------------------------------------------------
+
     def figures(self) -> dict[str, object]:
         return {
             "kind": "memory",
             "claims": self._claims,
+            "blocks": sum(self._live),
             "dropped": self.dropped,
             "max_blocks": self.max_blocks,
             "max_blocks_per_replica": self.max_blocks_per_replica,
+            "array_bytes": self.array_bytes(),
         }
 
+    def array_bytes(self) -> int:
+        """Bytes of the index's tables and claim logs (not counting the per-replica dicts of second media)."""
+        slots = sum(len(keys) for keys in self._keys)
+        logs = sum(len(r.log) for r in self._replicas.values())
+        return 8 * slots * (2 + len(self._holders)) + 16 * logs
+
     def num_blocks(self, replica: str) -> int:
-        return len(self._held.get(replica, ()))
+        r = self._replicas.get(replica)
+        return 0 if r is None else r.count
+
+    def check(self) -> None:
+        """Raise AssertionError (a bug) if the tables, the holder bits, the logs and the counts disagree. O(size)."""
+        ids = {r.id: (name, r) for name, r in self._replicas.items()}
+        assert len(ids) == len(self._replicas), "two replicas share an id"
+        held: dict[str, set[int]] = {name: set() for name in self._replicas}
+        for s, keys in enumerate(self._keys):
+            live = used = 0
+            for i, fp in enumerate(keys):
+                if fp == _EMPTY:
+                    continue
+                used += 1
+                words = [bank[s][i] for bank in self._holders]
+                if fp == _GONE:
+                    assert not any(words), f"shard {s} slot {i}: a slot let go still has holders"
+                    continue
+                live += 1
+                assert fp & _SHARD_MASK == s and fp & 2, f"shard {s} slot {i}: fingerprint {fp} is in the wrong table"
+                assert self._find(fp) == (s, i), f"fingerprint {fp} is not found where it is"
+                assert any(words), f"shard {s} slot {i}: a block no replica holds"
+                for b, word in enumerate(words):
+                    while word:
+                        low = word & -word
+                        word ^= low
+                        replica_id = b * _BANK + low.bit_length() - 1
+                        assert replica_id in ids, f"block {fp}: holder bit of no replica"
+                        held[ids[replica_id][0]].add(fp)
+            assert (live, used) == (self._live[s], self._used[s]), f"shard {s}: counts {live}/{used} recorded wrong"
+            assert used * 5 <= len(keys) * 4, f"shard {s}: fuller than 80%"
+        assert sum(r.count for r in self._replicas.values()) == self._claims, "claims miscounted"
+        for name, r in self._replicas.items():
+            assert r.count == len(held[name]), f"{name}: {r.count} claims counted, {len(held[name])} held"
+            logged = set(r.log[r.head :]) | {fp for _, fp in r.front[r.front_at :]}
+            assert held[name] <= logged, f"{name}: a claim missing from its log"
+            assert set(r.extra) <= held[name], f"{name}: media of a block it does not hold"
+            assert all(mask > 1 for mask in r.extra.values()), f"{name}: a redundant media entry"
+            assert r.count <= self._cap(name), f"{name}: over its cap"
+        assert self._claims <= self.max_blocks, "over the global cap"
 
 
 # KEYS: the prompt's block keys, in order; ARGV: replica names. Returns the matched depth per replica.
