@@ -55,3 +55,6 @@ cli.add_command(serve)
 from kvpool.cli.route import route  # noqa: E402
 
 cli.add_command(route)
+from kvpool.cli.calibrate import calibrate  # noqa: E402
+
+cli.add_command(calibrate)
