@@ -159,7 +159,7 @@ def _key(h: ExternalHash) -> bytes:
 #: Fingerprints are spread over this many tables, so that growing one re-inserts 1/256 of the blocks.
 _SHARD_BITS = 8
 _SHARD_MASK = (1 << _SHARD_BITS) - 1
-#: Key values no fingerprint takes (:func:`_fingerprint` sets bit 1): a slot never used, a slot let go.
+#: Key values no fingerprint takes (:func:`_fingerprint` sets bit 62): a slot never used, a slot let go.
 _EMPTY, _GONE = 0, 1
 #: Replicas per holder word: a block's holders are bits of one unsigned 64-bit word per 64 replicas.
 _BANK = 64
@@ -170,15 +170,15 @@ _FRONT = 1024
 
 
 def _fingerprint(h: ExternalHash) -> int:
-    """The in-memory index's key for a hash: 64 bits, keyed per process (Python's ``hash``), bit 1 set.
+    """The in-memory index's key for a hash: 64 bits, keyed per process (Python's ``hash``), bit 62 set.
 
     Bytes and ints hash by different functions (an int as a tagged tuple), so an int and
     bytes spelling the same digits are different blocks.
     """
     if isinstance(h, bytes):
-        return hash(h if type(h) is bytes else bytes(h)) | 2
+        return hash(h if type(h) is bytes else bytes(h)) | 1 << 62
     if isinstance(h, int) and not isinstance(h, bool):
-        return hash(("int", h)) | 2
+        return hash(("int", h)) | 1 << 62
     raise ConfigError(f"a block hash is bytes or an int, got {h!r}")
 
 
@@ -269,6 +269,7 @@ class MemoryIndex:
 
     __slots__ = (
         "_keys",
+        "_masks",
         "_stamps",
         "_holders",
         "_used",
@@ -289,6 +290,7 @@ class MemoryIndex:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         shards = 1 << _SHARD_BITS
         self._keys = [array("q", bytes(8 * 8)) for _ in range(shards)]  # fingerprint per slot
+        self._masks = [8 - 1] * shards  # slots per table, less one
         self._stamps = [_words(8) for _ in range(shards)]  # clock value of its last store or match
         self._holders: list[list[array[int]]] = []  # [bank][shard]: holder bits per slot
         self._used = [0] * shards  # slots not empty (live or let go)
@@ -362,7 +364,7 @@ class MemoryIndex:
             stamps[i] = old_stamps[j]
             for new, old in zip(holders, old_holders):
                 new[i] = old[j]
-        self._keys[s], self._stamps[s] = keys, stamps
+        self._keys[s], self._masks[s], self._stamps[s] = keys, m, stamps
         for bank, new in zip(self._holders, holders):
             bank[s] = new
         self._used[s] = self._live[s]
@@ -404,26 +406,40 @@ class MemoryIndex:
     # -- claims ----------------------------------------------------------------------------------
 
     def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
-        fps = [_fingerprint(h) for h in hashes]  # every hash checked before anything changes
+        # every hash checked before anything changes
+        fps = [hash(h) | 1 << 62 if type(h) is bytes else _fingerprint(h) for h in hashes]
         r = self._replicas.get(replica) or self._join(replica)
         r.groups[group.id] = group.tail
         kind = r.kind(medium, group.id)
         kind_bit = 1 << kind
         bit, bank, extra = r.bit, self._holders[r.bank], r.extra
+        main_only = kind == 0 and not extra  # then no block held needs its media noted
         n = len(fps)
         clock = self._clock
         self._clock += n
         added = 0
+        keys_of, masks, stamps_of = self._keys, self._masks, self._stamps
         for j in range(n - 1, -1, -1):  # a chain's root is the newest claim of the batch: dropped last
             fp = fps[j]
-            s, i = self._insert(fp)
+            s = fp & _SHARD_MASK
+            keys = keys_of[s]
+            m = masks[s]
+            i = (fp >> _SHARD_BITS) & m
+            k = keys[i]
+            if k != fp:  # not in its first slot: probed on, and added when absent
+                while k != fp and k != _EMPTY:
+                    i = (i + 1) & m
+                    k = keys[i]
+                if k == _EMPTY:
+                    s, i = self._insert(fp)
             stamp = clock + n - j
-            self._stamps[s][i] = stamp
+            stamps_of[s][i] = stamp
             holders = bank[s]
             if holders[i] & bit:
-                mask = extra.get(fp, 1) | kind_bit
-                if mask != 1:
-                    extra[fp] = mask
+                if not main_only:
+                    mask = extra.get(fp, 1) | kind_bit
+                    if mask != 1:
+                        extra[fp] = mask
             else:
                 holders[i] |= bit
                 if kind:
@@ -585,32 +601,31 @@ class MemoryIndex:
         Each block walked is stamped ``top - depth`` (a used prefix is dropped last, its
         root last of all). O(blocks walked): one probe and one AND a block.
         """
-        keys_of, holders_of, stamps_of = self._keys, self._holders[bank], self._stamps
+        keys_of, masks, holders_of, stamps_of = self._keys, self._masks, self._holders[bank], self._stamps
         alive = want
         ends: list[tuple[int, int]] = []
         depth = 0
         for h in hashes:
-            fp = hash(h) | 2 if type(h) is bytes else _fingerprint(h)
+            fp = hash(h) | 1 << 62 if type(h) is bytes else _fingerprint(h)
             s = fp & _SHARD_MASK
             keys = keys_of[s]
-            m = len(keys) - 1
+            m = masks[s]
             i = (fp >> _SHARD_BITS) & m
             k = keys[i]
-            while k != fp:
+            if k != fp:  # not in its first slot: probed on
+                while k != fp and k != _EMPTY:
+                    i = (i + 1) & m
+                    k = keys[i]
                 if k == _EMPTY:
                     break
-                i = (i + 1) & m
-                k = keys[i]
-            else:
-                held = holders_of[s][i] & alive
-                if held:
-                    stamps_of[s][i] = top - depth
-                    if held != alive:
-                        ends.append((depth, alive & ~held))
-                        alive = held
-                    depth += 1
-                    continue
-            break
+            held = holders_of[s][i] & alive
+            if not held:
+                break
+            stamps_of[s][i] = top - depth
+            if held != alive:
+                ends.append((depth, alive & ~held))
+                alive = held
+            depth += 1
         ends.append((depth, alive))
         return ends
 
@@ -711,7 +726,9 @@ class MemoryIndex:
                     assert not any(words), f"shard {s} slot {i}: a slot let go still has holders"
                     continue
                 live += 1
-                assert fp & _SHARD_MASK == s and fp & 2, f"shard {s} slot {i}: fingerprint {fp} is in the wrong table"
+                assert fp & _SHARD_MASK == s and fp & 1 << 62, (
+                    f"shard {s} slot {i}: fingerprint {fp} is in the wrong table"
+                )
                 assert self._find(fp) == (s, i), f"fingerprint {fp} is not found where it is"
                 assert any(words), f"shard {s} slot {i}: a block no replica holds"
                 for b, word in enumerate(words):
@@ -723,6 +740,7 @@ class MemoryIndex:
                         held[ids[replica_id][0]].add(fp)
             assert (live, used) == (self._live[s], self._used[s]), f"shard {s}: counts {live}/{used} recorded wrong"
             assert used * 5 <= len(keys) * 4, f"shard {s}: fuller than 80%"
+            assert self._masks[s] == len(keys) - 1, f"shard {s}: its mask is not its size less one"
         assert sum(r.count for r in self._replicas.values()) == self._claims, "claims miscounted"
         for name, r in self._replicas.items():
             assert r.count == len(held[name]), f"{name}: {r.count} claims counted, {len(held[name])} held"
