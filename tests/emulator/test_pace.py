@@ -62,6 +62,24 @@ def test_a_step_that_starts_late_is_not_made_up_for(make_engine: Callable[..., E
     assert clock.now() == pytest.approx(first + 100.0 + _modelled(4, 0, 0))
 
 
+def test_the_engines_own_time_between_busy_steps_is_part_of_the_next_step(
+    make_engine: Callable[..., EmulatedEngine],
+) -> None:
+    engine = make_engine()
+    clock = engine.clock
+    assert isinstance(clock, ManualClock)
+    engine.add_requests([[7] * 4], [SamplingParams(max_tokens=3)], request_ids=["a"])
+    engine.step()
+    prefill_end = clock.now()
+    clock.sleep_until(prefill_end + 0.001)  # 1 ms of the engine's own work, shorter than a step: absorbed
+    engine.step()
+    assert clock.now() == pytest.approx(prefill_end + _modelled(0, 1, 4))
+    clock.sleep_until(clock.now() + 1.0)  # longer than a step (an overloaded machine): lost, not made up for
+    before = clock.now()
+    engine.step()
+    assert clock.now() == pytest.approx(before + _modelled(0, 1, 5))
+
+
 def test_streaming_over_http_runs_on_the_engines_clock(make_engine: Callable[..., EmulatedEngine]) -> None:
     pytest.importorskip("starlette")
     httpx = pytest.importorskip("httpx")

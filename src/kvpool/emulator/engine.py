@@ -10,8 +10,9 @@
 2. the step lasts what the cost profile says
    (:meth:`~kvpool.cost_model.CostProfile.step_seconds` of its prefill tokens, its decoding
    sequences and the context they read), times ``time_scale``, on the engine's
-   :class:`~kvpool.emulator.clock.StepClock`; steps are paced against deadlines, so the time
-   the engine itself spends is absorbed, not added, while it is shorter than the step;
+   :class:`~kvpool.emulator.clock.StepClock`; back-to-back steps are paced against deadlines, so
+   the time the engine itself spends between them is absorbed, not added, while it is shorter
+   than a step;
 3. each chunk that reaches the end of its known tokens gets one token from
    :class:`~kvpool.emulator.output_tokens.OutputTokens`, and ``scheduler.update`` applies the
    stop conditions (``max_tokens``, ``max_model_len``, stop tokens); stop strings end a request
@@ -186,7 +187,8 @@ class EmulatedEngine:
         self._draws = OutputTokens(self._vocab_size, tokenizer.special_token_ids, seed=options.seed)
         self._live: dict[str, _EmulatedText] = {}
         self._next_id = 0
-        self._due = -math.inf  # when the step in progress ends, on the clock
+        self._due = -math.inf  # when the latest step ended, on the clock
+        self._follows_busy_step = False  # the latest step left requests to run: the next one follows it at once
         #: Steps run, and the modelled seconds they took (before ``time_scale``).
         self.num_steps = 0
         self.modelled_seconds = 0.0
@@ -380,7 +382,9 @@ class EmulatedEngine:
         self._pace(self.step_seconds(plan))
         tokens = {c.request_id: self._live[c.request_id].draw.next() for c in plan.chunks if c.sample}
         finished = {m.request_id: m for m in self.scheduler.update(plan, tokens)}
-        return [self._deliver(rid, token, finished.get(rid)) for rid, token in tokens.items()]
+        deltas = [self._deliver(rid, token, finished.get(rid)) for rid, token in tokens.items()]
+        self._follows_busy_step = self.scheduler.has_unfinished_requests()
+        return deltas
 
     def step_seconds(self, plan: SchedulerOutput) -> float:
         """The modelled seconds of ``plan`` (before ``time_scale``): its prefill, its decodes, the context read.
@@ -399,9 +403,17 @@ class EmulatedEngine:
         return self.options.profile.step_seconds(prefill, decodes, context_tokens=context)
 
     def _pace(self, seconds: float) -> None:
-        """Let ``seconds`` (scaled) pass from the later of now and the previous step's end."""
-        start = max(self.clock.now(), self._due)
-        self._due = start + seconds * self.options.time_scale
+        """Let ``seconds`` (scaled) pass, from the previous step's end when this step follows it at once.
+
+        A step that follows a busy one starts where that one ended: the engine's own time between
+        them (delivering tokens, scheduling) is part of the modelled step, as it is part of a real
+        engine's measured one, unless it ran longer than this whole step (an overloaded machine:
+        the lost time is not made up for by a burst). A step after an idle spell starts now.
+        """
+        scaled = seconds * self.options.time_scale
+        now = self.clock.now()
+        start = self._due if self._follows_busy_step and now - self._due < scaled else now
+        self._due = start + scaled
         self.clock.sleep_until(self._due)
         self.num_steps += 1
         self.modelled_seconds += seconds
