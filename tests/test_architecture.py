@@ -18,6 +18,7 @@ LAYERS = {
     "hashing": 2,
     "specs": 2,
     "stats": 2,
+    "calibration": 2,  # kvpool calibrate: fits a cost profile to a live OpenAI server (httpx, the serve extra)
     "tenancy": 2,  # tenants, API keys and the cache salt derived for them (the server and the router ask it)
     "routing": 2,
     "model_names": 1,  # kvpool's model names -> their folders, torch-free (the engine converts; the router reads)

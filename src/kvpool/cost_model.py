@@ -31,16 +31,22 @@ from kvpool.errors import ConfigError
 
 __all__ = [
     "DEFAULT_PROFILE",
+    "LLAMA_8B_KV_BYTES_PER_TOKEN",
     "PROFILE_DIR",
     "CostProfile",
     "builtin_profiles",
+    "default_profile",
     "load_profile",
 ]
 
 #: Where the built-in profiles live (package data).
 PROFILE_DIR = Path(__file__).resolve().parent / "cost_profiles"
-#: The profile ``kvpool simulate`` uses when none is named.
-DEFAULT_PROFILE = "llama-3.1-8b-h100"
+#: The profile ``kvpool simulate`` uses when none is named (round figures, kept so its results compare
+#: across versions).
+DEFAULT_PROFILE = "round-8b-h100"
+
+#: KV bytes per token of Llama-3.1-8B in bf16 (32 layers x 8 KV heads x 128 x K and V x 2 bytes).
+LLAMA_8B_KV_BYTES_PER_TOKEN = 131_072
 
 _SECONDS = ("step_overhead_s", "decode_s_per_seq", "s_per_context_token")
 
@@ -133,6 +139,29 @@ class CostProfile:
         batch = max_num_batched_tokens
         return batch / (self.step_overhead_s + self.prefill_seconds(batch))
 
+    @classmethod
+    def flat(
+        cls,
+        *,
+        step_overhead_s: float,
+        prefill_s_per_token: float,
+        decode_s_per_seq: float,
+        s_per_context_token: float = 0.0,
+        kv_bytes_per_token: int = LLAMA_8B_KV_BYTES_PER_TOKEN,
+        name: str = "flat",
+        source: str = "given by its caller",
+    ) -> CostProfile:
+        """A profile whose prefill costs the same per token at every chunk size (one point)."""
+        return cls(
+            name=name,
+            source=source,
+            step_overhead_s=step_overhead_s,
+            prefill_s_per_token=((1, prefill_s_per_token),),
+            decode_s_per_seq=decode_s_per_seq,
+            s_per_context_token=s_per_context_token,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
+
     def with_fields(self, **changes: Any) -> CostProfile:
         """A copy with ``changes`` applied, checked as a new profile."""
         return replace(self, **changes)
@@ -156,6 +185,11 @@ class CostProfile:
         if missing:
             raise ConfigError(f"cost profile is missing the fields {missing}")
         return cls(**data)
+
+
+def default_profile() -> CostProfile:
+    """The built-in :data:`DEFAULT_PROFILE`."""
+    return load_profile(DEFAULT_PROFILE)
 
 
 def builtin_profiles() -> tuple[str, ...]:

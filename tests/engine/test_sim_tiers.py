@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.cost_model import default_profile
 from kvpool.engine.llm_engine import LLMEngine
-from kvpool.sim.simulator import CostModel, SimulationConfig, simulate
+from kvpool.sim.simulator import SimulationConfig, simulate
 from kvpool.sim.traces import TokenSegment, TraceRequest
 from kvpool.tiers import WritePolicy, parse_specs
 from tests.engine.test_tiers import BLOCK, BLOCK_BYTES, PARAMS, TIERS_AS_TESTED, TINY_POOL
@@ -63,7 +64,7 @@ def test_the_simulator_serves_from_each_tier_what_the_engine_does(folder, tmp_pa
         block_size=BLOCK,
         max_num_batched_tokens=TINY_POOL["max_num_batched_tokens"],
         max_num_seqs=TINY_POOL["max_num_seqs"],
-        cost=CostModel(kv_bytes_per_token=BLOCK_BYTES // BLOCK),
+        cost=default_profile().with_fields(kv_bytes_per_token=BLOCK_BYTES // BLOCK),
         tiers=parse_specs(specs),
         tier_write=write,
         load_or_compute=False,

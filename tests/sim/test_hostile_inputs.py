@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.cost_model import CostProfile
 from kvpool.errors import ConfigError
-from kvpool.sim.simulator import CostModel, SimulationConfig, simulate
+from kvpool.sim.simulator import SimulationConfig, simulate
 from kvpool.sim.traces import (
     MAX_REQUEST_TOKENS,
     OutputSegment,
@@ -105,7 +106,9 @@ def test_oversized_lines_name_the_line(tmp_path: Path, record: dict) -> None:
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1.0, True, "0.01"])
 def test_cost_model_refuses_non_finite_or_negative(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
-        CostModel(**{field: value})
+        CostProfile.flat(
+            **{"step_overhead_s": 0.01, "prefill_s_per_token": 5e-5, "decode_s_per_seq": 1e-4, field: value}
+        )
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, 0, -1.0, True])

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.cost_model import CostProfile
 from kvpool.errors import ConfigError
 from kvpool.routing import Routing
-from kvpool.sim.simulator import CostModel, SimulationConfig, SimulationResult, simulate, ttft_quantile
+from kvpool.sim.simulator import SimulationConfig, SimulationResult, simulate, ttft_quantile
 from kvpool.sim.sizing import fewest_replicas
 from kvpool.sim.traces import SharedSegment, TraceRequest, UniqueSegment
 from kvpool.tiers import parse_specs
 
-COST = CostModel(step_overhead_s=0.01, prefill_s_per_token=0.0001, decode_s_per_seq=0.0005)
+COST = CostProfile.flat(step_overhead_s=0.01, prefill_s_per_token=0.0001, decode_s_per_seq=0.0005)
 
 
 def conversations(num_prompts: int, per_prompt: int, gap_ms: float, *, prompt_tokens: int = 256) -> list[TraceRequest]:
@@ -83,7 +84,7 @@ def _fields(config: SimulationConfig) -> dict[str, object]:
 def test_overload_is_reported_with_both_rates():
     # 20 requests of 1,000 tokens per second against a replica that computes ~10k tokens/s at most
     trace = [TraceRequest.create(f"r{i}", i * 50.0, (UniqueSegment(length=1000),), 1) for i in range(100)]
-    cost = CostModel(step_overhead_s=0.01, prefill_s_per_token=0.0001, decode_s_per_seq=0.0)
+    cost = CostProfile.flat(step_overhead_s=0.01, prefill_s_per_token=0.0001, decode_s_per_seq=0.0)
     one = simulate(trace, SimulationConfig(num_blocks=1000, cost=cost))
     assert one.offered_prefill_tokens_per_s == pytest.approx(100 * 1000 / 4.95)
     assert one.servable_prefill_tokens_per_s == pytest.approx(8192 / (0.01 + 0.8192))

@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvpool.cli.commands import cli
-from kvpool.sim.simulator import CostModel, SimulationConfig, simulate
+from kvpool.cost_model import CostProfile
+from kvpool.sim.simulator import SimulationConfig, simulate
 from kvpool.sim.traces import SharedSegment, TraceRequest, UniqueSegment
 from kvpool.sim.workloads import generate_workload
 
@@ -23,7 +24,7 @@ def two_requests(gap_ms: float) -> list[TraceRequest]:
 
 
 def test_a_later_request_hits_the_shared_prefix_and_time_follows_the_cost_model():
-    cost = CostModel(step_overhead_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.002)
+    cost = CostProfile.flat(step_overhead_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.002)
     result = simulate(two_requests(gap_ms=10_000), SimulationConfig(num_blocks=64, cost=cost))
     assert result.requests == 2 and result.rejected == 0
     assert result.hit_tokens == 64  # b finds a's 64-token system prompt (4 blocks of 16)

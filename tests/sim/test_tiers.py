@@ -6,13 +6,14 @@ import random
 
 import pytest
 
+from kvpool.cost_model import CostProfile
 from kvpool.errors import ConfigError
-from kvpool.sim.simulator import CostModel, SimulationConfig, SimulationResult, simulate
+from kvpool.sim.simulator import SimulationConfig, SimulationResult, simulate
 from kvpool.sim.traces import SharedSegment, TraceRequest, UniqueSegment
 from kvpool.sim.transfers import DEFAULT_LINKS, KeyStore, TierLink, capacity_blocks
 from kvpool.tiers import CpuTarget, TierKind, WritePolicy, parse_spec, parse_specs
 
-COST = CostModel(step_overhead_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.0, kv_bytes_per_token=1000)
+COST = CostProfile.flat(step_overhead_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.0, kv_bytes_per_token=1000)
 BLOCK_BYTES = 16 * 1000  # 16-token blocks
 
 
@@ -158,7 +159,9 @@ def test_with_the_rule_no_request_waits_longer_for_its_first_token_than_without_
         trace.append(TraceRequest.create(f"a{i}", start, (shared, UniqueSegment(length=5)), 1))
         trace.append(TraceRequest.create(f"b{i}", start + 10_000, (UniqueSegment(length=1100),), 1))
         trace.append(TraceRequest.create(f"c{i}", start + 20_000, (shared, UniqueSegment(length=5)), 1))
-    cost = CostModel(step_overhead_s=0.01, prefill_s_per_token=50e-6, decode_s_per_seq=0.0, kv_bytes_per_token=1000)
+    cost = CostProfile.flat(
+        step_overhead_s=0.01, prefill_s_per_token=50e-6, decode_s_per_seq=0.0, kv_bytes_per_token=1000
+    )
     plain = SimulationConfig(num_blocks=70, cost=cost, max_num_batched_tokens=2048)  # b evicts all
     links = {TierKind.DISK: TierLink(bandwidth_bytes_per_s=64e6, latency_s=latency_s)}  # 0.25 ms a block
     tiered = SimulationConfig(**{**_fields(plain), "tiers": parse_specs(["disk:/nowhere:10MB"]), "tier_links": links})

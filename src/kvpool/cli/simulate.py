@@ -198,25 +198,29 @@ def _progress(show: bool) -> Progress:
 @click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=8192, show_default=True)
 @click.option("--max-num-seqs", type=POSITIVE_INT, default=256, show_default=True)
 @click.option(
+    "--profile",
+    default=None,
+    metavar="NAME|FILE",
+    help="Cost profile: a built-in name or a JSON file (kvpool.cost_model; default round-8b-h100: 10 ms a step, "
+    "50 us a prefill token, 100 us a decoding sequence).",
+)
+@click.option(
     "--step-overhead-ms",
     type=NON_NEGATIVE_FLOAT,
-    default=10.0,
-    show_default=True,
-    help="Cost model: fixed time per step.",
+    default=None,
+    help="Override the profile's fixed time per step (its own: 10 for the default).",
 )
 @click.option(
     "--prefill-us-per-token",
     type=NON_NEGATIVE_FLOAT,
-    default=50.0,
-    show_default=True,
-    help="Cost model: prefill time per token.",
+    default=None,
+    help="Override the profile's prefill time per token, at every chunk size (default profile: 50).",
 )
 @click.option(
     "--decode-us-per-seq",
     type=NON_NEGATIVE_FLOAT,
-    default=100.0,
-    show_default=True,
-    help="Cost model: decode time per sequence per step.",
+    default=None,
+    help="Override the profile's decode time per sequence per step (default profile: 100).",
 )
 @click.option(
     "--tier",
@@ -331,9 +335,10 @@ def simulate(
     seed: int,
     max_num_batched_tokens: int,
     max_num_seqs: int,
-    step_overhead_ms: float,
-    prefill_us_per_token: float,
-    decode_us_per_seq: float,
+    profile: str | None,
+    step_overhead_ms: float | None,
+    prefill_us_per_token: float | None,
+    decode_us_per_seq: float | None,
     tier_flags: tuple[str, ...],
     tier_write: str,
     always_load: bool,
@@ -359,8 +364,9 @@ def simulate(
 
     TRACE is a Mooncake JSONL trace, kvpool's token-level JSONL format, or
     synthetic:shared_prefix | multi_turn | agent | multi_tenant | mixed. Times
-    are simulated with the cost model (defaults: 10 ms per step, 50 us per
-    prefill token, 100 us per decoding sequence). Requests larger than the
+    are simulated with a cost profile (--profile; the default, round-8b-h100:
+    10 ms per step, 50 us per prefill token, 100 us per decoding sequence).
+    Requests larger than the
     whole pool are counted as rejected and skipped. --tier adds offload tiers
     (a load costs its latency plus the blocks' bytes over the tier's bandwidth,
     and a hit is loaded only where that is faster than computing it);
@@ -389,6 +395,7 @@ def simulate(
         seed=seed,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
+        profile=profile,
         step_overhead_ms=step_overhead_ms,
         prefill_us_per_token=prefill_us_per_token,
         decode_us_per_seq=decode_us_per_seq,

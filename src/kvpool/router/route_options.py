@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpool import checks
+from kvpool.cost_model import LLAMA_8B_KV_BYTES_PER_TOKEN
 from kvpool.errors import ConfigError
 from kvpool.events import MEDIUM_GPU, MEDIUM_STORAGE
 from kvpool.router.monitor import Ejection
@@ -24,8 +25,8 @@ __all__ = ["DEFAULT_KV_BYTES_PER_TOKEN", "DEFAULT_PREFILL_TOKENS_PER_S", "RouteO
 
 #: A replica's prefill rate when the router is told none: about an 8B model's on one H100-class GPU.
 DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
-#: KV bytes of one token when the router is told none: an 8B model with 8 KV heads of 128 over 32 layers, in bf16.
-DEFAULT_KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+#: KV bytes of one token when the router is told none: Llama-3.1-8B's in bf16, as the cost profiles' default.
+DEFAULT_KV_BYTES_PER_TOKEN = LLAMA_8B_KV_BYTES_PER_TOKEN
 
 
 def parse_medium_link(spec: str) -> tuple[str, float, float]:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.checks import check_flag, check_int
+from kvpool.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
 from kvpool.errors import ConfigError
 from kvpool.hashing import HashAlgo
 from kvpool.routing import Routing
-from kvpool.sim.simulator import CostModel, policy_factory
+from kvpool.sim.simulator import policy_factory
 from kvpool.sim.transfers import DEFAULT_LINKS, TierLink, capacity_blocks
 from kvpool.specs import KVCacheGroup
 from kvpool.tiers.kinds import TierKind, WritePolicy
@@ -133,7 +134,11 @@ class SimulateOptions:
         requests: replay only the first N (synthetic: how many to generate); None: all (synthetic: 500).
         seed: seed of a synthetic workload.
         max_num_batched_tokens, max_num_seqs: the scheduler's budget per step.
-        step_overhead_ms, prefill_us_per_token, decode_us_per_seq: the cost model.
+        profile: the cost profile (a built-in name or a JSON file, :mod:`kvpool.cost_model`); None: the
+            default, ``round-8b-h100``.
+        step_overhead_ms, prefill_us_per_token, decode_us_per_seq: override the profile's step overhead,
+            its prefill time per token (at every chunk size) and its decode time per sequence; None: the
+            profile's.
         tier: KV tier specs below each replica's pool, in lookup order (the engine's grammar).
         kv_tier_write: when blocks go down to the tiers (a :class:`WritePolicy` or its name).
         load_or_compute: load a tier hit only where that beats computing it (the engine's rule); False loads all.
@@ -167,9 +172,10 @@ class SimulateOptions:
     seed: int = 0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    step_overhead_ms: float = 10.0
-    prefill_us_per_token: float = 50.0
-    decode_us_per_seq: float = 100.0
+    profile: str | None = None
+    step_overhead_ms: float | None = None
+    prefill_us_per_token: float | None = None
+    decode_us_per_seq: float | None = None
     tier: tuple[str, ...] = ()
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
     load_or_compute: bool = True
@@ -198,7 +204,7 @@ class SimulateOptions:
     #: Blocks of each replica's pool, the null block included (0 when only the curve is asked for).
     num_blocks: int = field(init=False)
     #: The cost model.
-    cost: CostModel = field(init=False)
+    cost: CostProfile = field(init=False)
     #: The block hash replayed: ``hash_algo``, or the fastest installed when it is None.
     block_hash: str = field(init=False)
 
@@ -218,7 +224,8 @@ class SimulateOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"--{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("step_overhead_ms", "prefill_us_per_token", "decode_us_per_seq"):
-            _number(f"--{name.replace('_', '-')}", getattr(self, name))
+            if getattr(self, name) is not None:
+                _number(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.hash_algo is None:
             # Layer groups may search hits from the end (sliding windows), which the verifying xxh3_128 index cannot.
             fast = fast_hash_installed() and not self.layer_groups
@@ -291,12 +298,17 @@ class SimulateOptions:
         kv_bytes = self.kv_bytes_per_token
         if kv_bytes is None and self.model is not None:
             kv_bytes = max(1, _block_bytes(self.model, self.block_size) // self.block_size)
-        cost = CostModel(
-            step_overhead_s=self.step_overhead_ms / 1e3,
-            prefill_s_per_token=self.prefill_us_per_token / 1e6,
-            decode_s_per_seq=self.decode_us_per_seq / 1e6,
-            **({} if kv_bytes is None else {"kv_bytes_per_token": kv_bytes}),
-        )
+        cost = load_profile(DEFAULT_PROFILE if self.profile is None else self.profile)
+        overrides: dict[str, Any] = {}
+        if self.step_overhead_ms is not None:
+            overrides["step_overhead_s"] = self.step_overhead_ms / 1e3
+        if self.prefill_us_per_token is not None:
+            overrides["prefill_s_per_token"] = ((1, self.prefill_us_per_token / 1e6),)
+        if self.decode_us_per_seq is not None:
+            overrides["decode_s_per_seq"] = self.decode_us_per_seq / 1e6
+        if kv_bytes is not None:
+            overrides["kv_bytes_per_token"] = kv_bytes
+        cost = cost.with_fields(**overrides) if overrides else cost
         put(self, "cost", cost)
         for target in targets:
             capacity_blocks(target, self.block_size * cost.kv_bytes_per_token)  # a tier holding no block fails here

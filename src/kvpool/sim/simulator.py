@@ -3,7 +3,8 @@
 Nothing is faked on the cache side: requests enter the same
 :class:`~kvpool.scheduler.Scheduler` and :class:`~kvpool.KVCacheManager` an
 engine uses, with the chosen eviction policy. Only the model is simulated: a
-:class:`CostModel` turns each step's work into seconds, the simulated clock
+:class:`~kvpool.cost_model.CostProfile` turns each step's work into seconds
+(``cost``, the built-in ``round-8b-h100`` unless another is given), the simulated clock
 advances by that much, and "sampling" appends the trace's own output tokens.
 Arrival times are honoured on the simulated clock (an idle engine jumps to the
 next arrival), so queueing, time to first token and throughput can be
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.checks import check_flag, check_int
 from kvpool.connector import GPU
+from kvpool.cost_model import CostProfile, default_profile
 from kvpool.errors import CapacityError, ConfigError
 from kvpool.hashing import HashAlgo
 from kvpool.manager import KVCacheManager
@@ -68,7 +70,6 @@ if TYPE_CHECKING:
     from kvpool.eviction import FreeQueueFactory
 
 __all__ = [
-    "CostModel",
     "ReplicaFigures",
     "SimulationConfig",
     "SimulationResult",
@@ -76,39 +77,6 @@ __all__ = [
     "simulate",
     "ttft_quantile",
 ]
-
-#: KV bytes per token of Llama-3.1-8B in bf16 (32 layers x 8 KV heads x 128 x K and V x 2 bytes).
-DEFAULT_KV_BYTES_PER_TOKEN = 131_072
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CostModel:
-    """Seconds a step takes: a fixed overhead, plus prefill work per token, plus decode work per sequence.
-
-    The defaults are of the order of an 8B model on one H100-class GPU
-    (about 20k prefill tokens/s, a 10 ms decode step at small batch).
-    ``kv_bytes_per_token`` sizes the blocks a tier load moves.
-    """
-
-    step_overhead_s: float = 0.010
-    prefill_s_per_token: float = 50e-6
-    decode_s_per_seq: float = 0.1e-3
-    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
-
-    def __post_init__(self) -> None:
-        for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-                raise ConfigError(f"cost model {name} must be a finite number >= 0, got {value!r}")
-        check_int("cost model kv_bytes_per_token", self.kv_bytes_per_token)
-
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        return self.step_overhead_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_seqs
-
-    def servable_prefill_tokens_per_s(self, max_num_batched_tokens: int) -> float:
-        """Prefill tokens per second one replica computes at most: full batches of prefill, no decode."""
-        batch = max_num_batched_tokens
-        return batch / (self.step_overhead_s + batch * self.prefill_s_per_token)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,7 +89,8 @@ class SimulationConfig:
     hash_algo: str = HashAlgo.SHA256.value
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
-    cost: CostModel = field(default_factory=CostModel)
+    #: Seconds a step takes (:mod:`kvpool.cost_model`); the default is its ``DEFAULT_PROFILE``.
+    cost: CostProfile = field(default_factory=default_profile)
     usage_interval_s: float = 1.0
     tiers: tuple[TierTarget, ...] = ()
     tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
@@ -139,6 +108,8 @@ class SimulationConfig:
         check_int("num_blocks", self.num_blocks, minimum=2)
         check_flag("load_or_compute", self.load_or_compute)
         check_flag("window_aware_saves", self.window_aware_saves)
+        if not isinstance(self.cost, CostProfile):
+            raise ConfigError(f"cost must be a CostProfile, got {self.cost!r}")
         if not isinstance(self.groups, tuple) or not all(isinstance(g, KVCacheGroup) for g in self.groups):
             raise ConfigError(f"groups must be a tuple of KVCacheGroup, got {self.groups!r}")
         check_int("replicas", self.replicas)
@@ -296,7 +267,7 @@ class _Replica:
         self.connector: TierHierarchyConnector | None = None
         self.worker: TimingWorker | None = None
         if config.tiers:
-            per_token = config.cost.prefill_s_per_token
+            per_token = config.cost.prefill_rate(config.max_num_batched_tokens)  # a block computed in a full batch
             self.connector, self.worker = build_tiers(
                 config.tiers,
                 self.manager,
@@ -384,7 +355,7 @@ class _Replica:
             entry = self.live[rid]
             self.pending_prefill += entry.request.num_prompt_tokens - entry.to_prefill
             entry.to_prefill = entry.request.num_prompt_tokens
-        prefill_tokens = decode_seqs = 0
+        prefill_tokens = decode_seqs = context_tokens = 0
         sampled = {}
         bs = config.block_size
         for chunk in output.chunks:
@@ -397,6 +368,7 @@ class _Replica:
                 self.full_blocks += full
                 self.hit_blocks += min(full, chunk.num_cached_tokens // bs)
             self.saved += chunk.num_cached_tokens
+            context_tokens += chunk.start_position  # the KV this chunk's attention reads
             end = chunk.start_position + chunk.num_tokens
             left = max(0, request.num_prompt_tokens - end)
             self.pending_prefill -= entry.to_prefill - left
@@ -412,7 +384,7 @@ class _Replica:
         output = self._after_forward(output)
         self.computed += prefill_tokens
         self.in_flight_prefill = prefill_tokens
-        seconds = config.cost.step_seconds(prefill_tokens, decode_seqs)
+        seconds = config.cost.step_seconds(prefill_tokens, decode_seqs, context_tokens=context_tokens)
         if self.worker is not None:
             if self.worker.costs is not None:
                 self.worker.costs.note_prefill(prefill_tokens, seconds)

@@ -73,7 +73,7 @@ def describe_tiers(options: SimulateOptions) -> list[dict[str, Any]]:
     """Per tier: its capacity, write policy, link, and one block's load time against recomputing it."""
     cost = options.cost
     block_bytes = options.block_size * cost.kv_bytes_per_token
-    recompute = options.block_size * cost.prefill_s_per_token
+    recompute = options.block_size * cost.prefill_rate(options.max_num_batched_tokens)  # in a full batch
     described = []
     for target in options.tier_targets:
         link = options.tier_links[target.kind]
