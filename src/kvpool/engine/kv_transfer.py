@@ -31,8 +31,12 @@ with its :class:`~kvpool.tiers.kinds.WritePolicy`) and :class:`KVTransferWorker`
   the default), byte tiers never run on the step: a request's disk or Redis
   blocks are fetched on a load thread into memory of its own while the batch
   steps on, and copied into the pool by :meth:`KVTransferWorker.get_finished`
-  once they are all there; a fetch that fails or passes the load deadline is a
-  failed load, and the request computes those tokens. Saves to byte tiers are
+  once they are all there. A fetch reads its blocks in pieces, in order, and its
+  request waits only as long as computing them would take
+  (:meth:`~kvpool.tiers.load_or_compute.TransferCosts.load_wait`, within the fixed
+  load deadline): past that it takes the blocks that arrived and computes the
+  rest, whose late bytes are never copied; a fetch that fails is a failed load
+  from its first missing block, and the request computes those tokens. Saves to byte tiers are
   copied out of the pool on the step and stored by the save thread; one that
   finds the save queue full is dropped and counted;
 * a byte tier that misses, fails or returns a payload of the wrong size makes
@@ -48,6 +52,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,7 +68,7 @@ from kvpool.manager import KVCacheManager
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
 from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
-from kvpool.tiers.load_or_compute import LoadOrCompute, TransferCosts, registry_links
+from kvpool.tiers.load_or_compute import LoadOrCompute, LoadWait, TransferCosts, registry_links
 from kvpool.tiers.store import TierTarget, check_tier_trust, parse_specs
 from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads
 from kvpool.tiers.weights import tier_weights
@@ -140,15 +145,39 @@ def _one_pair_per_layer(kv_caches: KVCaches) -> bool:
 
 @dataclass(slots=True)
 class _AsyncFetch:
-    """One request's byte-tier blocks, fetched on a load thread into ``staging`` (row ``i``: ``loads[i]``)."""
+    """One request's byte-tier blocks, fetched on a load thread into ``staging`` (row ``i``: ``loads[i]``).
+
+    The load thread reads ``pieces`` in order and, under ``lock``, records each
+    one's time and how many leading rows are in (``landed``: those rows are
+    verified and never written again); the caller, under ``lock``, may mark it
+    ``abandoned``, after which the thread reads no further piece.
+    """
 
     request_id: str
     loads: tuple[BlockLoad, ...]
     staging: torch.Tensor
+    #: ``(tier, blocks)`` in the order they are read, one store call each.
+    pieces: tuple[tuple[str, int], ...]
+    #: How long the request waits for it (None: the threads' fixed deadline).
+    wait: LoadWait | None = None
     #: Byte views of the staging rows, made on the caller's thread (no torch on a load thread).
     views: list[memoryview] = field(default_factory=list)
-    #: Each tier's fetch, as the load thread timed it: (tier, blocks, seconds).
+    #: Each piece's fetch, as the load thread timed it: (tier, blocks, seconds).
     timings: list[tuple[str, int, float]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    landed: int = 0
+    #: The piece being read: (tier, blocks, when it started, by time.perf_counter).
+    current: tuple[str, int, float] | None = None
+    started: bool = False
+    abandoned: bool = False
+    finished: bool = False
+    #: Timings the measurement has been told of.
+    noted: int = 0
+
+    def deadline_s(self) -> float:
+        """Seconds from submission its request waits now (asked by the transfer threads)."""
+        assert self.wait is not None  # asked only of fetches submitted with a wait
+        return self.wait.deadline_s(self.landed)
 
 
 @dataclass(slots=True)
@@ -164,7 +193,9 @@ class TierFigures:
     save_seconds: float = 0.0
     failed_loads: int = 0  # blocks promised but not delivered (miss, fault, bad payload): computed instead
     failed_saves: int = 0  # blocks the store did not take
-    timed_out_loads: int = 0  # blocks of fetches past the load deadline (counted in failed_loads too)
+    timed_out_loads: int = 0  # blocks abandoned by fetches past their deadline (counted in failed_loads too)
+    deadline_misses: int = 0  # fetches past their deadline
+    kept_at_deadline: int = 0  # blocks such fetches had brought, used (counted in blocks_loaded too)
     dropped_saves: int = 0  # blocks not saved because the save queue was full
 
     def as_dict(self) -> dict[str, float | int]:
@@ -227,6 +258,7 @@ class KVTransferWorker:
         self.costs = costs
         self._fetches: dict[int, _AsyncFetch] = {}  # ticket -> what it fetches
         self._fetching: dict[str, int] = {}  # request -> the first position of its asynchronous loads
+        self._late: list[_AsyncFetch] = []  # abandoned fetches whose thread still reads a piece: timed when done
 
     def _rows(self, purpose: str, n: int) -> torch.Tensor:
         """``n`` blocks of host staging for ``purpose`` (``"load"`` or ``"save"``), grown on demand."""
@@ -317,70 +349,150 @@ class KVTransferWorker:
                 del self._fetching[rid]
                 continue
             staging = torch.empty((len(fetched), *self.block_shape), dtype=self.kv_caches.spec.dtype)
-            job = _AsyncFetch(rid, fetched, staging, _row_views(staging, range(len(fetched))))
+            runs: list[tuple[str, int]] = []  # each tier's blocks, in order
+            for load in fetched:
+                if runs and runs[-1][0] == load.tier:
+                    runs[-1] = (load.tier, runs[-1][1] + 1)
+                else:
+                    runs.append((load.tier, 1))
+            wait = None
+            if threads is not None and self.costs is not None:  # waited for only as long as computing takes
+                wait = self.costs.load_wait(runs, block_size=self.block_size, cap_s=threads.load_deadline_s)
+            pieces = tuple(runs) if wait is None else wait.pieces
+            job = _AsyncFetch(rid, fetched, staging, pieces, wait, _row_views(staging, range(len(fetched))))
             if threads is None:  # no threads: the fetch runs here, and is reported at the next get_finished
                 self._land(job, self._fetch(job), None)
                 continue
-            self._fetches[threads.submit_load(functools.partial(self._fetch, job))] = job
+            deadline = None if wait is None else job.deadline_s
+            self._fetches[threads.submit_load(functools.partial(self._fetch, job), deadline=deadline)] = job
 
     def _fetch(self, job: _AsyncFetch) -> list[bool]:
-        """On a load thread: every byte-tier block of one request into its staging rows, tier by tier, in order."""
+        """On a load thread: every byte-tier block of one request into its staging rows, piece by piece, in order.
+
+        Stops before the next piece once the caller abandoned the fetch (its request stopped waiting).
+        """
         arrived: list[bool] = []
         start = 0
-        while start < len(job.loads):
-            tier = job.loads[start].tier
-            stop = start
-            while stop < len(job.loads) and job.loads[stop].tier == tier:
-                stop += 1
-            started = time.perf_counter()
-            got = self._fetch_into(tier, job.loads[start:stop], job.views[start:stop])
-            seconds = time.perf_counter() - started
-            self.figures[tier].load_seconds += seconds
-            job.timings.append((tier, stop - start, seconds))
-            arrived.extend(got)
-            if not all(got):
-                arrived.extend([False] * (len(job.loads) - stop))  # the request computes from the first miss
-                break
-            start = stop
+        with job.lock:
+            job.started = True
+        try:
+            for tier, blocks in job.pieces:
+                stop = start + blocks
+                began = time.perf_counter()
+                with job.lock:
+                    if job.abandoned:
+                        break
+                    job.current = (tier, blocks, began)
+                got = self._fetch_into(tier, job.loads[start:stop], job.views[start:stop])
+                seconds = time.perf_counter() - began
+                self.figures[tier].load_seconds += seconds
+                arrived.extend(got)
+                whole = all(got)
+                with job.lock:
+                    job.timings.append((tier, blocks, seconds))
+                    job.current = None
+                    if whole:
+                        job.landed = stop  # rows before it are in, verified, and never written again
+                if not whole:
+                    break
+                start = stop
+        finally:
+            with job.lock:
+                job.finished = True
+        arrived.extend([False] * (len(job.loads) - len(arrived)))  # the request computes from the first miss
         return arrived
 
     def _land(self, job: _AsyncFetch, arrived: list[bool] | None, reason: str | None) -> None:
-        """On the caller's thread: copy what a fetch brought into the pool, up to its first miss, and report it."""
+        """On the caller's thread: copy what a fetch brought into the pool, up to its first miss, and report it.
+
+        ``arrived`` None: the fetch raised or ran past its deadline; the whole pieces that landed
+        before (a leading run of blocks) are used, the rest computed.
+        """
         rid = job.request_id
         self._fetching.pop(rid, None)
-        self._note_costs(job, arrived is not None)
-        if arrived is None:  # the fetch raised or ran past its deadline: none of it arrived
-            arrived = [False] * len(job.loads)
-            _LOGGER.warning("KV tier load for request %s: %s; its tokens are computed instead", rid, reason)
-        kept = 0
-        while kept < len(arrived) and arrived[kept]:
-            kept += 1
+        timed_out = reason == "timed out"
+        if arrived is None:
+            with job.lock:  # a snapshot: the thread reads no piece after this one
+                job.abandoned = True
+                kept = job.landed
+                current = job.current
+                timings = len(job.timings)
+                running = job.started and not job.finished
+            self._note_costs(job, timings)
+            if timed_out and kept == len(job.loads):
+                reason, timed_out = None, False  # it all landed just as its deadline passed: a load in time
+            elif timed_out:
+                self._missed(job, kept, current)
+            if running:
+                self._late.append(job)  # its piece's real time is measured when the thread is done with it
+            if reason is not None:
+                _LOGGER.warning(
+                    "KV tier load for request %s: %s; %d of its %d blocks arrived, the rest are computed",
+                    rid, reason, kept, len(job.loads),
+                )  # fmt: skip
+        else:
+            self._note_costs(job, len(job.timings))
+            kept = 0
+            while kept < len(arrived) and arrived[kept]:
+                kept += 1
         if kept:
             self._copy_in_now([], [(load, row) for row, load in enumerate(job.loads[:kept])], job.staging)
             self._count_loaded(job.loads[:kept], 0.0)
         for load in job.loads[kept:]:
             figures = self.figures[load.tier]
             figures.failed_loads += 1
-            if reason == "timed out":
+            if timed_out:
                 figures.timed_out_loads += 1
         self._loaded.add(rid)
         if kept < len(job.loads):
             self._failed[rid] = job.loads[kept].position * self.block_size
 
-    def _note_costs(self, job: _AsyncFetch, in_time: bool) -> None:
-        """Tell the measurement what each tier's fetch took; a fetch that never came back took the deadline."""
+    def _missed(self, job: _AsyncFetch, kept: int, current: tuple[str, int, float] | None) -> None:
+        """A fetch ran past its deadline with ``kept`` blocks in: counted, and told to the measurement."""
+        abandoned: dict[str, int] = {}
+        for load in job.loads[kept:]:
+            abandoned[load.tier] = abandoned.get(load.tier, 0) + 1
+        late_tier = current[0] if current is not None else job.loads[kept].tier
+        figures = self.figures[late_tier]
+        figures.deadline_misses += 1
+        for load in job.loads[:kept]:
+            self.figures[load.tier].kept_at_deadline += 1
         costs = self.costs
         if costs is None:
             return
-        for tier, blocks, seconds in job.timings:
-            costs.note_load(tier, blocks, blocks * self.block_bytes, seconds)
-        if not in_time:
-            deadline = self.threads.load_deadline_s if self.threads is not None else 0.0
-            timed = {tier for tier, _, _ in job.timings}
-            for tier in dict.fromkeys(load.tier for load in job.loads):
-                if tier not in timed:
-                    blocks = sum(1 for load in job.loads if load.tier == tier)
-                    costs.note_failed_load(tier, blocks, deadline)
+        if current is not None:  # the piece being read had not arrived after this long
+            tier, blocks, began = current
+            seconds = time.perf_counter() - began
+        else:  # it never started (queued behind other loads): none of its blocks came in the whole wait
+            tier, blocks = late_tier, abandoned[late_tier]
+            seconds = job.wait.deadline_s(kept) if job.wait is not None else self._fixed_deadline()
+        costs.note_deadline_miss(tier, late_blocks=blocks, abandoned_blocks=abandoned.get(tier, 0), seconds=seconds)
+        for other, count in abandoned.items():
+            if other != tier:
+                costs.note_deadline_miss(other, late_blocks=count, abandoned_blocks=count, seconds=seconds)
+
+    def _fixed_deadline(self) -> float:
+        return self.threads.load_deadline_s if self.threads is not None else DEFAULT_LOAD_DEADLINE_S
+
+    def _note_costs(self, job: _AsyncFetch, upto: int) -> None:
+        """Tell the measurement what the fetch's pieces before ``upto`` took (the ones not told yet)."""
+        costs = self.costs
+        if costs is not None:
+            for tier, blocks, seconds in job.timings[job.noted : upto]:
+                costs.note_load(tier, blocks, blocks * self.block_bytes, seconds)
+        job.noted = max(job.noted, upto)
+
+    def _note_late(self) -> None:
+        """Measure the pieces abandoned fetches were reading, now that their threads are done with them."""
+        late = []
+        for job in self._late:
+            with job.lock:
+                done, timings = job.finished, len(job.timings)
+            if done:
+                self._note_costs(job, timings)
+            else:
+                late.append(job)
+        self._late = late
 
     def _copy_in_now(
         self, from_host: list[BlockLoad], from_bytes: list[tuple[BlockLoad, int]], staging: torch.Tensor | None
@@ -405,6 +517,9 @@ class KVTransferWorker:
         What the engine reports as failed loads, when what it planned is void.
         """
         dropped = {rid: position * self.block_size for rid, position in self._fetching.items()}
+        for job in self._fetches.values():
+            with job.lock:
+                job.abandoned = True  # its thread reads no further piece
         self._fetches.clear()
         self._fetching.clear()
         return dropped
@@ -579,6 +694,8 @@ class KVTransferWorker:
 
     def get_finished(self) -> TransferResult:
         threads = self.threads
+        if self._late:
+            self._note_late()
         if threads is not None and self._fetches:
             for outcome in threads.finished_loads():
                 job = self._fetches.pop(outcome.ticket, None)

@@ -31,6 +31,16 @@ are all about one size, the line is not determined, and the prior's split
 between latency and bandwidth is kept, scaled to what was measured. Nothing reads a clock: time comes in through the
 notes, so a replay is repeatable.
 
+A load once started is waited for only as long as the compute it saves
+(:meth:`TransferCosts.load_wait`): it reads its blocks in pieces, growing from
+the smallest worth its latency, and the request waits for the next piece only
+until ``wait_margin`` times the time computing every block up to that piece's
+end would take; past it the request takes the blocks that arrived and computes
+the rest, so a load that trickles costs at most about one piece's compute. A
+piece that missed its deadline is measured at once as "not there after this
+long" (:meth:`TransferCosts.note_deadline_miss`), and again with its real time
+if it ever arrives, so the next request's decision sees the slow tier.
+
 Limits: the cost of computing is linear in the tokens (attention's growth with
 context is not modelled), and a tier the rule declines is no longer measured;
 every ``probe_every``-th admitted request it declines loads anyway, so a tier
@@ -40,7 +50,7 @@ that recovers is seen again.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,14 +63,22 @@ __all__ = [
     "DEFAULT_DECAY",
     "DEFAULT_MARGIN",
     "DEFAULT_PROBE_EVERY",
+    "DEFAULT_WAIT_MARGIN",
     "LinkPrior",
     "LoadOrCompute",
+    "LoadWait",
     "TransferCosts",
     "registry_links",
 ]
 
 #: A load is taken when it is at least this many times faster than computing its tokens.
 DEFAULT_MARGIN = 1.25
+#: A load is waited for up to this many times the modelled compute of the blocks up to the end of its next
+#: piece: 1.0 loses at most one piece's compute to a load that never comes; the tenth above absorbs a
+#: healthy tier's jitter (load or compute took the load expecting it DEFAULT_MARGIN times faster).
+DEFAULT_WAIT_MARGIN = 1.1
+#: The pieces of a fetch grow (doubling) until a piece's latency is at most this share of its transfer.
+_PIECE_LATENCY_SHARE = 0.1
 #: The newest measurement's share of each running fit (about the last 1 / decay count).
 DEFAULT_DECAY = 0.1
 #: A tier declined for this many admitted requests in a row is loaded once anyway, to be measured again.
@@ -160,6 +178,38 @@ class _LineFit:
 class _TierCosts:
     fit: _LineFit
     failed: int = 0
+    deadline_misses: int = 0
+    blocks_abandoned: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWait:
+    """How one fetch of blocks is read, and how long its request waits for it.
+
+    ``pieces``: ``(tier, blocks)`` in the order they are read, each one call
+    to the store; ``block_compute_s``: the wait margin times the modelled
+    compute of one block; ``cap_s``: the fixed deadline. After ``landed``
+    blocks have arrived (always at a piece's end), the request waits until
+    :meth:`deadline_s` from the fetch's start for the next piece: never
+    longer than computing every block up to that piece's end would take.
+    """
+
+    pieces: tuple[tuple[str, int], ...]
+    block_compute_s: float
+    cap_s: float
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(blocks for _, blocks in self.pieces)
+
+    def deadline_s(self, landed: int) -> float:
+        """Seconds from the fetch's start its request waits, once its first ``landed`` blocks arrived. O(pieces)."""
+        end = 0
+        for _, blocks in self.pieces:
+            end += blocks
+            if end > landed:
+                break
+        return min(self.cap_s, self.block_compute_s * end)
 
 
 class TransferCosts:
@@ -232,6 +282,22 @@ class TransferCosts:
         costs.fit.add(num_blocks * self.block_bytes, seconds)
         costs.failed += 1
 
+    def note_deadline_miss(self, tier: str, *, late_blocks: int, abandoned_blocks: int, seconds: float) -> None:
+        """A fetch from ``tier`` ran past its deadline: its piece of ``late_blocks`` blocks had not arrived
+        after ``seconds``, and ``abandoned_blocks`` of the tier's blocks were computed instead.
+
+        The piece counts as a fetch of its bytes that took ``seconds`` (it took at least that: the next
+        decision sees a tier this slow at once); its real time, if it comes, is a :meth:`note_load`.
+        """
+        costs = self._tier(tier)
+        check_int("late_blocks", late_blocks)
+        check_int("abandoned_blocks", abandoned_blocks, minimum=0)
+        seconds = _finite("seconds", seconds)
+        costs.fit.add(late_blocks * self.block_bytes, seconds)
+        costs.failed += 1
+        costs.deadline_misses += 1
+        costs.blocks_abandoned += abandoned_blocks
+
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         """One step computed ``num_tokens`` prompt tokens in ``seconds`` (the whole step; 0 tokens: nothing to learn)."""
         check_int("num_tokens", num_tokens, minimum=0)
@@ -255,6 +321,47 @@ class TransferCosts:
         check_int("num_tokens", num_tokens, minimum=0)
         return num_tokens * self._prefill.fit()[1]
 
+    def load_wait(
+        self,
+        runs: Sequence[tuple[str, int]],
+        *,
+        block_size: int,
+        cap_s: float,
+        margin: float = DEFAULT_WAIT_MARGIN,
+    ) -> LoadWait:
+        """The pieces and deadlines of one fetch of ``runs`` (``(tier, blocks)`` in order) of ``block_size`` tokens.
+
+        Each run is read in pieces: the first the smallest whose expected load
+        beats computing it by ``margin`` (1 where none does: the blocks are
+        there to be measured), doubling until a piece's latency is at most a
+        tenth of its transfer. ``cap_s``: the fixed deadline. O(pieces).
+        """
+        check_int("block_size", block_size)
+        cap_s = _finite("cap_s", cap_s, positive=True)
+        margin = _finite("margin", margin, positive=True)
+        block_s = self.compute_seconds(block_size)
+        pieces: list[tuple[str, int]] = []
+        for tier, blocks in runs:
+            costs = self._tier(tier)
+            check_int("blocks", blocks)
+            latency, per_byte = costs.fit.fit()
+            per_block = per_byte * self.block_bytes
+            gain = block_s / margin - per_block  # what each block of a piece earns against its latency
+            if latency <= 0:
+                first = 1
+            elif gain > 0:
+                first = math.ceil(latency / gain)
+            else:
+                first = blocks  # expected slower than computing (a probe): one piece, the whole wait
+            largest = max(first, math.ceil(latency / (_PIECE_LATENCY_SHARE * per_block)))
+            size, left = first, blocks
+            while left:
+                take = min(size, left)
+                pieces.append((tier, take))
+                left -= take
+                size = min(2 * size, largest)
+        return LoadWait(tuple(pieces), margin * block_s, cap_s)
+
     def load_cost(self, tier: str, block_size: int) -> MediumCost:
         """``tier``'s measured cost per fetch and per token of blocks of ``block_size`` tokens."""
         costs = self._tier(tier)
@@ -268,7 +375,9 @@ class TransferCosts:
 
     def figures(self) -> dict[str, Any]:
         """The estimates, as plain numbers: ``prefill_tokens_per_s``, ``prefill_steps``, and per tier
-        ``load_bandwidth_bytes_per_s``, ``load_latency_s``, ``loads`` (fetches measured) and ``failed_loads``."""
+        ``load_bandwidth_bytes_per_s``, ``load_latency_s``, ``loads`` (fetches measured), ``failed_loads``,
+        ``deadline_misses`` (fetches past their deadline, in ``failed_loads`` too) and ``blocks_abandoned``
+        (their blocks computed instead)."""
         tiers = {}
         for name, costs in self._tiers.items():
             latency, per_byte = costs.fit.fit()
@@ -277,6 +386,8 @@ class TransferCosts:
                 "load_latency_s": latency,
                 "loads": costs.fit.count,
                 "failed_loads": costs.failed,
+                "deadline_misses": costs.deadline_misses,
+                "blocks_abandoned": costs.blocks_abandoned,
             }
         return {
             "prefill_tokens_per_s": self.prefill_tokens_per_s(),

@@ -10,7 +10,11 @@ transfer, the store's ``get_many`` or ``put_many``, away from the caller:
   load deadline. A load past its deadline is reported ``timed_out`` at once and
   its late result, if one ever comes, is dropped: the request it served
   computes instead, and only that request waited. A tier that stalls for good
-  ties up at most the pool's threads; later loads time out behind them.
+  ties up at most the pool's threads; later loads time out behind them. A load
+  may bring its own, shorter deadline (``submit_load(fetch, deadline=...)``): a
+  callable asked, on the caller's thread, each time the load is checked, so it
+  may move as the load makes progress (the engine's: bounded by the compute the
+  arrived blocks save, :class:`kvpool.tiers.load_or_compute.LoadWait`).
 * **Saves** go to one thread in submission order, through a queue of bounded
   length. A save that finds the queue full is dropped and counted
   (:attr:`TransferFigures.saves_dropped`): a slow tier then loses blocks it
@@ -115,7 +119,7 @@ class TransferThreads:
         self.figures = TransferFigures()
         self._clock = clock
         self._loads = ThreadPoolExecutor(max_workers=load_threads, thread_name_prefix=f"kvpool-{name}-load")
-        self._pending: dict[int, tuple[Future[object], float]] = {}
+        self._pending: dict[int, tuple[Future[object], float, Callable[[], float] | None]] = {}
         self._next_ticket = 0
         self._load_done = threading.Condition()
         self._saves: queue.Queue[object] = queue.Queue(maxsize=max_queued_saves)
@@ -127,16 +131,22 @@ class TransferThreads:
 
     # -- loads -----------------------------------------------------------------------
 
-    def submit_load(self, fetch: Callable[[], object]) -> int:
-        """Run ``fetch`` on a load thread; returns the ticket :meth:`finished_loads` reports it by."""
+    def submit_load(self, fetch: Callable[[], object], *, deadline: Callable[[], float] | None = None) -> int:
+        """Run ``fetch`` on a load thread; returns the ticket :meth:`finished_loads` reports it by.
+
+        ``deadline``: the seconds from submission this load may take, asked each time it is
+        checked (it may grow as the load progresses); the threads' own deadline bounds it.
+        """
         if not callable(fetch):
             raise ConfigError(f"a load is a callable, got {fetch!r}")
+        if deadline is not None and not callable(deadline):
+            raise ConfigError(f"a load's deadline is a callable answering seconds, got {deadline!r}")
         if self._closed:
             raise ConfigError(f"transfer threads {self.name!r} are closed")
         ticket = self._next_ticket
         self._next_ticket += 1
         future = self._loads.submit(fetch)
-        self._pending[ticket] = (future, self._clock())
+        self._pending[ticket] = (future, self._clock(), deadline)
         self.figures.loads_submitted += 1
         future.add_done_callback(self._wake)
         return ticket
@@ -155,41 +165,51 @@ class TransferThreads:
         """Loads submitted and not yet handed back by :meth:`finished_loads`."""
         return len(self._pending)
 
+    def _deadline(self, deadline: Callable[[], float] | None) -> float:
+        """A load's deadline now, in seconds from its submission: its own, within the threads' one."""
+        if deadline is None:
+            return self.load_deadline_s
+        return min(self.load_deadline_s, max(0.0, float(deadline())))
+
     def finished_loads(self) -> list[LoadOutcome]:
-        """The loads that ended, or ran past the deadline, since the last call; each ticket once. Never blocks."""
+        """The loads that ended, or ran past their deadline, since the last call; each ticket once. Never blocks."""
         if not self._pending:
             return []
         now = self._clock()
         out: list[LoadOutcome] = []
-        for ticket, (future, started) in list(self._pending.items()):
+        for ticket, (future, started, deadline) in list(self._pending.items()):
             if future.done():
                 error = future.exception()
                 value = None if error is not None else future.result()
                 if error is not None:
                     self.figures.loads_failed += 1
                 out.append(LoadOutcome(ticket, value, error, False, now - started))
-            elif now - started >= self.load_deadline_s:
+            elif now - started >= (limit := self._deadline(deadline)):
                 future.cancel()  # not started yet: never runs; running: its result is dropped
                 self.figures.loads_timed_out += 1
-                out.append(LoadOutcome(ticket, None, None, True, self.load_deadline_s))
+                out.append(LoadOutcome(ticket, None, None, True, limit))
             else:
                 continue
             del self._pending[ticket]
         return out
 
     def wait_for_loads(self, timeout: float | None = None) -> bool:
-        """Block until a pending load has ended or reached its deadline (at most ``timeout`` s); True if one did."""
+        """Block until a pending load has ended or reached its deadline (at most ``timeout`` s); True if one did.
+
+        A deadline that moved later meanwhile (its load progressed) may leave :meth:`finished_loads` with
+        nothing yet: the caller asks again.
+        """
         if not self._pending:
             return False
         now = self._clock()
-        first_deadline = min(started for _, started in self._pending.values()) + self.load_deadline_s
+        first_deadline = min(started + self._deadline(deadline) for _, started, deadline in self._pending.values())
         wait = max(0.0, first_deadline - now)
         if timeout is not None:
             wait = min(wait, timeout)
         with self._load_done:
-            if not any(future.done() for future, _ in self._pending.values()):
+            if not any(future.done() for future, _, _ in self._pending.values()):
                 self._load_done.wait(wait)
-        return any(future.done() for future, _ in self._pending.values()) or self._clock() >= first_deadline
+        return any(future.done() for future, _, _ in self._pending.values()) or self._clock() >= first_deadline
 
     # -- saves -----------------------------------------------------------------------
 
@@ -243,7 +263,7 @@ class TransferThreads:
             pass
         else:
             self._saver.join(drain_timeout)  # gone before the caller's process may exit
-        for future, _ in self._pending.values():
+        for future, _, _ in self._pending.values():
             future.cancel()
         self._pending.clear()
         self._loads.shutdown(wait=False, cancel_futures=True)
