@@ -186,7 +186,7 @@ def _words(size: int) -> array[int]:
     return array("Q", bytes(8 * size))
 
 
-class _Replica:
+class _ReplicaClaims:
     """One replica's part of a :class:`MemoryIndex`: its holder bit, its claims' order, their media.
 
     ``log`` / ``log_stamps``: every block it claims, with the clock value its entry was
@@ -249,7 +249,7 @@ class MemoryIndex:
     are linear-probing, 256 of them by the fingerprint's low bits, each grown on its own
     past 80% full, so growing never stalls for more than 1/256 of the blocks.
 
-    Per replica (:class:`_Replica`), a log of the blocks it claims in the order they were
+    Per replica (:class:`_ReplicaClaims`), a log of the blocks it claims in the order they were
     claimed, 16 bytes an entry. A store or a match stamps the blocks it touches with the
     clock, and no more; the cap's eviction reads the log from its oldest entry: a claim
     whose block was stamped since its entry was written is written again at the end (it
@@ -261,7 +261,7 @@ class MemoryIndex:
     Memory: about 60 bytes per claim when no two replicas hold the same block (24 bytes
     per block in tables at least 40% full, 16 per log entry, the log compacted when it
     reaches twice its live claims), and about 20 per claim when a block is held by many.
-    Blocks held in a second medium or group add a dict entry each (:attr:`_Replica.extra`).
+    Blocks held in a second medium or group add a dict entry each (:attr:`_ReplicaClaims.extra`).
 
     ``max_blocks_per_replica`` / ``max_blocks``: the caps (see the module's docstring);
     :meth:`limit` lowers one replica's cap to what it says it can hold.
@@ -295,7 +295,7 @@ class MemoryIndex:
         self._holders: list[list[array[int]]] = []  # [bank][shard]: holder bits per slot
         self._used = [0] * shards  # slots not empty (live or let go)
         self._live = [0] * shards  # slots holding a block
-        self._replicas: dict[str, _Replica] = {}
+        self._replicas: dict[str, _ReplicaClaims] = {}
         self._free_ids: list[int] = []  # ids of replicas cleared, for the next new one
         self._limits: dict[str, int] = {}  # replicas that said how many blocks they hold at most
         self._claims = 0  # (replica, block) pairs held, over all replicas
@@ -380,12 +380,12 @@ class MemoryIndex:
 
     # -- replicas --------------------------------------------------------------------------------
 
-    def _join(self, replica: str) -> _Replica:
+    def _join(self, replica: str) -> _ReplicaClaims:
         if self._free_ids:
             replica_id = self._free_ids.pop()
         else:
             replica_id = len(self._replicas)
-        joined = self._replicas[replica] = _Replica(replica_id)
+        joined = self._replicas[replica] = _ReplicaClaims(replica_id)
         while len(self._holders) <= joined.bank:
             self._holders.append([_words(len(keys)) for keys in self._keys])
         return joined
@@ -456,7 +456,7 @@ class MemoryIndex:
             count = min(self._claims - self.max_blocks, most - runner_up + 1)
             self._drop_oldest(self._replicas[largest], count)
 
-    def _unclaim(self, r: _Replica, fp: int, s: int, i: int) -> None:
+    def _unclaim(self, r: _ReplicaClaims, fp: int, s: int, i: int) -> None:
         holders = self._holders[r.bank][s]
         holders[i] &= ~r.bit
         r.extra.pop(fp, None)
@@ -464,7 +464,7 @@ class MemoryIndex:
         self._claims -= 1
         self._let_go(s, i)
 
-    def _drop_oldest(self, r: _Replica, count: int) -> None:
+    def _drop_oldest(self, r: _ReplicaClaims, count: int) -> None:
         """Drop ``r``'s ``count`` least recently used claims (see the class). O(count) amortized."""
         if count <= 0:
             return
@@ -491,7 +491,7 @@ class MemoryIndex:
         self.dropped += dropped
         self._compact(r)
 
-    def _refill(self, r: _Replica, *, ordered: bool = False) -> None:
+    def _refill(self, r: _ReplicaClaims, *, ordered: bool = False) -> None:
         """Move the oldest :data:`_FRONT` entries of ``r``'s log to its front, sorted by their blocks' stamps.
 
         An entry whose block was used after the entry following the chunk was written
@@ -520,7 +520,7 @@ class MemoryIndex:
         front.sort()
         r.front, r.front_at = front, 0
 
-    def _compact(self, r: _Replica) -> None:
+    def _compact(self, r: _ReplicaClaims) -> None:
         """Rewrite ``r``'s log without dead entries once they outnumber its claims (and :data:`_LOG_SLACK`)."""
         log, stamps = r.log, r.log_stamps
         if len(log) - r.head <= 2 * r.count + _LOG_SLACK:
@@ -665,12 +665,12 @@ class MemoryIndex:
         return matched
 
     @staticmethod
-    def _claims_of(r: _Replica, fp: int) -> tuple[tuple[Medium, int], ...]:
+    def _claims_of(r: _ReplicaClaims, fp: int) -> tuple[tuple[Medium, int], ...]:
         """The (medium, group) pairs holding block ``fp`` at ``r`` (which holds it), in kind order."""
         mask = r.claims_of(fp)
         return tuple(kind for j, kind in enumerate(r.kinds) if mask >> j & 1)
 
-    def _usable(self, r: _Replica, fps: list[int]) -> int:
+    def _usable(self, r: _ReplicaClaims, fps: list[int]) -> int:
         """The longest prefix of ``fps`` every group of a hybrid replica holds what it needs of.
 
         A full-attention group must hold each block up to the prefix's end; a group with a

@@ -24,6 +24,12 @@ Per replica (label ``replica``, its URL, credentials redacted):
   ``kvpool_router_event_lag_seconds`` (the newest live batch: applied minus published).
 
 And ``kvpool_router_no_replica_total`` (requests answered 503 with no replica up).
+
+Routing regret, over the requests routed by prefix (docs/routing.md, "Routing regret"):
+``kvpool_router_cached_tokens_achieved_total`` (the cached tokens the chosen replica held),
+``kvpool_router_cached_tokens_best_available_total`` (the most any replica up held),
+``kvpool_router_regret_requests_total``, and the histogram ``kvpool_router_cached_tokens_ratio``
+of achieved / best-available per request (requests with a best above 0).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Protocol
 
 from kvpool.router.index import BlockIndex
 from kvpool.router.monitor import ReplicaMonitor
+from kvpool.router.ranking import REGRET_BUCKETS, Ranker
 from kvpool.router.replicas import Replica
 from kvpool.router.stats import HashVerdict
 
@@ -56,6 +63,9 @@ class MetricsSource(Protocol):
 
     @property
     def no_replica(self) -> int: ...
+
+    @property
+    def ranker(self) -> Ranker: ...
 
     def precise_for(self, replica: Replica) -> bool: ...
 
@@ -163,6 +173,33 @@ def render_metrics(router: MetricsSource) -> str:
         ("event_lag_seconds", "gauge", "The newest live batch: applied minus published.", "lag"),
     ):
         family(f"kvpool_router_{name}", kind, text, lambda r, f=figure: feed(r, f))  # type: ignore[misc]  # bound
+    regret = router.ranker.regret
+    for name, text, total in (
+        (
+            "cached_tokens_achieved_total",
+            "Cached tokens the chosen replicas held, over requests routed.",
+            regret.achieved_tokens,
+        ),
+        (
+            "cached_tokens_best_available_total",
+            "The most cached tokens any replica up held, over the same requests.",
+            regret.best_tokens,
+        ),
+        ("regret_requests_total", "Requests routed by prefix (those the two above count).", regret.requests),
+    ):
+        lines.append(f"# HELP kvpool_router_{name} {text}")
+        lines.append(f"# TYPE kvpool_router_{name} counter")
+        lines.append(f"kvpool_router_{name} {total}")
+    ratio = "kvpool_router_cached_tokens_ratio"
+    lines.append(f"# HELP {ratio} Per request, cached tokens achieved / best available (a best above 0).")
+    lines.append(f"# TYPE {ratio} histogram")
+    below = 0
+    for bound, count in zip(REGRET_BUCKETS, regret.buckets):
+        below += count
+        lines.append(f'{ratio}_bucket{{le="{bound}"}} {below}')
+    lines.append(f'{ratio}_bucket{{le="+Inf"}} {regret.ratios}')
+    lines.append(f"{ratio}_sum {regret.ratio_sum}")
+    lines.append(f"{ratio}_count {regret.ratios}")
     lines.append("# HELP kvpool_router_no_replica_total Requests answered 503 because no replica was up.")
     lines.append("# TYPE kvpool_router_no_replica_total counter")
     lines.append(f"kvpool_router_no_replica_total {router.no_replica}")

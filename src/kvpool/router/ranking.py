@@ -31,7 +31,7 @@ from kvpool.routing import PrefixMode, Routing, chooser, prefix_aware
 if TYPE_CHECKING:
     from kvpool.openai_http.protocol import GenerationRequest
 
-__all__ = ["LOAD_COST_TOKENS", "NO_KEYS", "PromptKeys", "Ranker"]
+__all__ = ["LOAD_COST_TOKENS", "NO_KEYS", "REGRET_BUCKETS", "PromptKeys", "Ranker", "RoutingRegret"]
 
 #: The tokens of one "block" in the routing rule's exchange rate: ``load_cost`` such blocks
 #: cached are worth one request in flight, whatever block size the replicas use.
@@ -54,6 +54,39 @@ class PromptKeys:
 #: A request that could not be keyed: routed by load.
 NO_KEYS = PromptKeys()
 
+#: Upper bounds of the regret histogram's buckets: achieved / best-available cached tokens.
+REGRET_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.97, 0.99, 1.0)
+
+
+@dataclass(slots=True)
+class RoutingRegret:
+    """Per request routed, the cached tokens its replica held against the most any replica up held then.
+
+    Both in tokens the replicas would serve from cache (:meth:`Ranker.predicted_tokens`:
+    whole blocks, never the prompt's last token), as the ranker saw them when it chose. A
+    request no replica held any of adds to the counts, not to the ratio's histogram.
+    ``buckets[j]``: requests whose ratio is at most :data:`REGRET_BUCKETS` ``[j]`` (not cumulative).
+    """
+
+    requests: int = 0
+    achieved_tokens: int = 0
+    best_tokens: int = 0
+    ratios: int = 0  # requests with a best above 0: those in the histogram
+    ratio_sum: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(REGRET_BUCKETS))
+
+    def note(self, achieved: int, best: int) -> None:
+        """One request routed: its replica held ``achieved`` cached tokens, the best replica ``best``."""
+        self.requests += 1
+        self.achieved_tokens += achieved
+        self.best_tokens += best
+        if best > 0:
+            ratio = achieved / best
+            self.ratios += 1
+            self.ratio_sum += ratio
+            self.buckets[next(j for j, bound in enumerate(REGRET_BUCKETS) if ratio <= bound)] += 1
+
+
 #: The media of a block being computed in a replica's pool (its event, when it comes, names the pool).
 _IN_POOL: frozenset[str | None] = frozenset({None})
 
@@ -64,6 +97,7 @@ class Ranker:
     ``index`` holds the replicas' published blocks, ``approx`` the router's memory of
     where it sent prefixes, and ``computing`` (read only here; the router's bookkeeping
     writes it) the blocks that requests in flight are computing at each replica now.
+    Each :meth:`rank` of a keyed prompt is noted in :attr:`regret`.
     """
 
     def __init__(
@@ -84,6 +118,7 @@ class Ranker:
         self.approx_hasher = BlockHasher(options.approx_block_size)
         self.load_cost = options.load_cost * LOAD_COST_TOKENS  # in cached tokens
         self.rule = chooser(options.routing, load_cost=self.load_cost)
+        self.regret = RoutingRegret()  # what each choice held against the best one (the router's /metrics)
 
     # -- where each replica's prefixes come from ---------------------------------------------
 
@@ -155,8 +190,12 @@ class Ranker:
         candidates = [r for r in self.replicas if r.up]
         ranked: list[tuple[Replica, int]] = []
         if candidates:
-            cached, tokens = self._cached(candidates, keys)
+            cached, tokens, sizes = self._cached(candidates, keys)
             i = self.rule.choose(tokens, [r.load for r in candidates])  # its ties rotate: new prefixes spread
+            if keys is not NO_KEYS:
+                usable = max(0, keys.tokens - 1)  # as predicted_tokens counts them
+                held = [min(n, usable // size) * size if size else 0 for n, size in zip(cached, sizes)]
+                self.regret.note(held[i], max(held))
             while True:
                 ranked.append((candidates.pop(i), cached.pop(i)))
                 tokens.pop(i)
@@ -166,30 +205,39 @@ class Ranker:
                 i = prefix_aware(tokens, [r.load for r in candidates], load_cost=self.load_cost)
         return ranked
 
-    def _cached(self, candidates: Sequence[Replica], keys: PromptKeys) -> tuple[list[int], list[int]]:
-        """Per candidate, the prompt's leading blocks it holds, and the tokens they are credited with."""
+    def _cached(self, candidates: Sequence[Replica], keys: PromptKeys) -> tuple[list[int], list[int], list[int]]:
+        """Per candidate, the prompt's leading blocks it holds, the tokens they are credited with, and its block size.
+
+        The block size is :meth:`block_size`'s; the hashings in use are asked once, not once per replica.
+        """
         cached = [0] * len(candidates)
         tokens = [0] * len(candidates)
+        in_use = self.monitor.hashers()
+        approximate_mode = self.options.prefix_mode is PrefixMode.APPROXIMATE
+        precise = [not approximate_mode and r.events is not None and r.events.hashing in in_use for r in candidates]
+        fallback = self.options.approx_block_size if keys.approx else 0
+        sizes = [r.events.block_size if p and r.events is not None else fallback for r, p in zip(candidates, precise)]
         for hashing, prompt in keys.hashes.items():
             group = [
                 i
                 for i, r in enumerate(candidates)
-                if r.events is not None and r.events.hashing == hashing and self.precise_for(r)
+                if precise[i] and r.events is not None and r.events.hashing == hashing
             ]
             if group and prompt:
                 media = self.index.match_media(prompt, [candidates[i].url for i in group])
                 for i, matched in zip(group, media):
                     held = matched + self._computing_after(candidates[i], prompt, sum(n for _, n in matched))
                     cached[i] = sum(n for _, n in held)
-                    tokens[i] = self.options.credit.credited_tokens(held, self.block_size(candidates[i], keys))
+                    tokens[i] = self.options.credit.credited_tokens(held, sizes[i])
         if keys.approx:
             # in the approximate unit; the rule compares tokens, so each replica counts in its own unit
-            group = [i for i, r in enumerate(candidates) if self.approximate_for(r)]
+            auto = self.options.prefix_mode is PrefixMode.AUTO
+            group = [i for i in range(len(candidates)) if approximate_mode or (auto and not precise[i])]
             found = self.approx.match(keys.approx, [candidates[i].url for i in group])
             for i, n in zip(group, found):
                 cached[i] = n
-                tokens[i] = n * self.block_size(candidates[i], keys)
-        return cached, tokens
+                tokens[i] = n * sizes[i]
+        return cached, tokens, sizes
 
     def _computing_after(self, replica: Replica, prompt: Sequence[BlockHash], held: int) -> HeldMedia:
         """The prompt's blocks after the ``held`` ones that ``replica`` is computing now: in its pool once computed."""
