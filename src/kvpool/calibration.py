@@ -503,7 +503,7 @@ async def _measure(
             continue
         decodes.append(sample)
         progress(
-            f"decode group {i}/{len(groups)}: {batch} sequences, {sample.context_tokens:.0f} context tokens, "
+            f"decode group {i}/{len(groups)}: batch {batch}, {sample.context_tokens:.0f} context tokens, "
             f"ITL {1e3 * sample.itl_s:.2f} ms over {sample.gaps} gaps"
         )
     return Measurements(
@@ -565,8 +565,8 @@ def calibrate(
     url: str,
     plan: CalibrationPlan,
     *,
-    name: str,
     kv_bytes_per_token: int,
+    name: str | None = None,
     model: str | None = None,
     api_key: str | None = None,
     server_command: str | None = None,
@@ -576,10 +576,11 @@ def calibrate(
 ) -> tuple[Measurements, CalibrationFit]:
     """Measure the server at ``url`` with ``plan``, then fit a profile named ``name`` to what it measured.
 
+    ``name`` None: ``fitted-`` and the last path part of the model's name (``fitted-smollm2-135m``).
     The profile's ``source`` names the server (``server_command``: how it was started, when given), the
     model, the time, the machine (before the run) and the fit's error.
     """
-    if not isinstance(name, str) or not name.strip():
+    if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ConfigError(f"a calibrated profile needs a non-empty name, got {name!r}")
     if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token < 1:
         raise ConfigError(f"kv_bytes_per_token must be an integer >= 1, got {kv_bytes_per_token!r}")
@@ -592,5 +593,6 @@ def calibrate(
         f"{list(plan.prompt_tokens)} tokens, {len(run.decodes)} decode groups of batch {list(plan.batch_sizes)} x "
         f"context {list(plan.context_tokens)} tokens decoding {plan.decode_tokens} each, in {run.seconds:.0f} s"
     )
+    name = name or "fitted-" + run.model.rstrip("/").split("/")[-1]
     fit = fit_profile(run.prefills, run.decodes, name=name, source=source, kv_bytes_per_token=kv_bytes_per_token)
     return run, fit

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from kvpool.cli.params import ENVIRONMENT, POSITIVE_INT, FiniteFloatRange, fail, reports_errors, require_extra
-from kvpool.errors import ConfigError, ServiceError
+from kvpool.errors import ServiceError
 
 __all__ = ["calibrate"]
 
@@ -135,16 +135,14 @@ def calibrate(
         decode_tokens=decode_tokens,
         seed=seed,
     )
-    if name is not None and not name.strip():
-        raise ConfigError(f"--name must be a non-empty profile name, got {name!r}")
     out_path = Path(output) if output is not None else None
     if out_path is not None and not out_path.parent.is_dir():
         fail("calibrate", f"--output {output!r}: the folder {str(out_path.parent)!r} does not exist")
     try:
-        run, fit = run_calibration(
+        _, fit = run_calibration(
             url,
             plan,
-            name=name or "calibrating",
+            name=name,
             kv_bytes_per_token=kv_bytes_per_token,
             model=model,
             api_key=api_key,
@@ -154,7 +152,7 @@ def calibrate(
         )
     except ServiceError as exc:
         fail("calibrate", str(exc), ENVIRONMENT)
-    profile = fit.profile if name else fit.profile.with_fields(name="fitted-" + run.model.rstrip("/").split("/")[-1])
+    profile = fit.profile
     for line in fit.report_lines():
         click.echo(line, err=True)
     text = json.dumps(profile.to_dict(), indent=2) + "\n"
