@@ -272,14 +272,18 @@ def _emulation(flags: dict[str, Any]) -> EmulationFlags:
     return emulation
 
 
-def _start_engines(emulation: EmulationFlags, flags: dict[str, Any], *, events: bool, api_keys: Any) -> list[Any]:
+def _start_engines(
+    emulation: EmulationFlags, flags: dict[str, Any], *, events: bool, api_keys: Any
+) -> list[ServedEngine]:
     """kvpool's engine (one), or ``--replicas`` emulated ones."""
     if emulation.emulate is None:
         return [_start_engine(_engine_options(flags, events=events, api_keys=api_keys))]
     return _start_emulated(emulation, flags, events=events, api_keys=api_keys)
 
 
-def _start_emulated(emulation: EmulationFlags, flags: dict[str, Any], *, events: bool, api_keys: Any) -> list[Any]:
+def _start_emulated(
+    emulation: EmulationFlags, flags: dict[str, Any], *, events: bool, api_keys: Any
+) -> list[ServedEngine]:
     """``--replicas`` emulated engines over one tokenizer, their pool from the flags (no torch is imported)."""
     require_extra("serve", "route", "tokenizers", "jinja2")
     from kvpool.checks import parse_size
@@ -308,7 +312,7 @@ def _start_emulated(emulation: EmulationFlags, flags: dict[str, Any], *, events:
         time_scale=emulation.time_scale, seed=emulation.seed, model_name=str(flags["model"]),
         tenant_weights=TenantWeights(dict(api_keys.weights) if api_keys is not None else {}),
     )  # fmt: skip
-    engines = [EmulatedEngine(options, tokenizer) for _ in range(emulation.replicas)]
+    engines: list[ServedEngine] = [EmulatedEngine(options, tokenizer) for _ in range(emulation.replicas)]
     _log(
         f"emulated: {counted(emulation.replicas, 'replica')} of {options.model_name} (tokenizer from {folder}), "
         f"cost profile {profile.name!r} x time scale {options.time_scale:g}; each {options.num_blocks:,} blocks "
@@ -318,7 +322,7 @@ def _start_emulated(emulation: EmulationFlags, flags: dict[str, Any], *, events:
     return engines
 
 
-def _close_tiers(engines: list[Any]) -> None:
+def _close_tiers(engines: list[ServedEngine]) -> None:
     for engine in engines:
         if engine.kv_tiers is not None:
             engine.kv_tiers.close()

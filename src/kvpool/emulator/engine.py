@@ -180,7 +180,7 @@ class EmulatedEngine:
             clock=self.clock.now,
         )
         #: No KV offload tiers are emulated.
-        self.kv_tiers: object | None = None
+        self.kv_tiers: None = None
         self._tokenizer = tokenizer
         self._vocab_size = tokenizer.vocab_size
         self._eos = tokenizer.eos_token_id

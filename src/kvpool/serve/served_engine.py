@@ -23,7 +23,13 @@ if TYPE_CHECKING:
     from kvpool.sampling_params import SamplingParams
     from kvpool.scheduler import Scheduler
 
-__all__ = ["CacheSettings", "EngineSettings", "PoolPlan", "ServedEngine"]
+__all__ = ["CacheSettings", "EngineSettings", "OffloadTiers", "PoolPlan", "ServedEngine"]
+
+
+class OffloadTiers(Protocol):
+    """An engine's KV offload tiers, as the server sees them: it only closes them when it stops."""
+
+    def close(self) -> None: ...
 
 
 class CacheSettings(Protocol):
@@ -78,8 +84,8 @@ class ServedEngine(Protocol):
     def setup(self) -> EngineSettings: ...
 
     @property
-    def kv_tiers(self) -> object | None:
-        """The KV offload tiers, or None (the server reads only whether there are some)."""
+    def kv_tiers(self) -> OffloadTiers | None:
+        """The KV offload tiers, or None (the server reads whether there are some, and closes them)."""
 
     @property
     def tokenizer(self) -> Any:
