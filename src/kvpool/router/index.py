@@ -419,8 +419,10 @@ class MemoryIndex:
         self._clock += n
         added = 0
         keys_of, masks, stamps_of = self._keys, self._masks, self._stamps
-        for j in range(n - 1, -1, -1):  # a chain's root is the newest claim of the batch: dropped last
-            fp = fps[j]
+        stamp = clock
+        log, log_stamps = r.log, r.log_stamps
+        for fp in reversed(fps):  # a chain's root is the newest claim of the batch: dropped last
+            stamp += 1
             s = fp & _SHARD_MASK
             keys = keys_of[s]
             m = masks[s]
@@ -432,7 +434,6 @@ class MemoryIndex:
                     k = keys[i]
                 if k == _EMPTY:
                     s, i = self._insert(fp)
-            stamp = clock + n - j
             stamps_of[s][i] = stamp
             holders = bank[s]
             if holders[i] & bit:
@@ -444,8 +445,8 @@ class MemoryIndex:
                 holders[i] |= bit
                 if kind:
                     extra[fp] = kind_bit
-                r.log.append(fp)
-                r.log_stamps.append(stamp)
+                log.append(fp)
+                log_stamps.append(stamp)
                 added += 1
         r.count += added
         self._claims += added
