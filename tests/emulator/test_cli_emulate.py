@@ -81,6 +81,7 @@ def test_three_replicas_on_port_0_each_answer_health(tokenizer_folder: Path) -> 
     httpx = pytest.importorskip("httpx")
     args = ["serve", "--emulate", "llama-3.1-8b-h100", "--model", str(tokenizer_folder), "--replicas", "3"]
     args += ["--port", "0", "--max-model-len", "512", "--disable-log-stats"]
+    args += ["--kv-events-endpoint", "bind:tcp://127.0.0.1:0", "--no-tenant-isolation"]
     process = subprocess.Popen(
         [sys.executable, "-c", NO_TORCH, *args],
         stderr=subprocess.PIPE,
@@ -100,6 +101,9 @@ def test_three_replicas_on_port_0_each_answer_health(tokenizer_folder: Path) -> 
         for url in urls:
             response = httpx.get(f"{url}/health", timeout=30)
             assert (response.status_code, response.json()) == (200, {"status": "ok"})
+        described = [httpx.get(f"{url}/kv-events", timeout=30).json() for url in urls]
+        assert all(d["enabled"] for d in described)
+        assert len({d["endpoint"] for d in described}) == 3  # each replica publishes on its own endpoint
         answer = httpx.post(
             f"{urls[2]}/v1/completions",
             json={"model": str(tokenizer_folder), "prompt": list(range(10, 40)), "max_tokens": 2},
@@ -112,3 +116,19 @@ def test_three_replicas_on_port_0_each_answer_health(tokenizer_folder: Path) -> 
         _, rest = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, rest
     assert rest.count("stopped serving") == 3
+
+
+def test_replicas_take_consecutive_ports_and_event_endpoints() -> None:
+    from kvpool.emulator.fleet import replica_endpoint, replica_port
+    from kvpool.errors import ConfigError
+
+    assert [replica_port(8001, i) for i in range(3)] == [8001, 8002, 8003]
+    assert [replica_port(0, i) for i in range(3)] == [0, 0, 0]
+    assert replica_endpoint("bind:tcp://127.0.0.1:5557", 2) == "bind:tcp://127.0.0.1:5559"
+    assert replica_endpoint("tcp://*:5557", 1) == "tcp://*:5558"
+    assert replica_endpoint("bind:tcp://127.0.0.1:0", 5) == "bind:tcp://127.0.0.1:0"
+    assert replica_endpoint("ipc:///tmp/events", 0) == "ipc:///tmp/events"
+    with pytest.raises(ConfigError, match="ipc:///tmp/events"):
+        replica_endpoint("ipc:///tmp/events", 1)
+    with pytest.raises(ConfigError, match="65536"):
+        replica_port(65535, 1)
