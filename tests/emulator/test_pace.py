@@ -98,3 +98,19 @@ def test_streaming_over_http_runs_on_the_engines_clock(make_engine: Callable[...
     assert '"finish_reason":"length"' in chunks[-1]  # on a manual clock the deltas come at once: merged chunks
     steps = [_modelled(12, 0, 0)] + [_modelled(0, 1, c) for c in (12, 13, 14, 15)]
     assert engine.clock.now() == pytest.approx(sum(steps))
+
+
+def test_a_pool_too_small_for_the_batch_preempts_and_every_request_still_finishes(
+    make_engine: Callable[..., EmulatedEngine],
+) -> None:
+    engine = make_engine(num_blocks=12, block_size=4)  # 11 usable blocks: 44 tokens for 4 requests of 10 + 12
+    engine.add_requests(
+        [[10 + i] * 10 for i in range(4)], [SamplingParams(max_tokens=12)] * 4, request_ids=["a", "b", "c", "d"]
+    )
+    outputs = engine.run_until_done()
+    assert sorted(outputs) == ["a", "b", "c", "d"]
+    assert all(out.num_output_tokens == 12 for out in outputs.values())
+    assert engine.scheduler.num_preemptions > 0
+    # a preempted request computes its tokens again (prefill chunks, priced as such by step_seconds)
+    assert sum(out.num_computed_tokens for out in outputs.values()) > 4 * (10 + 11)
+    engine.manager.check_invariants()
