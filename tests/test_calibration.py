@@ -264,7 +264,7 @@ def test_calibrating_a_live_server_recovers_its_profile():
     _assert_recovers(fit.profile, rel=0.35)
     assert statistics.median(fit.itl_errors) < 0.15 and statistics.median(fit.ttft_errors) < 0.15
     assert lines[0].startswith(f"calibrating against {url}, model 'fake-model': {PLAN.num_requests} requests")
-    assert sum(line.startswith("decode group") for line in lines) == 6
+    assert sum(line.startswith("decode group batch") for line in lines) == 6
     assert f"fitted by kvpool calibrate against {url}, model 'fake-model'" in fit.profile.source
     assert "ITL error median" in fit.profile.source
 

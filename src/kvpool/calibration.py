@@ -96,7 +96,8 @@ class CalibrationPlan:
 
     ``prompt_tokens``: the prefill points (prompt lengths, each also a chunk size of the profile), each sent
     ``repeats`` times alone with ``max_tokens=1``. ``batch_sizes`` x ``context_tokens``: the decode groups,
-    each ``batch`` requests at once with prompts of that many tokens, each decoding ``decode_tokens``. A server
+    each ``batch`` requests at once with prompts of that many tokens, each decoding ``decode_tokens``, each
+    group ``repeats`` times. A server
     must take prompts of ``max(prompt_tokens, context_tokens) + decode_tokens`` tokens; the prefill points
     should stay within its step's token budget (one chunk), or the point measures several steps.
     """
@@ -126,7 +127,8 @@ class CalibrationPlan:
     @property
     def num_requests(self) -> int:
         """Requests the plan sends (the warm-up included)."""
-        return 1 + len(self.prompt_tokens) * self.repeats + sum(self.batch_sizes) * len(self.context_tokens)
+        decodes = sum(self.batch_sizes) * len(self.context_tokens)
+        return 1 + (len(self.prompt_tokens) + decodes) * self.repeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,24 +445,29 @@ def _prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-def _decode_sample(streams: Sequence[_Stream], planned_tokens: int) -> DecodeSample | None:
-    """The group's median gap while every one of its sequences decoded, and the context those steps read."""
-    start = max(s.token_times[0] for s in streams)
-    end = min(s.token_times[-1] for s in streams)
+def _decode_sample(runs: Sequence[Sequence[_Stream]], planned_tokens: int) -> DecodeSample | None:
+    """A group's median gap while every sequence of its run decoded, over its runs, and the context they read.
+
+    Each run is the group's ``batch`` streams sent at once; its window opens at the last first token and
+    closes at the first last token, so no gap there shares its step with a prefill.
+    """
     gaps: list[float] = []
     positions: list[float] = []
-    for s in streams:
-        prompt = s.prompt_tokens if s.prompt_tokens is not None else planned_tokens
-        times = s.token_times
-        for k in range(len(times) - 1):
-            if times[k] >= start and times[k + 1] <= end:
-                gaps.append(times[k + 1] - times[k])
-                positions.append(prompt + k)  # the step after token k reads the prompt and k output tokens
+    for streams in runs:
+        start = max(s.token_times[0] for s in streams)
+        end = min(s.token_times[-1] for s in streams)
+        for s in streams:
+            prompt = s.prompt_tokens if s.prompt_tokens is not None else planned_tokens
+            times = s.token_times
+            for k in range(len(times) - 1):
+                if times[k] >= start and times[k + 1] <= end:
+                    gaps.append(times[k + 1] - times[k])
+                    positions.append(prompt + k)  # the step after token k reads the prompt and k output tokens
     if not gaps:
         return None
     return DecodeSample(
-        batch=len(streams),
-        context_tokens=len(streams) * statistics.fmean(positions),
+        batch=len(runs[0]),
+        context_tokens=len(runs[0]) * statistics.fmean(positions),
         itl_s=statistics.median(gaps),
         gaps=len(gaps),
     )
@@ -492,19 +499,24 @@ async def _measure(
                 f"TTFT {1e3 * prefills[-1].ttft_s:.1f} ms"
             )
 
-    decodes: list[DecodeSample] = []
     groups = [(b, ctx) for ctx in plan.context_tokens for b in plan.batch_sizes]
-    for i, (batch, ctx) in enumerate(groups, 1):
-        prompts = [_prompt(rng, ctx) for _ in range(batch)]
-        streams = await asyncio.gather(*(client.complete(name, p, plan.decode_tokens) for p in prompts))
-        sample = _decode_sample(streams, ctx)
+    runs: dict[tuple[int, int], list[list[_Stream]]] = {group: [] for group in groups}
+    for rep in range(plan.repeats):  # every group once, then again: load drift spreads over all of them
+        for i, (batch, ctx) in enumerate(groups, 1):
+            prompts = [_prompt(rng, ctx) for _ in range(batch)]
+            streams = await asyncio.gather(*(client.complete(name, p, plan.decode_tokens) for p in prompts))
+            runs[batch, ctx].append(list(streams))
+            progress(f"decode group {i + rep * len(groups)}/{len(groups) * plan.repeats}: batch {batch} x {ctx} tokens")
+    decodes: list[DecodeSample] = []
+    for batch, ctx in groups:
+        sample = _decode_sample(runs[batch, ctx], ctx)
         if sample is None:
-            progress(f"decode group {i}/{len(groups)}: {batch} x {ctx} tokens: no gap while all decoded, skipped")
+            progress(f"decode group batch {batch} x {ctx} tokens: no gap while all its sequences decoded, left out")
             continue
         decodes.append(sample)
         progress(
-            f"decode group {i}/{len(groups)}: batch {batch}, {sample.context_tokens:.0f} context tokens, "
-            f"ITL {1e3 * sample.itl_s:.2f} ms over {sample.gaps} gaps"
+            f"decode group batch {batch} x {ctx} tokens: {sample.context_tokens:.0f} context tokens, "
+            f"ITL {1e3 * sample.itl_s:.2f} ms (median of {sample.gaps} gaps)"
         )
     return Measurements(
         url=client.url,
@@ -591,7 +603,7 @@ def calibrate(
         f"fitted by kvpool calibrate against {server}, model {run.model!r}, at "
         f"{run.started_at:%Y-%m-%d %H:%M} UTC on {machine}: {len(run.prefills)} prefill requests of "
         f"{list(plan.prompt_tokens)} tokens, {len(run.decodes)} decode groups of batch {list(plan.batch_sizes)} x "
-        f"context {list(plan.context_tokens)} tokens decoding {plan.decode_tokens} each, in {run.seconds:.0f} s"
+        f"context {list(plan.context_tokens)} tokens decoding {plan.decode_tokens} each, {plan.repeats} runs a group, in {run.seconds:.0f} s"
     )
     name = name or "fitted-" + run.model.rstrip("/").split("/")[-1]
     fit = fit_profile(run.prefills, run.decodes, name=name, source=source, kv_bytes_per_token=kv_bytes_per_token)
