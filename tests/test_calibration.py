@@ -31,6 +31,7 @@ from kvpool.calibration import (  # noqa: E402
     PrefillSample,
     calibrate,
     fit_profile,
+    measure,
 )
 from kvpool.cli.commands import cli  # noqa: E402
 from kvpool.cost_model import CostProfile, load_profile  # noqa: E402
@@ -149,6 +150,7 @@ class _Sequence:
         self.max_tokens = max_tokens
         self.generated = 0
         self.tokens: Queue[int | None] = Queue()
+        self.prompt = ""
 
 
 class FakeEngine:
@@ -159,13 +161,15 @@ class FakeEngine:
         self._cond = threading.Condition()
         self._waiting: list[_Sequence] = []
         self._running: list[_Sequence] = []
+        self.prompts: list[str] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_tokens: int, max_tokens: int) -> _Sequence:
-        seq = _Sequence(prompt_tokens, max_tokens)
+    def submit(self, prompt: str, max_tokens: int) -> _Sequence:
+        seq = _Sequence(len(prompt.split()), max_tokens)
         with self._cond:
+            self.prompts.append(prompt)
             self._waiting.append(seq)
             self._cond.notify()
         return seq
@@ -228,7 +232,7 @@ def _handler(engine: FakeEngine, mode: str) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(b"data: {not json\n\n")
                 return
             prompt_tokens = len(body["prompt"].split())
-            seq = engine.submit(prompt_tokens, body["max_tokens"])
+            seq = engine.submit(body["prompt"], body["max_tokens"])
             while (n := seq.tokens.get()) is not None:
                 chunk = {"object": "text_completion", "choices": [{"index": 0, "text": f" t{n}"}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -239,8 +243,8 @@ def _handler(engine: FakeEngine, mode: str) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def fake_server(mode: str = "ok") -> Iterator[str]:
-    engine = FakeEngine(KNOWN)
+def fake_server(mode: str = "ok", engine: FakeEngine | None = None) -> Iterator[str]:
+    engine = engine or FakeEngine(KNOWN)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(engine, mode))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
@@ -255,8 +259,14 @@ def fake_server(mode: str = "ok") -> Iterator[str]:
 
 def test_calibrating_a_live_server_recovers_its_profile():
     lines: list[str] = []
-    with fake_server() as url:
+    engine = FakeEngine(KNOWN)
+    with fake_server(engine=engine) as url:
         run, fit = calibrate(url, PLAN, kv_bytes_per_token=1024, progress=lines.append)
+        again = CalibrationPlan(prompt_tokens=(16,), repeats=1, batch_sizes=(1, 2, 3), context_tokens=(16,))
+        measure(url, again)
+    # no two prompts share their first 16 words, not even across runs: nothing can come from a prefix cache
+    assert len(engine.prompts) == PLAN.num_requests + again.num_requests
+    assert len({" ".join(p.split()[:16]) for p in engine.prompts}) == len(engine.prompts)
     assert run.model == "fake-model" and fit.profile.name == "fitted-fake-model"
     assert len(run.prefills) == 6 and len(run.decodes) == 6
     assert [p.prompt_tokens for p in run.prefills] == [16, 64, 256] * 2

@@ -16,8 +16,8 @@ error, none below zero; ``rate`` at each planned prompt length is then the media
 tokenizing) has no field of its own in a :class:`~kvpool.cost_model.CostProfile`: it lands in the
 prefill rates, which is where an emulated replica pays it back (its first token comes that much later).
 
-Every prompt is random words from a seeded generator, so no two share a first block and nothing is
-served from a prefix cache. The fit's error is stated per measurement: the relative error of the
+Every prompt is random words, drawn afresh each run, so no two share a first block and nothing is served
+from a prefix cache (not even the previous run's prompts). The fit's error is stated per measurement: the relative error of the
 profile's prediction against each TTFT and each group's median inter-token gap (median and max), and it
 is written into the profile's ``source`` with the server, the time and the machine.
 
@@ -107,8 +107,6 @@ class CalibrationPlan:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     context_tokens: tuple[int, ...] = (32, 768)
     decode_tokens: int = 24
-    #: Seeds the prompts' words: the same plan and seed send the same requests.
-    seed: int = 0
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -117,7 +115,6 @@ class CalibrationPlan:
         put(self, "context_tokens", _count_list("context_tokens", self.context_tokens, minimum=2))
         _count("repeats", self.repeats, 1)
         _count("decode_tokens", self.decode_tokens, 4)  # a few gaps after every group's prefills
-        _count("seed", self.seed, 0)
         if len(self.batch_sizes) * len(self.context_tokens) < 3:
             raise ConfigError(
                 f"calibration needs at least 3 decode groups to fit 3 decode terms, got batch_sizes "
@@ -483,7 +480,7 @@ async def _measure(
     started_at, t0 = datetime.now(UTC), clock()
     name = await client.model(model)
     progress(f"calibrating against {client.url}, model {name!r}: {plan.num_requests} requests")
-    rng = random.Random(plan.seed)
+    rng = random.Random(os.urandom(16))  # new words every run: a server's prefix cache holds the last run's
     await client.complete(name, _prompt(rng, plan.prompt_tokens[0]), 2)  # warm-up, not measured
 
     prefills: list[PrefillSample] = []

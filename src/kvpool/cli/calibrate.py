@@ -85,7 +85,6 @@ def _progress(line: str) -> None:
     help="Prompt lengths of the decode groups (the context their steps read).",
 )
 @click.option("--decode-tokens", type=POSITIVE_INT, default=24, show_default=True, help="Tokens each group decodes.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seeds the prompts' words.")
 @click.option("--api-key", envvar="VLLM_API_KEY", default=None, help="Bearer key for the server ($VLLM_API_KEY).")
 @click.option(
     "--server-command",
@@ -112,7 +111,6 @@ def calibrate(
     batch_sizes: tuple[int, ...],
     context_tokens: tuple[int, ...],
     decode_tokens: int,
-    seed: int,
     api_key: str | None,
     server_command: str | None,
     timeout_s: float,
@@ -133,7 +131,6 @@ def calibrate(
         batch_sizes=batch_sizes,
         context_tokens=context_tokens,
         decode_tokens=decode_tokens,
-        seed=seed,
     )
     out_path = Path(output) if output is not None else None
     if out_path is not None and not out_path.parent.is_dir():
