@@ -161,8 +161,9 @@ _SHARD_BITS = 8
 _SHARD_MASK = (1 << _SHARD_BITS) - 1
 #: Key values no fingerprint takes (:func:`_fingerprint` sets bit 62): a slot never used, a slot let go.
 _EMPTY, _GONE = 0, 1
-#: Replicas per holder word: a block's holders are bits of one unsigned 64-bit word per 64 replicas.
-_BANK = 64
+#: Replicas per holder word: a block's holders are bits of one unsigned 32-bit word per 32 replicas.
+_BANK = 32
+_HOLDER_TYPE = "I"  # C's unsigned int: 4 bytes wherever CPython runs
 #: Dead entries a replica's claim log may carry beyond its live claims before it is compacted.
 _LOG_SLACK = 1024
 #: Entries the cap's eviction takes from the head of a replica's log at a time, to sort by their stamps.
@@ -183,7 +184,13 @@ def _fingerprint(h: ExternalHash) -> int:
 
 
 def _words(size: int) -> array[int]:
+    """``size`` zeroed stamps (unsigned 64-bit)."""
     return array("Q", bytes(8 * size))
+
+
+def _holder_words(size: int) -> array[int]:
+    """``size`` zeroed holder words (:data:`_BANK` bits each)."""
+    return array(_HOLDER_TYPE, bytes(4 * size))
 
 
 class _ReplicaClaims:
@@ -244,23 +251,25 @@ class MemoryIndex:
 
     Per block, in flat arrays (no Python object per block or claim): its fingerprint (a
     64-bit hash of its hash, keyed per process: two hashes count as one block only when
-    their fingerprints agree, a chance of about 2^-64 per pair), a word of holder bits per
-    64 replicas, and the logical clock value it was last stored or matched at. The tables
+    their fingerprints agree, a chance of about 2^-63 per pair), a word of holder bits per
+    32 replicas, and the logical clock value it was last stored or matched at. The tables
     are linear-probing, 256 of them by the fingerprint's low bits, each grown on its own
     past 80% full, so growing never stalls for more than 1/256 of the blocks.
 
     Per replica (:class:`_ReplicaClaims`), a log of the blocks it claims in the order they were
     claimed, 16 bytes an entry. A store or a match stamps the blocks it touches with the
-    clock, and no more; the cap's eviction reads the log from its oldest entry: a claim
-    whose block was stamped since its entry was written is written again at the end (it
-    was used, it goes last), one whose stamp is unchanged is dropped. So the claims
-    dropped first are the least recently stored or matched, "recently" counted over the
-    fleet (a block another replica stored or a match touched counts as used); each touch
-    costs O(1) once, whatever the number of replicas holding it.
+    clock, and no more: a touch costs O(1) once, whatever the number of replicas holding the
+    block. The cap's eviction takes the log's oldest 1,024 entries at a time, sorts them by
+    their blocks' stamps and drops from the least recent; an entry whose block was used after
+    the rest of the log was written goes to the log's end instead. So the claims dropped
+    first are the least recently stored or matched (exactly, within those 1,024; a claim used
+    later than the entries behind it only counts as newer than it is), "recently" counted
+    over the fleet: a block another replica stored, or a match touched, counts as used.
 
-    Memory: about 60 bytes per claim when no two replicas hold the same block (24 bytes
-    per block in tables at least 40% full, 16 per log entry, the log compacted when it
-    reaches twice its live claims), and about 20 per claim when a block is held by many.
+    Memory, measured at 32 replicas x 500,000 claims (``benchmarks/bench_router_index.py``):
+    60 bytes per claim when no two replicas hold the same block (20 bytes per table slot,
+    the tables 40% to 80% full, and 16 per log entry, the log compacted when it reaches twice
+    its live claims), about 18 per claim when every replica holds the same blocks.
     Blocks held in a second medium or group add a dict entry each (:attr:`_ReplicaClaims.extra`).
 
     ``max_blocks_per_replica`` / ``max_blocks``: the caps (see the module's docstring);
@@ -352,7 +361,7 @@ class MemoryIndex:
         while size < 2 * (self._live[s] + 1):
             size *= 2
         keys, stamps = array("q", bytes(8 * size)), _words(size)
-        holders = [_words(size) for _ in old_holders]
+        holders = [_holder_words(size) for _ in old_holders]
         m = size - 1
         for j, fp in enumerate(old_keys):
             if fp == _EMPTY or fp == _GONE:
@@ -387,7 +396,7 @@ class MemoryIndex:
             replica_id = len(self._replicas)
         joined = self._replicas[replica] = _ReplicaClaims(replica_id)
         while len(self._holders) <= joined.bank:
-            self._holders.append([_words(len(keys)) for keys in self._keys])
+            self._holders.append([_holder_words(len(keys)) for keys in self._keys])
         return joined
 
     def limit(self, replica: str, num_blocks: int | None) -> None:
