@@ -26,6 +26,7 @@ LAYERS = {
     "cost_model": 1,  # how long an engine step takes: named cost profiles (the simulator and the emulator ask it)
     "sampling_params": 2,  # a request's sampling options, their fields and ranges (torch-free; the engine samples)
     "prompts": 2,  # how a prompt becomes token IDs: the rule the engine, the server and the router follow
+    "gguf_tokenizer": 2,  # a bundled model's tokenizer files written from its GGUF's metadata (no torch, no numpy)
     "block": 3,
     "events": 3,
     "kv_events": 4,  # KV events on the wire (vLLM's format); msgspec and pyzmq imported lazily
@@ -51,9 +52,11 @@ LAYERS = {
     "tiers": 12,  # tier kinds, specs, stores, entries and the tier hierarchy connector (torch-free)
     "engine": 13,
     "sim": 13,
-    "emulator": 13,  # replicas with no weights: the real scheduler and manager, time from a cost profile
     "serve": 14,  # the OpenAI-compatible HTTP server over the engine
     "router": 14,  # kvpool route: the prefix-aware front door over replicas (torch-free; a sibling of serve)
+    # replicas with no weights: the real scheduler and manager, time from a cost profile; torch-free, it takes what
+    # requests return and stop strings from the engine's torch-free modules (engine.outputs, engine.stop_strings)
+    "emulator": 14,
     "cli": 15,
     "integrations": 15,  # kvpool inside other servers (vLLM's KV connector); each imports its server only itself
     "__init__": 16,  # the package facade re-exports the core
