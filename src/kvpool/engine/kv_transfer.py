@@ -166,13 +166,15 @@ class _AsyncFetch:
     timings: list[tuple[str, int, float]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     landed: int = 0
-    #: The piece being read: (tier, blocks, when it started, by time.perf_counter).
+    #: The piece being read: (tier, blocks, when it started, by the transfer threads' clock).
     current: tuple[str, int, float] | None = None
     started: bool = False
     abandoned: bool = False
     finished: bool = False
     #: Timings the measurement has been told of.
     noted: int = 0
+    #: The tier of the piece it was reading when its request stopped waiting (owed until the thread is done).
+    late_tier: str | None = None
 
     def deadline_s(self) -> float:
         """Seconds from submission its request waits now (asked by the transfer threads)."""
@@ -373,16 +375,17 @@ class KVTransferWorker:
         """
         arrived: list[bool] = []
         start = 0
+        clock = self._clock()
         with job.lock:
             job.started = True
         try:
             for tier, blocks in job.pieces:
                 stop = start + blocks
-                began = time.perf_counter()
                 with job.lock:
                     if job.abandoned:
                         break
-                    job.current = (tier, blocks, began)
+                    job.current = (tier, blocks, clock())
+                began = time.perf_counter()
                 got = self._fetch_into(tier, job.loads[start:stop], job.views[start:stop])
                 seconds = time.perf_counter() - began
                 self.figures[tier].load_seconds += seconds
@@ -462,14 +465,22 @@ class KVTransferWorker:
             return
         if current is not None:  # the piece being read had not arrived after this long
             tier, blocks, began = current
-            seconds = time.perf_counter() - began
+            seconds = max(0.0, self._clock()() - began)
+            job.late_tier = tier  # owed until the thread is done with it (_note_late)
         else:  # it never started (queued behind other loads): none of its blocks came in the whole wait
             tier, blocks = late_tier, abandoned[late_tier]
             seconds = job.wait.deadline_s(kept) if job.wait is not None else self._fixed_deadline()
-        costs.note_deadline_miss(tier, late_blocks=blocks, abandoned_blocks=abandoned.get(tier, 0), seconds=seconds)
-        for other, count in abandoned.items():
-            if other != tier:
-                costs.note_deadline_miss(other, late_blocks=count, abandoned_blocks=count, seconds=seconds)
+        costs.note_deadline_miss(
+            tier,
+            late_blocks=blocks,
+            abandoned_blocks=abandoned.get(tier, 0),
+            seconds=seconds,
+            reading=current is not None,
+        )
+
+    def _clock(self) -> Callable[[], float]:
+        """The clock deadlines are kept by (the transfer threads'), which a late piece is timed by too."""
+        return time.monotonic if self.threads is None else self.threads.clock
 
     def _fixed_deadline(self) -> float:
         return self.threads.load_deadline_s if self.threads is not None else DEFAULT_LOAD_DEADLINE_S
@@ -490,6 +501,8 @@ class KVTransferWorker:
                 done, timings = job.finished, len(job.timings)
             if done:
                 self._note_costs(job, timings)
+                if job.late_tier is not None and self.costs is not None:
+                    self.costs.note_late_piece_done(job.late_tier)
             else:
                 late.append(job)
         self._late = late
@@ -528,6 +541,11 @@ class KVTransferWorker:
     def num_fetching(self) -> int:
         """Requests whose asynchronous loads are in flight."""
         return len(self._fetching)
+
+    @property
+    def num_late(self) -> int:
+        """Fetches their requests stopped waiting for, whose threads still read a piece (measured when done)."""
+        return len(self._late)
 
     def wait_for_fetches(self, timeout: float) -> None:
         """Block until a fetch in flight ends or reaches its deadline, at most ``timeout`` seconds."""
@@ -745,8 +763,9 @@ class KVTiers:
         return tuple(t.name for t in self.connector.tiers)
 
     def poll(self, scheduler: Scheduler) -> None:
-        """Before a step is planned: hand the scheduler the asynchronous loads that ended since the last step."""
-        if self.worker.num_fetching:
+        """Before a step is planned: hand the scheduler the asynchronous loads that ended since the last step
+        (and measure the late pieces of loads their requests stopped waiting for)."""
+        if self.worker.num_fetching or self.worker.num_late:
             result = self.worker.get_finished()
             if result:
                 scheduler.take_transfers(result)

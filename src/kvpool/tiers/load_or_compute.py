@@ -180,6 +180,7 @@ class _TierCosts:
     failed: int = 0
     deadline_misses: int = 0
     blocks_abandoned: int = 0
+    late_pieces: int = 0  # pieces past their deadline whose read has not ended: the tier owes them
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,12 +283,17 @@ class TransferCosts:
         costs.fit.add(num_blocks * self.block_bytes, seconds)
         costs.failed += 1
 
-    def note_deadline_miss(self, tier: str, *, late_blocks: int, abandoned_blocks: int, seconds: float) -> None:
+    def note_deadline_miss(
+        self, tier: str, *, late_blocks: int, abandoned_blocks: int, seconds: float, reading: bool = True
+    ) -> None:
         """A fetch from ``tier`` ran past its deadline: its piece of ``late_blocks`` blocks had not arrived
         after ``seconds``, and ``abandoned_blocks`` of the tier's blocks were computed instead.
 
-        The piece counts as a fetch of its bytes that took ``seconds`` (it took at least that: the next
-        decision sees a tier this slow at once); its real time, if it comes, is a :meth:`note_load`.
+        The piece counts as a fetch of its bytes that took ``seconds`` (it took at least that), and
+        until its read ends (:meth:`note_late_piece_done`, then its real time is a :meth:`note_load`)
+        the tier :meth:`owes` it: load or compute loads nothing from a tier that owes a piece, so a
+        tier that stalls is not waited on again, and one that trickles is decided on its real time.
+        ``reading`` False: the piece was never started (it queued behind other loads), nothing is owed.
         """
         costs = self._tier(tier)
         check_int("late_blocks", late_blocks)
@@ -297,6 +303,18 @@ class TransferCosts:
         costs.failed += 1
         costs.deadline_misses += 1
         costs.blocks_abandoned += abandoned_blocks
+        costs.late_pieces += reading
+
+    def note_late_piece_done(self, tier: str) -> None:
+        """A piece of ``tier`` that had missed its deadline has been read (or failed) at last."""
+        costs = self._tier(tier)
+        if costs.late_pieces <= 0:
+            raise ConfigError(f"tier {tier!r} owes no late piece")
+        costs.late_pieces -= 1
+
+    def owes(self, tier: str) -> bool:
+        """Whether a piece of ``tier`` that missed its deadline is still being read."""
+        return self._tier(tier).late_pieces > 0
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         """One step computed ``num_tokens`` prompt tokens in ``seconds`` (the whole step; 0 tokens: nothing to learn)."""
@@ -377,7 +395,7 @@ class TransferCosts:
         """The estimates, as plain numbers: ``prefill_tokens_per_s``, ``prefill_steps``, and per tier
         ``load_bandwidth_bytes_per_s``, ``load_latency_s``, ``loads`` (fetches measured), ``failed_loads``,
         ``deadline_misses`` (fetches past their deadline, in ``failed_loads`` too) and ``blocks_abandoned``
-        (their blocks computed instead)."""
+        (their blocks computed instead), ``late_pieces`` (pieces past their deadline still being read)."""
         tiers = {}
         for name, costs in self._tiers.items():
             latency, per_byte = costs.fit.fit()
@@ -388,6 +406,7 @@ class TransferCosts:
                 "failed_loads": costs.failed,
                 "deadline_misses": costs.deadline_misses,
                 "blocks_abandoned": costs.blocks_abandoned,
+                "late_pieces": costs.late_pieces,
             }
         return {
             "prefill_tokens_per_s": self.prefill_tokens_per_s(),
@@ -500,6 +519,11 @@ class LoadOrCompute:
         if not runs or self._probing(runs):
             return match
         costs, bs = self.costs, self.block_size
+        owing = next((i for i, (tier, _) in enumerate(runs) if costs.owes(tier)), None)
+        if owing is not None:  # a tier still reading a piece past its deadline: nothing from it, nor after it
+            runs = runs[:owing]
+            if not runs:
+                return match.truncated(0)
         priced = [(tier, costs.load_cost(tier, bs), blocks) for tier, blocks in runs]
         blocks, _ = most_saved(priced, bs, costs.prefill_tokens_per_s(), margin=self.margin)
         return match if blocks * bs == match.num_tokens else match.truncated(blocks * bs)
