@@ -52,3 +52,39 @@ def test_the_histogram_buckets_hold_each_ratio_once() -> None:
     assert regret.buckets[REGRET_BUCKETS.index(0.5)] == 1
     assert regret.buckets[REGRET_BUCKETS.index(0.97)] == 1
     assert regret.buckets[REGRET_BUCKETS.index(1.0)] == 1
+
+
+def test_the_fallback_order_is_the_prefix_rule_applied_to_those_left() -> None:
+    from kvpool.openai_http.protocol import GenerationEndpoint, parse_generation
+    from kvpool.router import MemoryIndex, RouteOptions, Router
+    from kvpool.router.replica_config import parse_replica
+    from kvpool.routing import prefix_aware
+    from kvpool.tenancy import DEFAULT_TENANT, SaltPolicy
+    from tests.router.fakes import ByteTokenizer
+
+    specs = tuple(
+        parse_replica(f"http://127.0.0.1:{port},events=tcp://127.0.0.1:{port + 1},block-size=16,hash=sha256")
+        for port in range(9300, 9320, 2)
+    )
+    router = Router(
+        RouteOptions(replicas=specs, tokenizer=ByteTokenizer(), keys=None, salts=SaltPolicy.shared()), MemoryIndex()
+    )
+    for replica in router.replicas:
+        replica.up, replica.events = True, replica.described
+    request = parse_generation(
+        GenerationEndpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": "y" * 300}]}
+    )
+    keys = router.prompt_keys(request, DEFAULT_TENANT)
+    prompt = next(iter(keys.hashes.values()))
+    for n, replica in enumerate(router.replicas):  # depths and loads that tie, and that trade against each other
+        router.index.store(replica.url, prompt[: (n * 7) % 12])
+        replica.in_flight = (n * 5) % 3
+    ranked = router.rank(keys)
+    assert sorted(r.url for r, _ in ranked) == sorted(r.url for r in router.replicas)
+    left = [r for r in router.replicas if r is not ranked[0][0]]
+    tokens = {r.url: n * 16 for r, n in ranked}
+    expected = []
+    while left:  # the rule's choice among those left, one at a time
+        i = prefix_aware([tokens[r.url] for r in left], [r.load for r in left], load_cost=router.ranker.load_cost)
+        expected.append(left.pop(i))
+    assert [r for r, _ in ranked[1:]] == expected

@@ -26,7 +26,7 @@ from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompt_hashes import block_hashes
 from kvpool.router.replicas import Hashing, Replica
 from kvpool.router.route_options import RouteOptions
-from kvpool.routing import PrefixMode, Routing, chooser, prefix_aware
+from kvpool.routing import PrefixMode, Routing, chooser
 
 if TYPE_CHECKING:
     from kvpool.openai_http.protocol import GenerationRequest
@@ -191,18 +191,19 @@ class Ranker:
         ranked: list[tuple[Replica, int]] = []
         if candidates:
             cached, tokens, sizes = self._cached(candidates, keys)
-            i = self.rule.choose(tokens, [r.load for r in candidates])  # its ties rotate: new prefixes spread
+            loads = [r.load for r in candidates]
+            i = self.rule.choose(tokens, loads)  # its ties rotate: new prefixes spread
             if keys is not NO_KEYS:
                 usable = max(0, keys.tokens - 1)  # as predicted_tokens counts them
                 held = [min(n, usable // size) * size if size else 0 for n, size in zip(cached, sizes)]
                 self.regret.note(held[i], max(held))
-            while True:
-                ranked.append((candidates.pop(i), cached.pop(i)))
-                tokens.pop(i)
-                if not candidates:
-                    break
-                # the fallbacks, for a retry: the same rule, without moving the chooser's rotation
-                i = prefix_aware(tokens, [r.load for r in candidates], load_cost=self.load_cost)
+            # the fallbacks, for a retry: prefix_aware's order, ties to the smaller load and then to the
+            # earlier replica (a stable sort), without moving the chooser's rotation; one sort, not a choice each
+            cost = self.load_cost
+            rest = sorted(
+                (j for j in range(len(candidates)) if j != i), key=lambda j: (cost * loads[j] - tokens[j], loads[j])
+            )
+            ranked = [(candidates[j], cached[j]) for j in [i, *rest]]
         return ranked
 
     def _cached(self, candidates: Sequence[Replica], keys: PromptKeys) -> tuple[list[int], list[int], list[int]]:
