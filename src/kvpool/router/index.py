@@ -217,6 +217,7 @@ class _ReplicaClaims:
         "front",
         "front_at",
         "groups",
+        "main_media",
     )
 
     def __init__(self, replica_id: int) -> None:
@@ -233,12 +234,15 @@ class _ReplicaClaims:
         self.front: list[tuple[int, int]] = []  # the oldest entries, taken from the log, by stamp
         self.front_at = 0
         self.groups: dict[int, int | None] = {}  # group id -> its tail (hybrid models)
+        self.main_media: frozenset[Medium] = frozenset()  # the medium of its main kind, as match_media names it
 
     def kind(self, medium: Medium, group: int) -> int:
         found = self.kind_ids.get((medium, group))
         if found is None:
             found = self.kind_ids[(medium, group)] = len(self.kinds)
             self.kinds.append((medium, group))
+            if found == 0:
+                self.main_media = frozenset({medium})
         return found
 
     def claims_of(self, fp: int) -> int:
@@ -654,11 +658,18 @@ class MemoryIndex:
         top = self._clock + len(hashes)
         self._clock = top
         ends = {bank: self._walk(hashes, bank, want, top) for bank, want in banks.items()}
+        depth_of: dict[tuple[int, int], int] = {}  # (bank, holder bit) -> the depth its run ended at
+        for bank, runs in ends.items():
+            for d, bits in runs:
+                while bits:
+                    low = bits & -bits
+                    depth_of[(bank, low)] = d
+                    bits ^= low
         fps: list[int] | None = None
         for n, r in known:
             if r is None:
                 continue
-            depth = next(d for d, bits in ends[r.bank] if bits & r.bit)
+            depth = depth_of[(r.bank, r.bit)]
             if not depth:
                 continue
             if len(r.groups) > 1 or (media is not None and r.extra):
@@ -671,7 +682,7 @@ class MemoryIndex:
                 if r.extra and fps is not None:
                     media[replicas[n]] = _runs(self._claims_of(r, fp) for fp in fps[:depth])
                 else:
-                    media[replicas[n]] = ((frozenset({r.kinds[0][0]}), depth),)
+                    media[replicas[n]] = ((r.main_media, depth),)
         return matched
 
     @staticmethod
