@@ -335,3 +335,12 @@ def test_the_library_raises_by_whose_fault_it_is():
         calibrate("localhost:8000", PLAN, kv_bytes_per_token=1)
     with fake_server() as url, pytest.raises(ConfigError, match="does not serve model 'other'; it serves"):
         calibrate(url, PLAN, kv_bytes_per_token=1, model="other")
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-vllm-cpu", "smollm2-135m-kvpool-cpu"])
+def test_the_shipped_fitted_profiles_name_their_server_run_and_error(name):
+    profile = load_profile(name)
+    assert profile.source.startswith("fitted by kvpool calibrate against http://127.0.0.1:")
+    assert " UTC on " in profile.source and "CPUs" in profile.source  # when and on which machine
+    assert "TTFT error median" in profile.source and "ITL error median" in profile.source
+    assert profile.prefill_s_per_token[0][0] == 16 and profile.step_overhead_s > 0
