@@ -431,9 +431,19 @@ def sweep(
             "slower_requests": sum(c.slower for by_size in cells.values() for c in by_size.values()),
             "requests": sum(len(c.loaded_s) for by_size in cells.values() for c in by_size.values()),
         }  # fmt: skip
+        result["deadlines"] = deadline_figures(engines, options.tiers)
         if "redis-50ms" in engines.tiers:
             result["other_request"] = other_requests(engines, options, progress)
         return result
+
+
+def deadline_figures(engines: SweepEngines, tiers: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Per tier measured: its loads that ran past their (compute-bounded) deadline, and their blocks kept and not."""
+    out = {}
+    for t in tiers:
+        figures = next(iter(engines.tiers[t].kv_tier_figures().values()))  # one tier per engine
+        out[t] = {k: int(figures.get(k, 0)) for k in ("deadline_misses", "kept_at_deadline", "timed_out_loads")}
+    return out
 
 
 def other_requests(engines: SweepEngines, options: SweepOptions, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -475,6 +485,11 @@ def print_sweep(result: dict[str, Any]) -> None:
                 f"{r['ratio']:.2f}x | {r['slower']} of {r['repeats']} | {r['tokens_loaded']} |"
             )
     print(f"requests slower with the tier than without: {result['slower_requests']} of {result['requests']}")
+    for tier, d in result.get("deadlines", {}).items():
+        print(
+            f"{tier}: {d['deadline_misses']} loads past their deadline, {d['kept_at_deadline']} blocks taken "
+            f"from them, {d['timed_out_loads']} computed instead"
+        )
     other = result.get("other_request")
     if other:
         print(
