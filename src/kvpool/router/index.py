@@ -22,10 +22,10 @@ group in each claim but counts a block held by any group.
 
 Operations and their cost (``k`` hashes in the call, ``r`` replicas):
 
-* :meth:`store` / :meth:`remove`: O(k).
+* :meth:`store` / :meth:`remove`: O(k) (amortized: a store past a cap drops claims, O(1) each).
 * :meth:`clear`: a replica's cache was reset or its events can no longer be
   trusted; O(blocks it held).
-* :meth:`match`: O(matched blocks x replicas holding them) in memory; one
+* :meth:`match`: O(matched blocks + replicas) in memory (one probe and one AND a block); one
   pipelined round trip in Redis.
 * :meth:`match_media`: :meth:`match`, and the media holding each matched block, in runs
   of blocks held alike (what the router's tier credit weighs,
