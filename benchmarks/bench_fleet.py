@@ -31,8 +31,8 @@ seconds per request (its process tree's, from ``/proc``), and for kvpool's route
 regret (cached tokens achieved over the most any replica held when the request was routed, from
 the router's own ``/metrics``).
 
-    python benchmarks/bench_fleet.py --replicas 8 --count 200 --loads 0.3,0.9,1.5
-    python benchmarks/bench_fleet.py --replicas 32 --count 200 --loads 0.3,0.9,1.5 --time-scale 4
+    python benchmarks/bench_fleet.py --replicas 8 --loads 0.3,0.9,1.5
+    python benchmarks/bench_fleet.py --replicas 32 --loads 0.3,0.9,1.5 --time-scale 4
 """
 
 from __future__ import annotations
@@ -411,7 +411,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--first", type=int, default=0, help="the slice's first trace line")
-    parser.add_argument("--count", type=int, default=200, help="trace lines in the slice")
+    parser.add_argument("--count", type=int, default=None, help="requests in the slice (default: all)")
+    parser.add_argument("--conversations", type=int, default=40, help="keep one conversation in this many")
     parser.add_argument("--loads", default="0.3,0.9,1.5", help="offered prefill over the fleet's servable rate")
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--profile", default="llama-3.1-8b-h100")
@@ -420,7 +421,7 @@ def main() -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="the replicas' (kvpool serve's default)"
     )
-    parser.add_argument("--max-prompt-tokens", type=int, default=16384, help="longer trace prompts are cut to this")
+    parser.add_argument("--max-prompt-tokens", type=int, default=8192, help="longer trace prompts are cut to this")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (the trace's, capped)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="real seconds per modelled second")
     parser.add_argument("--ttft-slo", type=float, default=2.0, help="modelled seconds, for goodput")
@@ -436,12 +437,12 @@ def main() -> None:
     loads = [float(x) for x in args.loads.split(",")]
 
     tokenizer = fleet_workload.load_tokenizer(fleet_workload.default_model_folder())
-    trace = fleet_workload.read_trace(first=args.first, count=args.count)
+    trace = fleet_workload.read_trace(first=args.first, count=args.count, conversations=args.conversations)
     requests = list(fleet_workload.fleet_requests(tokenizer, trace, max_prompt_tokens=args.max_prompt_tokens))
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     (tmp / "secret").write_text(os.urandom(32).hex() + "\n")
     progress(
-        f"{len(requests)} requests (trace lines {args.first}-{args.first + len(requests) - 1}, prompts cut to "
+        f"{len(requests)} requests (one conversation in {args.conversations} from line {args.first}, prompts cut to "
         f"{args.max_prompt_tokens} tokens, {sum(r.prompt_tokens for r in requests):,} prompt tokens, "
         f"{args.max_tokens} output tokens each); {args.replicas} emulated replicas ({args.profile}, "
         f"{args.kv_cache_memory} of KV each, time scale {args.time_scale:g}); logs in {tmp}"
@@ -477,7 +478,8 @@ def main() -> None:
 
 def print_table(results: list[PhaseResult], failures: dict[str, str], args: argparse.Namespace) -> None:
     print(
-        f"\n{args.replicas} replicas, trace lines {args.first}+{args.count}, profile {args.profile}, time scale "
+        f"\n{args.replicas} replicas, one conversation in {args.conversations} from line {args.first} ({args.count or 'all'} "
+        f"requests, prompts cut to {args.max_prompt_tokens}), profile {args.profile}, time scale "
         f"{args.time_scale:g}, TTFT in modelled seconds, goodput: TTFT within {args.ttft_slo:g} s\n"
     )
     print(

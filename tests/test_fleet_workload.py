@@ -72,3 +72,18 @@ def test_a_tokenizer_without_one_token_words_is_refused():
     tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
     with pytest.raises(ValueError, match="one-token words"):
         fleet_workload.one_token_words(tokenizer)
+
+
+def test_a_conversation_sample_keeps_whole_conversations(tmp_path):
+    lines = [
+        {"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [0, 4]},
+        {"timestamp": 5, "input_length": 600, "output_length": 1, "hash_ids": [0, 5]},
+        {"timestamp": 9, "input_length": 1100, "output_length": 1, "hash_ids": [0, 4, 6]},
+        {"timestamp": 12, "input_length": 100, "output_length": 1, "hash_ids": [0]},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    kept = fleet_workload.read_trace(path, conversations=2)
+    assert [(r.index, r.arrival_s) for r in kept] == [(0, 0.0), (2, 0.009)]
+    with pytest.raises(ValueError, match="conversations"):
+        fleet_workload.read_trace(path, conversations=0)
