@@ -114,3 +114,15 @@ def test_a_pool_too_small_for_the_batch_preempts_and_every_request_still_finishe
     # a preempted request computes its tokens again (prefill chunks, priced as such by step_seconds)
     assert sum(out.num_computed_tokens for out in outputs.values()) > 4 * (10 + 11)
     engine.manager.check_invariants()
+
+
+def test_a_stop_string_ends_a_request_by_its_text(make_engine: Callable[..., EmulatedEngine]) -> None:
+    engine = make_engine()
+    engine.add_requests([list(range(10, 20))], [SamplingParams(max_tokens=64, stop=("a",))], request_ids=["a"])
+    engine.add_requests([list(range(10, 20))], [SamplingParams(max_tokens=64)], request_ids=["free"])
+    outputs = engine.run_until_done()
+    free, stopped = outputs["free"], outputs["a"]
+    assert "a" in free.text  # the same prompt draws the same tokens: this one shows where "a" comes
+    assert (stopped.finish_reason.value, stopped.stop_reason) == ("stop", "a")
+    assert stopped.text == free.text[: free.text.index("a")]
+    assert stopped.num_output_tokens < free.num_output_tokens == 64
