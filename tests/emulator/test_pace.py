@@ -126,3 +126,16 @@ def test_a_stop_string_ends_a_request_by_its_text(make_engine: Callable[..., Emu
     assert (stopped.finish_reason.value, stopped.stop_reason) == ("stop", "a")
     assert stopped.text == free.text[: free.text.index("a")]
     assert stopped.num_output_tokens < free.num_output_tokens == 64
+
+
+def test_logprobs_are_the_draws_own(make_engine: Callable[..., EmulatedEngine]) -> None:
+    import math
+
+    engine = make_engine()
+    engine.add_requests([list(range(10, 20))], [SamplingParams(max_tokens=4, logprobs=2)], request_ids=["a"])
+    [output] = engine.run_until_done().values()
+    ordinary = engine.tokenizer.vocab_size - len(engine.tokenizer.special_token_ids)
+    assert output.logprobs is not None and len(output.logprobs) == 4
+    for token, logprobs in zip(output.output_token_ids, output.logprobs):
+        assert logprobs.token_id == token and logprobs.logprob == pytest.approx(-math.log(ordinary))
+        assert len(logprobs.top) == 2 and logprobs.top[0] == (token, logprobs.logprob)
