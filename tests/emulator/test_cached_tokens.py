@@ -96,3 +96,17 @@ def test_a_chat_follow_up_finds_the_first_turn_cached(live: tuple[LiveServer, Em
     # prompt is counted on
     assert _cached(second) >= vllm_hit(tokens["first"], tokens["second"], BLOCK) > 0
     assert second["usage"]["prompt_tokens"] == len(tokens["second"])
+
+
+def test_response_format_is_refused_naming_it(live: tuple[LiveServer, EmulatedEngine]) -> None:
+    server, engine = live
+    body = {
+        "model": "emulated",
+        "messages": [{"role": "user", "content": "alpha"}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_object"},
+    }
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert "response_format" in response.json()["error"]["message"]  # not emulated, or no engine to compile it
+    assert not engine.has_unfinished_requests()

@@ -63,7 +63,15 @@ def _structured(spec: tuple[str, str | None] | None) -> StructuredOutput | None:
     """The engine's ``StructuredOutput`` of a request's ``response_format``, or None (400 naming it if refused)."""
     if spec is None:
         return None
-    from kvpool.engine.structured import StructuredOutput
+    try:
+        from kvpool.engine.structured import StructuredOutput
+    except ImportError as exc:  # an emulated replica on a torch-free install: no engine to follow a grammar
+        raise APIError(
+            400,
+            f"'response_format' cannot be served here: {exc.name or exc} is not installed",
+            param="response_format",
+            code="invalid_value",
+        ) from None
 
     kind, schema = spec
     try:
