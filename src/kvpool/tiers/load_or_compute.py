@@ -79,6 +79,11 @@ DEFAULT_MARGIN = 1.25
 DEFAULT_WAIT_MARGIN = 1.1
 #: The pieces of a fetch grow (doubling) until a piece's latency is at most this share of its transfer.
 _PIECE_LATENCY_SHARE = 0.1
+#: A load is also waited for at most this many times what the tier's estimate says it takes, plus
+#: _EXPECTED_SLACK_S (a loaded machine's thread wake-ups): a tier far slower than its estimate (the first
+#: load from a tier, decided on the registry's prior) is given up early, before it costs a piece's compute.
+_EXPECTED_TOLERANCE = 4.0
+_EXPECTED_SLACK_S = 0.01
 #: The newest measurement's share of each running fit (about the last 1 / decay count).
 DEFAULT_DECAY = 0.1
 #: A tier declined for this many admitted requests in a row is loaded once anyway, to be measured again.
@@ -188,14 +193,18 @@ class LoadWait:
     """How one fetch of blocks is read, and how long its request waits for it.
 
     ``pieces``: ``(tier, blocks)`` in the order they are read, each one call
-    to the store; ``block_compute_s``: the wait margin times the modelled
-    compute of one block; ``cap_s``: the fixed deadline. After ``landed``
-    blocks have arrived (always at a piece's end), the request waits until
+    to the store; ``expected_s``: when each piece is expected to have
+    arrived, by the tiers' estimates, from the fetch's start;
+    ``block_compute_s``: the wait margin times the modelled compute of one
+    block; ``cap_s``: the fixed deadline. After ``landed`` blocks have
+    arrived (always at a piece's end), the request waits until
     :meth:`deadline_s` from the fetch's start for the next piece: never
-    longer than computing every block up to that piece's end would take.
+    longer than computing every block up to that piece's end would take, nor
+    than four times its expected arrival and 10 ms.
     """
 
     pieces: tuple[tuple[str, int], ...]
+    expected_s: tuple[float, ...]
     block_compute_s: float
     cap_s: float
 
@@ -206,11 +215,14 @@ class LoadWait:
     def deadline_s(self, landed: int) -> float:
         """Seconds from the fetch's start its request waits, once its first ``landed`` blocks arrived. O(pieces)."""
         end = 0
-        for _, blocks in self.pieces:
+        expected = 0.0
+        for (_, blocks), arrival in zip(self.pieces, self.expected_s):
             end += blocks
+            expected = arrival
             if end > landed:
                 break
-        return min(self.cap_s, self.block_compute_s * end)
+        bound = min(self.block_compute_s * end, _EXPECTED_TOLERANCE * expected + _EXPECTED_SLACK_S)
+        return min(self.cap_s, bound)
 
 
 class TransferCosts:
@@ -350,15 +362,17 @@ class TransferCosts:
         """The pieces and deadlines of one fetch of ``runs`` (``(tier, blocks)`` in order) of ``block_size`` tokens.
 
         Each run is read in pieces: the first the smallest whose expected load
-        beats computing it by ``margin`` (1 where none does: the blocks are
-        there to be measured), doubling until a piece's latency is at most a
-        tenth of its transfer. ``cap_s``: the fixed deadline. O(pieces).
+        beats computing it by ``margin`` (the whole run where none does),
+        doubling until a piece's latency is at most a tenth of its transfer.
+        ``cap_s``: the fixed deadline. O(pieces).
         """
         check_int("block_size", block_size)
         cap_s = _finite("cap_s", cap_s, positive=True)
         margin = _finite("margin", margin, positive=True)
         block_s = self.compute_seconds(block_size)
         pieces: list[tuple[str, int]] = []
+        expected: list[float] = []
+        arrival = 0.0
         for tier, blocks in runs:
             costs = self._tier(tier)
             check_int("blocks", blocks)
@@ -376,9 +390,11 @@ class TransferCosts:
             while left:
                 take = min(size, left)
                 pieces.append((tier, take))
+                arrival += latency + take * per_block
+                expected.append(arrival)
                 left -= take
                 size = min(2 * size, largest)
-        return LoadWait(tuple(pieces), margin * block_s, cap_s)
+        return LoadWait(tuple(pieces), tuple(expected), margin * block_s, cap_s)
 
     def load_cost(self, tier: str, block_size: int) -> MediumCost:
         """``tier``'s measured cost per fetch and per token of blocks of ``block_size`` tokens."""
