@@ -122,10 +122,12 @@ def test_no_decode_term_is_fitted_below_zero():
     [
         ({"prompt_tokens": (64, 16)}, "prompt_tokens must increase"),
         ({"prompt_tokens": ()}, "prompt_tokens must be a non-empty list"),
-        ({"repeats": 0}, "repeats must be an integer >= 1, got 0"),
+        ({"repeats": 0}, "repeats must be a positive integer, got 0"),
         ({"decode_tokens": 2}, "decode_tokens must be an integer >= 4, got 2"),
-        ({"batch_sizes": (1,), "context_tokens": (16, 32)}, "at least 3 decode groups"),
-        ({"batch_sizes": (0, 2)}, "batch_sizes must be integers >= 1, got 0"),
+        ({"batch_sizes": (1,), "context_tokens": (16, 32)}, r"at least 2 batch_sizes and 2 context_tokens"),
+        ({"context_tokens": (16,)}, r"to tell the 3 decode terms apart, got \[1, 2, 4, 8\] and \[16\]"),
+        ({"batch_sizes": (0, 2)}, "each of calibration batch_sizes must be a positive integer, got 0"),
+        ({"prompt_tokens": (1, 16)}, "each of calibration prompt_tokens must be an integer >= 2, got 1"),
     ],
 )
 def test_a_bad_plan_is_refused_by_its_field(changes, named):
@@ -276,7 +278,7 @@ def test_calibrating_a_live_server_recovers_its_profile():
     engine = FakeEngine(KNOWN)
     with fake_server(engine=engine) as url:
         run, fit = calibrate(url, PLAN, kv_bytes_per_token=1024, progress=lines.append)
-        again = CalibrationPlan(prompt_tokens=(16,), repeats=1, batch_sizes=(1, 2, 3), context_tokens=(16,))
+        again = CalibrationPlan(prompt_tokens=(16,), repeats=1, batch_sizes=(1, 2), context_tokens=(8, 16))
         measure(url, again)
     # no two prompts share their first 16 words, not even across runs: nothing can come from a prefix cache
     assert len(engine.prompts) == PLAN.num_requests + again.num_requests

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from itertools import combinations
 
+from kvpool.checks import check_int
 from kvpool.cost_model import CostProfile
 from kvpool.errors import ConfigError, ExternalDataError, ServiceError
 
@@ -76,18 +77,11 @@ def _count_list(name: str, values: object, *, minimum: int = 1) -> tuple[int, ..
         raise ConfigError(f"calibration {name} must be a non-empty list of integers, got {values!r}")
     out: list[int] = []
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"calibration {name} must be integers >= {minimum}, got {value!r}")
+        check_int(f"each of calibration {name}", value, minimum=minimum)
         if out and value <= out[-1]:
             raise ConfigError(f"calibration {name} must increase, got {value} after {out[-1]}")
         out.append(value)
     return tuple(out)
-
-
-def _count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"calibration {name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,8 +91,7 @@ class CalibrationPlan:
     ``prompt_tokens``: the prefill points (prompt lengths, each also a chunk size of the profile), each sent
     ``repeats`` times alone with ``max_tokens=1``. ``batch_sizes`` x ``context_tokens``: the decode groups,
     each ``batch`` requests at once with prompts of that many tokens, each decoding ``decode_tokens``, each
-    group ``repeats`` times. A server
-    must take prompts of ``max(prompt_tokens, context_tokens) + decode_tokens`` tokens; the prefill points
+    group ``repeats`` times. A server must take prompts of ``max(prompt_tokens, context_tokens) + decode_tokens`` tokens; the prefill points
     should stay within its step's token budget (one chunk), or the point measures several steps.
     """
 
@@ -113,12 +106,14 @@ class CalibrationPlan:
         put(self, "prompt_tokens", _count_list("prompt_tokens", self.prompt_tokens, minimum=2))
         put(self, "batch_sizes", _count_list("batch_sizes", self.batch_sizes))
         put(self, "context_tokens", _count_list("context_tokens", self.context_tokens, minimum=2))
-        _count("repeats", self.repeats, 1)
-        _count("decode_tokens", self.decode_tokens, 4)  # a few gaps after every group's prefills
-        if len(self.batch_sizes) * len(self.context_tokens) < 3:
+        check_int("calibration repeats", self.repeats)
+        check_int("calibration decode_tokens", self.decode_tokens, minimum=4)  # gaps after the group's prefills
+        if len(self.batch_sizes) < 2 or len(self.context_tokens) < 2:
+            # one batch size leaves the overhead and the per-sequence cost one term; one context length
+            # makes the context each step reads proportional to the batch
             raise ConfigError(
-                f"calibration needs at least 3 decode groups to fit 3 decode terms, got batch_sizes "
-                f"{list(self.batch_sizes)} x context_tokens {list(self.context_tokens)}"
+                f"calibration needs at least 2 batch_sizes and 2 context_tokens to tell the 3 decode terms "
+                f"apart, got {list(self.batch_sizes)} and {list(self.context_tokens)}"
             )
 
     @property
