@@ -368,3 +368,21 @@ def test_the_shipped_fitted_profiles_name_their_server_run_and_error(name):
     assert " UTC on " in profile.source and "CPUs" in profile.source  # when and on which machine
     assert "TTFT error median" in profile.source and "ITL error median" in profile.source
     assert profile.prefill_s_per_token[0][0] == 16 and profile.step_overhead_s > 0
+
+
+def test_a_decode_group_counts_only_the_gaps_while_all_its_sequences_decode():
+    from kvpool.calibration import _decode_sample, _Stream
+
+    # A's first token at 0.0 (alone), B's at 0.1; A ends at 0.4, B at 0.5: the window is [0.1, 0.4]
+    a = _Stream(sent=0.0, token_times=[0.0, 0.1, 0.2, 0.3, 0.4], prompt_tokens=10, completion_tokens=5)
+    b = _Stream(sent=0.0, token_times=[0.1, 0.2, 0.3, 0.45, 0.5], prompt_tokens=10, completion_tokens=5)
+    sample = _decode_sample([[a, b]], planned_tokens=99)
+    assert sample is not None
+    # A's gaps after its tokens 1, 2, 3; B's after 0, 1 (its 0.3 -> 0.45 gap ends past the window)
+    assert sample.gaps == 5 and sample.batch == 2
+    assert sample.itl_s == pytest.approx(0.1)
+    assert sample.context_tokens == pytest.approx(2 * (11 + 12 + 13 + 10 + 11) / 5)
+    # no server count: the planned length stands in for the prompt
+    a.prompt_tokens = b.prompt_tokens = None
+    again = _decode_sample([[a, b]], planned_tokens=20)
+    assert again is not None and again.context_tokens == pytest.approx(2 * (21 + 22 + 23 + 20 + 21) / 5)
