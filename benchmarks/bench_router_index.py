@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -150,7 +151,7 @@ class _Bytes:
     def load(self) -> None:
         pass
 
-    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
         return list("".join(m["content"] for m in messages).encode())
 
     def text_tokens(self, prompt: str) -> list[int]:
