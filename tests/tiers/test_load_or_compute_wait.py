@@ -45,18 +45,19 @@ def test_the_deadline_is_the_compute_of_the_blocks_to_the_end_of_the_next_piece_
     w = wait("redis", SLUGGISH, 40)
     per_block = DEFAULT_WAIT_MARGIN * BLOCK_S
     # pieces end at 3, 9, 21, 40 blocks, expected at 10, 20, 30, 40 ms (and a microsecond a block)
-    expected = [4 * (0.01 * (i + 1) + end * 1e-6) + 0.01 for i, end in enumerate((3, 9, 21, 40))]
+    expected = [4 * (0.01 * (i + 1) + end * 1e-6) + 0.02 * (i + 1) for i, end in enumerate((3, 9, 21, 40))]
     assert [w.deadline_s(k) for k in (0, 3, 9, 21)] == pytest.approx(
         [min(e, end * per_block) for e, end in zip(expected, (3, 9, 21, 40))]
     )
-    assert w.deadline_s(21) == pytest.approx(expected[3])  # 40 blocks' compute (176 ms) is the later bound
+    assert w.deadline_s(21) == pytest.approx(40 * per_block)  # the compute is the sooner bound here
     assert wait("redis", SLUGGISH, 40, cap_s=0.05).deadline_s(21) == 0.05  # the fixed deadline bounds it
 
 
 def test_a_tier_far_slower_than_its_estimate_is_given_up_at_four_times_its_expected_arrival():
     slow_prefill = TransferCosts({"redis": FAST}, block_bytes=BLOCK_BYTES, prefill_tokens_per_s=10.0)
     w = slow_prefill.load_wait([("redis", 8)], block_size=BS, cap_s=2.0)  # computing a block: 0.4 s
-    assert w.deadline_s(0) == pytest.approx(4 * 1e-6 + 0.01)  # a block expected in 1 us: 10 ms, not 0.44 s
+    assert w.deadline_s(0) == pytest.approx(4 * 1e-6 + 0.02)  # a block expected in 1 us: 20 ms, not 0.44 s
+    assert w.deadline_s(1) == pytest.approx(4 * 2e-6 + 0.04)  # 20 ms more for each piece
 
 
 @settings(max_examples=60, deadline=None)

@@ -80,10 +80,10 @@ DEFAULT_WAIT_MARGIN = 1.1
 #: The pieces of a fetch grow (doubling) until a piece's latency is at most this share of its transfer.
 _PIECE_LATENCY_SHARE = 0.1
 #: A load is also waited for at most this many times what the tier's estimate says it takes, plus
-#: _EXPECTED_SLACK_S (a loaded machine's thread wake-ups): a tier far slower than its estimate (the first
-#: load from a tier, decided on the registry's prior) is given up early, before it costs a piece's compute.
+#: _EXPECTED_SLACK_S a piece (a loaded machine's thread wake-ups): a tier far slower than its estimate (the
+#: first load from a tier, decided on the registry's prior) is given up early, before it costs a piece's compute.
 _EXPECTED_TOLERANCE = 4.0
-_EXPECTED_SLACK_S = 0.01
+_EXPECTED_SLACK_S = 0.02
 #: The newest measurement's share of each running fit (about the last 1 / decay count).
 DEFAULT_DECAY = 0.1
 #: A tier declined for this many admitted requests in a row is loaded once anyway, to be measured again.
@@ -200,7 +200,7 @@ class LoadWait:
     arrived (always at a piece's end), the request waits until
     :meth:`deadline_s` from the fetch's start for the next piece: never
     longer than computing every block up to that piece's end would take, nor
-    than four times its expected arrival and 10 ms.
+    than four times its expected arrival and 20 ms for each piece to it.
     """
 
     pieces: tuple[tuple[str, int], ...]
@@ -214,14 +214,15 @@ class LoadWait:
 
     def deadline_s(self, landed: int) -> float:
         """Seconds from the fetch's start its request waits, once its first ``landed`` blocks arrived. O(pieces)."""
-        end = 0
+        end = count = 0
         expected = 0.0
         for (_, blocks), arrival in zip(self.pieces, self.expected_s):
             end += blocks
+            count += 1
             expected = arrival
             if end > landed:
                 break
-        bound = min(self.block_compute_s * end, _EXPECTED_TOLERANCE * expected + _EXPECTED_SLACK_S)
+        bound = min(self.block_compute_s * end, _EXPECTED_TOLERANCE * expected + _EXPECTED_SLACK_S * count)
         return min(self.cap_s, bound)
 
 
