@@ -215,15 +215,12 @@ class Ranker:
         tokens = [0] * len(candidates)
         in_use = self.monitor.hashers()
         approximate_mode = self.options.prefix_mode is PrefixMode.APPROXIMATE
-        precise = [not approximate_mode and r.events is not None and r.events.hashing in in_use for r in candidates]
+        hashings = [None if r.events is None else r.events.hashing for r in candidates]  # each built once
+        precise = [not approximate_mode and h is not None and h in in_use for h in hashings]
         fallback = self.options.approx_block_size if keys.approx else 0
         sizes = [r.events.block_size if p and r.events is not None else fallback for r, p in zip(candidates, precise)]
         for hashing, prompt in keys.hashes.items():
-            group = [
-                i
-                for i, r in enumerate(candidates)
-                if precise[i] and r.events is not None and r.events.hashing == hashing
-            ]
+            group = [i for i, h in enumerate(hashings) if precise[i] and h == hashing]
             if group and prompt:
                 media = self.index.match_media(prompt, [candidates[i].url for i in group])
                 for i, matched in zip(group, media):
