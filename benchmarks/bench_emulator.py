@@ -42,8 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_fleet  # noqa: E402
 
-MODEL_NAME = "smollm2-135m"
-
 
 @dataclass
 class Reply:
@@ -72,8 +70,10 @@ def conversations(n: int, turns: int, seed: int) -> list[list[list[dict[str, str
     return out
 
 
-def ask(client: Any, url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[int, int, float, list[float]]:
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+def ask(
+    client: Any, url: str, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[int, int, float, list[float]]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
     start = time.perf_counter()
     stamps: list[float] = []
@@ -102,11 +102,12 @@ def run_side(
 
     replies: dict[tuple[int, int], Reply] = {}
     lock = threading.Lock()
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]  # vLLM names it by its path
 
     def converse(c: int) -> None:
         with httpx.Client(timeout=600) as client:
             for t, messages in enumerate(chats[c]):
-                cached, prompt, ttft, itl = ask(client, url, messages, args.max_tokens)
+                cached, prompt, ttft, itl = ask(client, url, model, messages, args.max_tokens)
                 with lock:
                     replies[(c, t)] = Reply((c, t), cached, prompt, ttft, itl)
 

@@ -46,3 +46,12 @@ def test_an_empty_admin_key_file_is_refused(tmp_path: Path) -> None:
     empty.write_text("\n")
     code, out = run("--replica", "http://127.0.0.1:1", "--no-tenant-isolation", "--admin-key-file", str(empty))
     assert code == 2 and "holds no key" in out
+
+
+def test_the_index_caps_default_to_the_librarys():
+    from kvpool.cli.route import route
+    from kvpool.router.index import MAX_BLOCKS, MAX_BLOCKS_PER_REPLICA
+
+    defaults = {p.name: p.default for p in route.params}
+    assert defaults["index_max_blocks"] == MAX_BLOCKS
+    assert defaults["index_max_blocks_per_replica"] == MAX_BLOCKS_PER_REPLICA

@@ -156,7 +156,7 @@ def _warn(line: str) -> None:
 @click.option(
     "--index-max-blocks",
     type=click.IntRange(min=1),
-    default=2**20,
+    default=2**24,  # kvpool.router.index.MAX_BLOCKS (the index module is imported only when the router starts)
     show_default=True,
     help="Block claims the in-process index keeps over all replicas; past it the oldest are dropped.",
 )
