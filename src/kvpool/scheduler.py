@@ -65,7 +65,7 @@ from enum import Enum
 
 from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.connector import GPU, NO_MATCH, ConnectorMetadata, ExternalMatch, KVConnector, TransferResult
-from kvpool.errors import CapacityError, ConfigError, InvalidTokenError, RequestStateError
+from kvpool.errors import CapacityError, ConfigError, InvalidTokenError, RequestStateError, RequestTooLarge
 from kvpool.fair_share import StepShares, TenantWeights
 from kvpool.hashing import TOKEN_LIMIT, to_token_array
 from kvpool.manager import HitBlocks, KVCacheManager
@@ -81,6 +81,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "StopConditions",
+    "check_output_bound",
 ]
 
 
@@ -157,6 +158,36 @@ class StopConditions:
             _check_token(self.eos_token_id, "eos_token_id")
         if type(self.ignore_eos) is not bool:
             raise ConfigError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+
+def check_output_bound(stops: Sequence[StopConditions], limit: int, *, omitted: bool = False) -> None:
+    """Refuse requests that together may produce more than ``limit`` tokens, or ask that many ``min_tokens``.
+
+    A server's bound on one API request (its prompts times ``n``: ``max_request_tokens``), asked by
+    every engine that takes one. ``omitted``: some request gave no ``max_tokens``, so its
+    ``max_tokens`` here is the rest of the context (the message says so).
+
+    Raises:
+        RequestTooLarge: naming the field (``max_tokens`` or ``min_tokens``) and the totals.
+    """
+    for field, total in (
+        ("max_tokens", sum(s.max_tokens for s in stops)),
+        ("min_tokens", sum(s.min_tokens for s in stops)),
+    ):
+        if total <= limit:
+            continue
+        each = {s.max_tokens if field == "max_tokens" else s.min_tokens for s in stops}
+        what = (
+            f"{len(stops)} sequences x {each.pop()} tokens = {total}"
+            if len(each) == 1 and len(stops) > 1
+            else f"{total} tokens"
+        )
+        raise RequestTooLarge(
+            f"the request may produce {what} ({field}"
+            + (", the rest of the context where it is not given" if field == "max_tokens" and omitted else "")
+            + f"); one request may ask for at most {limit} (the server's max_request_tokens)",
+            field,
+        )
 
 
 def _check_token(token: object, what: str) -> None:

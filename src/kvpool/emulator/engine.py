@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,7 +40,7 @@ from kvpool.emulator.options import EmulatorOptions
 from kvpool.emulator.output_tokens import OutputTokens, TokenDraw
 from kvpool.engine.outputs import IncrementalDetokenizer, RequestDelta, RequestOutput, TokenLogprobs
 from kvpool.engine.stop_strings import StopStrings
-from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError, RequestTooLarge
+from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestStateError
 from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.prompts import check_conversation
@@ -54,6 +54,7 @@ from kvpool.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
     StopConditions,
+    check_output_bound,
 )
 from kvpool.tokenizer_files import FolderTokenizer
 
@@ -283,7 +284,8 @@ class EmulatedEngine:
         ]
         if max_output_tokens is not None:
             check_int("max_output_tokens", max_output_tokens)
-            _check_request_size([stop for _, stop, _ in prepared], max_output_tokens)
+            omitted = any(sp.max_tokens is None for sp in params)
+            check_output_bound([stop for _, stop, _ in prepared], max_output_tokens, omitted=omitted)
         for request, stop, text in prepared:  # every check has passed: queuing cannot fail
             self.scheduler.add_request(request, stop, tenant=tenant)
             self._live[request.request_id] = text
@@ -481,19 +483,3 @@ def _per_prompt(values: Sequence[Any] | None, count: int, what: str) -> list[Any
     if len(values) != count:
         raise ConfigError(f"{what} has {len(values)} entries for {count} prompts")
     return list(values)
-
-
-def _check_request_size(stops: Sequence[StopConditions], limit: int) -> None:
-    """Refuse requests that together may produce more than ``limit`` tokens, or ask that many ``min_tokens``."""
-    field_totals: tuple[tuple[str, Callable[[StopConditions], int]], ...] = (
-        ("max_tokens", lambda s: s.max_tokens),
-        ("min_tokens", lambda s: s.min_tokens),
-    )
-    for field, read in field_totals:
-        total = sum(read(s) for s in stops)
-        if total > limit:
-            raise RequestTooLarge(
-                f"the request may produce {total} tokens ({field}); one request may ask for at most {limit} "
-                "(the server's max_request_tokens)",
-                field,
-            )

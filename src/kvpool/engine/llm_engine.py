@@ -82,7 +82,6 @@ from kvpool.errors import (
     KVPoolError,
     RequestFailed,
     RequestStateError,
-    RequestTooLarge,
 )
 from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
@@ -95,6 +94,7 @@ from kvpool.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
     StopConditions,
+    check_output_bound,
 )
 
 if TYPE_CHECKING:
@@ -687,23 +687,5 @@ class LLMEngine:
 
 
 def _check_request_size(prepared: Sequence[_Prepared], limit: int) -> None:
-    """Refuse requests that together may produce more than ``limit`` tokens, or ask that many ``min_tokens``."""
-    for field, total in (
-        ("max_tokens", sum(p.stop.max_tokens for p in prepared)),
-        ("min_tokens", sum(p.stop.min_tokens for p in prepared)),
-    ):
-        if total <= limit:
-            continue
-        each = {p.stop.max_tokens if field == "max_tokens" else p.stop.min_tokens for p in prepared}
-        what = (
-            f"{len(prepared)} sequences x {each.pop()} tokens = {total}"
-            if len(each) == 1 and len(prepared) > 1
-            else f"{total} tokens"
-        )
-        omitted = field == "max_tokens" and any(p.params.max_tokens is None for p in prepared)
-        raise RequestTooLarge(
-            f"the request may produce {what} ({field}"
-            + (", the rest of the context where it is not given" if omitted else "")
-            + f"); one request may ask for at most {limit} (the server's max_request_tokens)",
-            field,
-        )
+    """Refuse requests that together may produce more than ``limit`` tokens (the scheduler's rule)."""
+    check_output_bound([p.stop for p in prepared], limit, omitted=any(p.params.max_tokens is None for p in prepared))
