@@ -225,9 +225,11 @@ def main() -> None:
             print(
                 f"  conversation {k[0]} turn {k[1]}: vLLM {vllm_replies[k].cached_tokens}, emulated {emulated[k].cached_tokens}"
             )
+    same_set = sorted(map(repr, vllm_hashes)) == sorted(map(repr, emulated_hashes))
     print(
         f"KV events: vLLM stored {len(vllm_hashes)} blocks, the emulated replica {len(emulated_hashes)}; "
-        f"the same hashes in the same order: {vllm_hashes == emulated_hashes}"
+        f"the same hashes: {same_set}; in the same order: {vllm_hashes == emulated_hashes} (conversations run "
+        f"{args.concurrency} at once, so the order of their steps may differ between the servers)"
     )
 
     def med(replies: dict[tuple[int, int], Reply], what: str) -> float:
