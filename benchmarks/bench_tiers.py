@@ -439,10 +439,16 @@ def sweep(
 
 def deadline_figures(engines: SweepEngines, tiers: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """Per tier measured: its loads that ran past their (compute-bounded) deadline, and their blocks kept and not."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for t in tiers:
-        figures = next(iter(engines.tiers[t].kv_tier_figures().values()))  # one tier per engine
+        engine = engines.tiers[t]
+        figures = next(iter(engine.kv_tier_figures().values()))  # one tier per engine
         out[t] = {k: int(figures.get(k, 0)) for k in ("deadline_misses", "kept_at_deadline", "timed_out_loads")}
+        chooser = engine.kv_tiers.chooser
+        if chooser is not None:  # load or compute's decisions and lookups, as /metrics counts them
+            decided = chooser.figures()
+            out[t]["decisions"] = decided["requests"]
+            out[t]["lookups"] = {k: v for k, v in decided["lookups"].items() if k in ("asked", "skipped")}
     return out
 
 
@@ -488,7 +494,8 @@ def print_sweep(result: dict[str, Any]) -> None:
     for tier, d in result.get("deadlines", {}).items():
         print(
             f"{tier}: {d['deadline_misses']} loads past their deadline, {d['kept_at_deadline']} blocks taken "
-            f"from them, {d['timed_out_loads']} computed instead"
+            f"from them, {d['timed_out_loads']} computed instead; decisions {d.get('decisions')}, "
+            f"lookups {d.get('lookups')}"
         )
     other = result.get("other_request")
     if other:

@@ -150,3 +150,16 @@ def test_bad_waits_are_refused_by_name():
         c.load_wait([("disk", 2)], block_size=BS, cap_s=1.0)
     with pytest.raises(ConfigError, match="blocks"):
         c.load_wait([("redis", 0)], block_size=BS, cap_s=1.0)
+
+
+def test_a_lookup_is_skipped_where_no_store_asked_could_be_loaded_from():
+    c = costs(cpu=FAST, redis=FAST, disk=SLOW)
+    rule = LoadOrCompute(c, block_size=BS, probe_every=None)
+    assert rule.worth_looking_up(8, 8 * BS, 2.0, ["redis"])
+    assert not rule.worth_looking_up(8, 8 * BS, 2.0, ["disk"])  # a second a fetch: 8 blocks are never loaded
+    c.note_deadline_miss("redis", late_blocks=1, abandoned_blocks=8, seconds=0.001)
+    assert not rule.worth_looking_up(8, 8 * BS, 2.0, ["redis"])  # it owes a piece
+    assert rule.lookups == {"asked": 1, "skipped": 2}
+    with pytest.raises(ConfigError, match="'nvme'"):
+        rule.worth_looking_up(8, 8 * BS, 2.0, ["nvme"])
+    assert rule.lookups == {"asked": 1, "skipped": 2}  # refused, nothing counted

@@ -29,7 +29,7 @@ can still read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,9 +79,11 @@ class MatchChooser(Protocol):
         """A lookup of ``num_keys`` keys in the stores took ``seconds``."""
         ...
 
-    def worth_looking_up(self, num_keys: int, num_tokens: int, deadline_s: float | None = None) -> bool:
-        """Whether asking the stores is expected to beat computing ``num_tokens`` and the lookup's deadline
-        (counted; it may probe)."""
+    def worth_looking_up(
+        self, num_keys: int, num_tokens: int, deadline_s: float | None = None, tiers: Iterable[str] | None = None
+    ) -> bool:
+        """Whether asking the stores (``tiers``, when given) is expected to beat computing ``num_tokens`` and the
+        lookup's deadline, and could lead to a load (counted; it may probe)."""
         ...
 
 
@@ -244,7 +246,9 @@ class TierHierarchyConnector:
         elif (
             self.chooser is not None
             and not self._lookups.asked(request.request_id, keys)
-            and not self.chooser.worth_looking_up(len(keys), len(keys) * bs, self._lookups.threads.load_deadline_s)
+            and not self.chooser.worth_looking_up(
+                len(keys), len(keys) * bs, self._lookups.threads.load_deadline_s, self._byte_tiers
+            )
         ):
             found = () if self._host_only is None else self._host_only.match(keys)  # waiting would cost more
         else:

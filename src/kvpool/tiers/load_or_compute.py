@@ -498,15 +498,28 @@ class LoadOrCompute:
         intercept, per_key = self._lookup.fit()
         return intercept + per_key * num_keys
 
-    def worth_looking_up(self, num_keys: int, num_tokens: int, deadline_s: float | None = None) -> bool:
+    def worth_looking_up(
+        self, num_keys: int, num_tokens: int, deadline_s: float | None = None, tiers: Iterable[str] | None = None
+    ) -> bool:
         """Whether to ask the stores at all: a lookup expected to outlast computing the ``num_tokens``, or its
         ``deadline_s`` (past which it answers nothing), is skipped (the request computes, or takes the host
-        tier's blocks), save every ``probe_every``-th, which measures the stores again. Counted."""
+        tier's blocks), save every ``probe_every``-th, which measures the stores again. Counted.
+
+        ``tiers``: the stores a lookup asks; when given, a lookup is skipped too where none of them could be
+        loaded from even if it held every key (each owes a late piece, or loading ``num_keys`` blocks from it
+        would not beat computing them): its answer could only be computed, and waiting for it would not be.
+        """
         limit = self.compute_seconds(num_tokens)
         if deadline_s is not None:
             # a lookup that timed out measures its deadline: expecting nine tenths of it is expecting nothing back
             limit = min(limit, _DEADLINE_SHARE * _finite("deadline_s", deadline_s, positive=True))
-        if self.lookup_seconds(num_keys) < limit:
+        useful = True
+        if tiers is not None:
+            names = list(tiers)
+            for name in names:
+                self.costs.load_seconds(name, 0)  # ConfigError naming an unknown tier, before anything is counted
+            useful = any(self._could_load(name, num_keys) for name in names)
+        if useful and self.lookup_seconds(num_keys) < limit:
             self._skipped_in_a_row = 0
         elif self.probe_every is None or self._skipped_in_a_row + 1 < self.probe_every:
             self._skipped_in_a_row += 1
@@ -516,6 +529,19 @@ class LoadOrCompute:
             self._skipped_in_a_row = 0
         self.lookups["asked"] += 1
         return True
+
+    def _could_load(self, tier: str, num_keys: int) -> bool:
+        """Whether a hit of ``num_keys`` blocks in ``tier`` alone would be loaded (in part at least)."""
+        if self.costs.owes(tier) or not num_keys:
+            return False
+        bs = self.block_size
+        blocks, _ = most_saved(
+            [(tier, self.costs.load_cost(tier, bs), num_keys)],
+            bs,
+            self.costs.prefill_tokens_per_s(),
+            margin=self.margin,
+        )
+        return blocks > 0
 
     def _blocks(self, match: object) -> list[tuple[str, int]]:
         """``(tier, blocks)`` of each run; ConfigError naming what is wrong with ``match``."""
