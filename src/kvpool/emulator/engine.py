@@ -446,21 +446,12 @@ class EmulatedEngine:
         if reason is FinishReason.STOP and stop_reason is None and output_ids:
             stop_reason = output_ids[-1]
         ended = reason is FinishReason.EOS or (reason is FinishReason.STOP and text.stop_string is None)
-        finished_at = metrics.finish_time
-        return RequestOutput(
-            request_id=request_id,
+        return RequestOutput.from_metrics(
+            metrics,
             prompt=text.prompt,
             prompt_token_ids=tuple(request.prompt_token_ids),
             output_token_ids=output_ids,
             text=text.final_text(output_ids, ended=ended),
-            finish_reason=reason,
-            num_cached_tokens=metrics.num_cached_tokens,
-            cached_tokens_by_tier=dict(metrics.cached_tokens_by_tier),
-            num_computed_tokens=metrics.num_computed_tokens,
-            time_to_first_token=metrics.time_to_first_token,
-            queue_time=metrics.queue_time,
-            latency=None if finished_at is None else finished_at - metrics.arrival_time,
-            num_preemptions=metrics.num_preemptions,
             stop_reason=stop_reason,
             logprobs=None if text.logprobs is None else tuple(text.logprobs),
         )

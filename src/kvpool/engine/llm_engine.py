@@ -640,21 +640,12 @@ class LLMEngine:
             stop_reason = output_ids[-1]
         ended = reason is FinishReason.EOS or (reason is FinishReason.STOP and not by_text)
         logprobs: tuple[TokenLogprobs, ...] | None = None if state.logprobs is None else tuple(state.logprobs)
-        finished_at = metrics.finish_time
-        return RequestOutput(
-            request_id=request_id,
+        return RequestOutput.from_metrics(
+            metrics,
             prompt=state.prompt,
             prompt_token_ids=tuple(request.prompt_token_ids),
             output_token_ids=output_ids,
             text=state.final_text(output_ids, ended=ended),
-            finish_reason=reason,
-            num_cached_tokens=metrics.num_cached_tokens,
-            cached_tokens_by_tier=dict(metrics.cached_tokens_by_tier),
-            num_computed_tokens=metrics.num_computed_tokens,
-            time_to_first_token=metrics.time_to_first_token,
-            queue_time=metrics.queue_time,
-            latency=None if finished_at is None else finished_at - metrics.arrival_time,
-            num_preemptions=metrics.num_preemptions,
             error=error,
             stop_reason=stop_reason,
             logprobs=logprobs,

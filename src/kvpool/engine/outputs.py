@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvpool.errors import RequestFailed
-from kvpool.scheduler import FinishReason
+from kvpool.scheduler import FinishReason, RequestMetrics
 
 __all__ = [
     "IncrementalDetokenizer",
@@ -79,6 +79,40 @@ class RequestOutput:
     error: RequestFailed | None = None
     stop_reason: int | str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    @classmethod
+    def from_metrics(
+        cls,
+        metrics: RequestMetrics,
+        *,
+        prompt: str | None,
+        prompt_token_ids: tuple[int, ...],
+        output_token_ids: tuple[int, ...],
+        text: str,
+        error: RequestFailed | None = None,
+        stop_reason: int | str | None = None,
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
+    ) -> RequestOutput:
+        """A finished request's output, its counts and times read from the scheduler's ``metrics``."""
+        finished_at = metrics.finish_time
+        return cls(
+            request_id=metrics.request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            text=text,
+            finish_reason=cast(FinishReason, metrics.finish_reason),  # a finished request has its reason
+            num_cached_tokens=metrics.num_cached_tokens,
+            cached_tokens_by_tier=dict(metrics.cached_tokens_by_tier),
+            num_computed_tokens=metrics.num_computed_tokens,
+            time_to_first_token=metrics.time_to_first_token,
+            queue_time=metrics.queue_time,
+            latency=None if finished_at is None else finished_at - metrics.arrival_time,
+            num_preemptions=metrics.num_preemptions,
+            error=error,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
