@@ -234,10 +234,15 @@ def main() -> None:
     (tmp / "stored_hashes.json").write_text(json.dumps({"vllm": [repr(h) for h in vllm_hashes],
                                                        "emulated": [repr(h) for h in emulated_hashes]}))  # fmt: skip
     both = len(set(map(repr, vllm_hashes)) & set(map(repr, emulated_hashes)))
+    bs = vllm_fleet.BLOCK_SIZE
+    # A block the answer's tokens complete holds tokens the emulated replica drew, not the model's.
+    by_output = sum(
+        (r.prompt_tokens + args.max_tokens - 1) // bs > r.prompt_tokens // bs for r in vllm_replies.values()
+    )
     print(
         f"KV events: vLLM stored {len(vllm_hashes)} blocks, the emulated replica {len(emulated_hashes)}; "
-        f"{both} hashes announced by both (a block completed by generated tokens differs: the emulated replica "
-        f"draws other tokens than the model); in the same order: {vllm_hashes == emulated_hashes}"
+        f"{both} hashes announced by both; {by_output} blocks were completed by generated tokens, which differ "
+        f"by design; in the same order: {vllm_hashes == emulated_hashes}"
     )
 
     def med(replies: dict[tuple[int, int], Reply], what: str) -> float:
