@@ -23,8 +23,8 @@ the process CPU (``time.process_time``) over all of them, per call.
 ``--before PATH`` is the ``index.py`` of the code before (a ``git worktree`` of the older
 commit); without it only the current index is measured.
 
-    git worktree add /work/wt-B-before <commit>
-    python benchmarks/bench_router_index.py --before /work/wt-B-before/src/kvpool/router/index.py \\
+    git worktree add /tmp/kvpool-before <commit>
+    python benchmarks/bench_router_index.py --before /tmp/kvpool-before/src/kvpool/router/index.py \\
         --blocks 10000 50000 --before-blocks 10000 50000 --after-blocks 500000
 """
 

@@ -210,6 +210,11 @@ def test_load_or_compute_series_follow_the_engines_chooser() -> None:
     assert _value(metrics, "vllm:kv_tier_load_decisions_total", decision="cut") == 2
     assert _value(metrics, "vllm:kv_tier_load_decisions_total", decision="loaded") == 0
     assert _value(metrics, "vllm:kv_tier_load_latency_seconds", tier="cpu") > 10e-6
+    assert _value(metrics, "vllm:kv_tier_load_deadline_misses_total", tier="redis") == 0
+    chooser.costs.note_deadline_miss("redis", late_blocks=2, abandoned_blocks=5, seconds=0.3)
+    metrics.after_step(engine, [])
+    assert _value(metrics, "vllm:kv_tier_load_deadline_misses_total", tier="redis") == 1
+    assert _value(metrics, "vllm:kv_tier_blocks_abandoned_total", tier="redis") == 5
 
 
 def test_no_load_or_compute_series_without_a_chooser() -> None:

@@ -82,6 +82,11 @@ suffix                                        type       what
                                                          instead (loading was slower), by ``tier``
 ``kv_tier_failed_loads_total``                counter    fetches that failed or missed their deadline,
                                                          by ``tier``
+``kv_tier_load_deadline_misses_total``        counter    fetches whose request stopped waiting at their
+                                                         deadline (the compute their blocks save), by
+                                                         ``tier``
+``kv_tier_blocks_abandoned_total``            counter    blocks of those fetches computed instead, by
+                                                         ``tier``
 ``kv_tier_load_decisions_total``              counter    admitted requests the tiers offered blocks, by
                                                          ``decision``: ``loaded`` (all), ``cut`` (a
                                                          leading part), ``computed`` (none), ``probed``
@@ -528,6 +533,8 @@ class _LoadOrComputeSeries:
         ("kv_tier_blocks_loaded", "blocks_loaded", "Blocks load or compute took from each KV tier."),
         ("kv_tier_blocks_computed", "blocks_computed", "Blocks a KV tier held that were computed instead (slower)."),
         ("kv_tier_failed_loads", "failed_loads", "KV tier fetches that failed or missed their deadline."),
+        ("kv_tier_load_deadline_misses", "deadline_misses", "KV tier fetches past their compute-bounded deadline."),
+        ("kv_tier_blocks_abandoned", "blocks_abandoned", "Blocks of KV tier fetches past their deadline, computed."),
     )
 
     def __init__(self, prefix: str, model_name: str, registry: Any) -> None:

@@ -370,7 +370,12 @@ class TierPlanner:
         elif (
             chooser is not None
             and not self.lookups.asked(request.request_id, keys)
-            and not chooser.worth_looking_up(len(keys), len(keys) * bs, self.lookups.threads.load_deadline_s)
+            and not chooser.worth_looking_up(
+                len(keys),
+                len(keys) * bs,
+                self.lookups.threads.load_deadline_s,
+                [t.name for t in self.policy.tiers if isinstance(t, ByteTier)],  # none worth loading: not asked
+            )
         ):
             runs = self._host_only.match(keys) if self._host_only is not None else ()  # waiting would cost more
         else:
