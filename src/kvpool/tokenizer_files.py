@@ -18,8 +18,18 @@ else and encodes the pieces between them one by one, so a piece's tokens do not 
 on its neighbours; :class:`FolderTokenizer` keeps the tokens of recent pieces
 (:class:`PieceCache`, bounded in characters) and encodes only the new ones. It does so
 only where that cut is exact: no added token strips the whitespace beside it or must
-stand as a whole word, and none is matched after a normalizer. The first chats are also
-encoded whole and compared; a difference turns the piece cache off for good, with a warning.
+stand as a whole word, and none is matched after a normalizer.
+
+A long piece (a long system prompt, a completion's whole text) is cut further, at the
+first *word boundary* after every :data:`CHUNK_CHARS` characters: a single space between
+two letters, where a byte-level BPE's pre-tokenizer always splits (the space starts the
+next word's token). The cuts depend only on the text before them, so two prompts that
+share a prefix share its chunks, and a follow-up encodes only its new text. A completion
+(special tokens asked for) goes by pieces too where the tokenizer adds none.
+
+The first texts encoded by pieces are also encoded whole and compared; a difference turns
+the pieces off for good, with a warning (a tokenizer whose cut is not exact, such as one
+that marks a word's start rather than a space, is caught there).
 
 Besides encoding, it answers what a server asks of a tokenizer (``decode``, ``get_vocab``,
 ``chat_template``, the special tokens' IDs), so an emulated replica serves with it alone.
@@ -41,12 +51,14 @@ from typing import Any
 from kvpool.errors import ConfigError
 from kvpool.prompts import chat_token_ids, text_token_ids
 
-__all__ = ["CHECKED_CHATS", "PACKAGES", "FolderTokenizer", "PieceCache", "missing_packages"]
+__all__ = ["CHECKED_CHATS", "CHUNK_CHARS", "PACKAGES", "FolderTokenizer", "PieceCache", "missing_packages"]
 
 log = logging.getLogger("kvpool.route")
 
 #: Chats encoded both ways (by pieces and whole) and compared before the pieces are trusted alone.
 CHECKED_CHATS = 16
+#: A piece longer than this is cut at its first word boundary after every multiple of it.
+CHUNK_CHARS = 2048
 
 #: What tokenizing from a model folder imports (the ``route`` extra brings both).
 PACKAGES = ("tokenizers", "jinja2")
@@ -124,6 +136,7 @@ class FolderTokenizer:
         "_added",
         "_pieces",
         "_checks_left",
+        "_adds_no_specials",
     )
 
     def __init__(self, folder: str | os.PathLike[str], *, piece_chars: int = 8 * 2**20) -> None:
@@ -140,6 +153,7 @@ class FolderTokenizer:
         self._added: dict[str, int] = {}
         self._pieces = PieceCache(piece_chars) if piece_chars else None
         self._checks_left = CHECKED_CHATS
+        self._adds_no_specials = False  # encoding with special tokens adds none (a completion goes by pieces)
 
     @property
     def by_pieces(self) -> bool:
@@ -191,6 +205,11 @@ class FolderTokenizer:
         self._template = template
         self._template_source = source
         self._cut, self._added = _added_token_cut(tokenizer)
+        self._adds_no_specials = all(
+            tokenizer.encode(probe, add_special_tokens=True).ids
+            == tokenizer.encode(probe, add_special_tokens=False).ids
+            for probe in ("", "a", "a b")
+        )
         self._tokenizer = tokenizer
 
     @property
@@ -253,14 +272,14 @@ class FolderTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token IDs of ``text``; without special tokens, a chat's text goes by pieces where that is exact."""
         self.load()
-        if add_special_tokens or not self.by_pieces:
+        if (add_special_tokens and not self._adds_no_specials) or not self.by_pieces:
             return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
         tokens = self._encode_pieces(text)
         if self._checks_left > 0:
             self._checks_left -= 1
-            whole = list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+            whole = list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
             if whole != tokens:
-                log.warning("this tokenizer's pieces do not add up to its whole encoding: chats are encoded whole")
+                log.warning("this tokenizer's pieces do not add up to its whole encoding: prompts are encoded whole")
                 self._cut = None
                 return whole
         return tokens
@@ -274,12 +293,33 @@ class FolderTokenizer:
             if i % 2:  # the split keeps its separators at odd places: an added token
                 tokens.append(self._added[piece])
             elif piece:
-                ids = cache.get(piece)
-                if ids is None:
-                    ids = list(self._tokenizer.encode(piece, add_special_tokens=False).ids)
-                    cache.put(piece, ids)
-                tokens += ids
+                for chunk in _chunks(piece):
+                    ids = cache.get(chunk)
+                    if ids is None:
+                        ids = list(self._tokenizer.encode(chunk, add_special_tokens=False).ids)
+                        cache.put(chunk, ids)
+                    tokens += ids
         return tokens
+
+
+def _chunks(piece: str, every: int = CHUNK_CHARS) -> list[str]:
+    """``piece`` cut at its first word boundary (a single space between two letters) after every multiple of
+    ``every`` characters: each cut depends only on the text before it, so a shared prefix gives shared chunks."""
+    if len(piece) <= every:
+        return [piece]
+    chunks: list[str] = []
+    begin, mark, end = 0, every, len(piece)
+    while mark < end:
+        i = piece.find(" ", mark)
+        while i != -1 and not (i + 1 < end and piece[i - 1].isalpha() and piece[i + 1].isalpha()):
+            i = piece.find(" ", i + 1)
+        if i == -1:
+            break
+        chunks.append(piece[begin:i])
+        begin = i
+        mark = (i // every + 1) * every
+    chunks.append(piece[begin:])
+    return chunks
 
 
 def _added_token_cut(tokenizer: Any) -> tuple[re.Pattern[str] | None, dict[str, int]]:
