@@ -522,6 +522,118 @@ def run_overhead(args: argparse.Namespace) -> None:
                 p.kill()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """The user plus system CPU seconds process ``pid`` has used (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _relay_prompt(i: int) -> list[dict[str, str]]:
+    words = " ".join(f"w{(i * 7919 + k) % 5003}" for k in range(1500))  # a few thousand tokens, distinct per request
+    return [{"role": "user", "content": f"Request {i}. {words}"}]
+
+
+def run_relay_cpu(args: argparse.Namespace) -> None:
+    """The router's CPU per request, streamed and not, for each source tree in ``--trees``, side by side.
+
+    Two emulated replicas (one process), one ``kvpool route --routing round-robin`` per tree (its
+    ``PYTHONPATH`` set to that tree's ``src``), all started at once; ``--rounds`` rounds, each sending
+    ``--requests`` requests one at a time to every router in turn (streamed, then not), the router's
+    CPU (user + system, from /proc) read around each router's batch. Reported: the median over rounds.
+    """
+    import httpx
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-route-relay-"))
+    (tmp / "secret").write_text(os.urandom(32).hex() + "\n")
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        fleet_cmd = ["serve", "--emulate", args.emulate, "--replicas", "2", "--port", "0", "--disable-log-stats"]
+        fleet_cmd += ["--tenant-secret-file", str(tmp / "secret"), "--max-model-len", "16384", "--num-gpu-blocks-override", "8192"]
+        processes.append(_kvpool(fleet_cmd, tmp / "fleet.log"))
+        urls = _lines_matching(tmp / "fleet.log", r" serving [^\n]*?(http://[0-9.:]+)", 2, processes[0])
+        routers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+        for tree in args.trees:
+            name, _, folder = tree.partition("=")
+            port = _free_port()
+            cmd = ["route", "--port", str(port), "--routing", "round-robin", "--model", args.model]
+            cmd += ["--tenant-secret-file", str(tmp / "secret"), *[a for u in urls for a in ("--replica", u)]]
+            env = dict(os.environ, PYTHONPATH=str(Path(folder) / "src")) if folder else None
+            with open(tmp / f"router-{name}.log", "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "from kvpool.cli import main; main()", *cmd],
+                    stdout=out, stderr=subprocess.STDOUT, env=env,
+                )  # fmt: skip
+            processes.append(proc)
+            routers[name] = (proc, f"http://127.0.0.1:{port}")
+        for name, (_, base) in routers.items():
+            _wait(base + "/health", lambda r: r.status_code == 200, f"router {name}", 120)
+        per: dict[tuple[str, bool], list[float]] = {(n, s): [] for n in routers for s in (True, False)}
+        chunks: list[int] = []
+        with httpx.Client(timeout=60) as client:
+            for base in [b for _, b in routers.values()]:  # warm: connections opened, first calls made
+                for i in range(4):
+                    _relay_request(client, base, args, i, stream=i % 2 == 0)
+            for round_ in range(args.rounds):
+                print(f"round {round_ + 1} of {args.rounds}", file=sys.stderr, flush=True)
+                for stream in (True, False):
+                    for name, (proc, base) in routers.items():
+                        before = _cpu_seconds(proc.pid)
+                        for i in range(args.requests):
+                            n = _relay_request(client, base, args, 1000 * round_ + i, stream=stream)
+                            if stream:
+                                chunks.append(n)
+                        per[name, stream].append((_cpu_seconds(proc.pid) - before) / args.requests)
+        print(
+            f"router CPU per request (user + system), {args.requests} requests one at a time, median of "
+            f"{args.rounds} rounds; 2 emulated replicas ({args.emulate}), --routing round-robin, "
+            f"{args.max_tokens} output tokens ({statistics.median(chunks)} chunks a stream, read as they came); "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
+        print("| tree | streamed | not streamed |")
+        print("| --- | ---: | ---: |")
+        for name in routers:
+            cells = [f"{statistics.median(per[name, s]) * 1e3:.2f} ms" for s in (True, False)]
+            print(f"| {name} | {cells[0]} | {cells[1]} |")
+    finally:
+        for p in processes:
+            p.send_signal(signal.SIGINT)
+        for p in processes:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _lines_matching(log: Path, pattern: str, count: int, proc: subprocess.Popen[bytes]) -> list[str]:
+    import re
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        found = re.findall(pattern, log.read_text(errors="replace"))
+        if len(found) >= count:
+            return found[:count]
+        if proc.poll() is not None:
+            raise SystemExit(f"the fleet exited: {log.read_text(errors='replace')[-600:]}")
+        time.sleep(0.2)
+    raise SystemExit(f"timed out waiting for {count} lines in {log}")
+
+
+def _relay_request(client: Any, base: str, args: argparse.Namespace, i: int, *, stream: bool) -> int:
+    """One chat request through the router; the chunks its stream came in (1 unstreamed)."""
+    body: dict[str, Any] = {"model": args.model, "messages": _relay_prompt(i), "max_tokens": args.max_tokens}
+    if not stream:
+        reply = client.post(base + "/v1/chat/completions", json=body)
+        reply.raise_for_status()
+        return 1
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    n = 0
+    with client.stream("POST", base + "/v1/chat/completions", json=body) as reply:
+        reply.raise_for_status()
+        for _ in reply.iter_raw():
+            n += 1
+    return n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--index", action="store_true", help="time the block index")
@@ -538,6 +650,12 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="the router's own cost per request")
     parser.add_argument("--requests", type=int, default=300, help="--overhead: requests per path")
     parser.add_argument("--profile", default=None, help="--overhead: write the precise router's cProfile here")
+    parser.add_argument("--relay-cpu", action="store_true", help="the router's CPU per request, tree against tree")
+    parser.add_argument(
+        "--trees", nargs="+", default=["after="], help="--relay-cpu: NAME=FOLDER (a checkout; empty: this one)"
+    )
+    parser.add_argument("--emulate", default="llama-3.1-8b-h100", help="--relay-cpu: the replicas' profile")
+    parser.add_argument("--model", default="smollm2-135m", help="--relay-cpu: the replicas' model")
     parser.add_argument("--upstream", nargs=2, type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--conversations", type=int, default=5, help="--fleet; --vllm: at once, per phase")
     parser.add_argument("--turns", type=int, default=3)
@@ -553,8 +671,10 @@ def main() -> None:
     if args.upstream is not None:
         serve_upstream(*args.upstream)
         return
-    if not (args.index or args.fleet or args.vllm or args.overhead):
-        parser.error("say --index, --fleet, --vllm, --overhead or several")
+    if not (args.index or args.fleet or args.vllm or args.overhead or args.relay_cpu):
+        parser.error("say --index, --fleet, --vllm, --overhead, --relay-cpu or several")
+    if args.relay_cpu:
+        run_relay_cpu(args)
     if args.overhead:
         run_overhead(args)
     if args.index:
