@@ -548,7 +548,14 @@ def run_relay_cpu(args: argparse.Namespace) -> None:
     processes: list[subprocess.Popen[bytes]] = []
     try:
         fleet_cmd = ["serve", "--emulate", args.emulate, "--replicas", "2", "--port", "0", "--disable-log-stats"]
-        fleet_cmd += ["--tenant-secret-file", str(tmp / "secret"), "--max-model-len", "16384", "--num-gpu-blocks-override", "8192"]
+        fleet_cmd += [
+            "--tenant-secret-file",
+            str(tmp / "secret"),
+            "--max-model-len",
+            "16384",
+            "--num-gpu-blocks-override",
+            "8192",
+        ]
         processes.append(_kvpool(fleet_cmd, tmp / "fleet.log"))
         urls = _lines_matching(tmp / "fleet.log", r" serving [^\n]*?(http://[0-9.:]+)", 2, processes[0])
         routers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from kvpool.errors import ConfigError
 from kvpool.openai_http import is_loopback
-from kvpool.serve.connections import ConnectionLimits, uvicorn_config
+from kvpool.serve.connections import ConnectionLimits, HttpParser, uvicorn_config
 from kvpool.serve.openai_server import _is_loopback
 from tests.serve.conftest import bound_port
 
@@ -30,7 +30,7 @@ DEADLINE = 30.0  # generous: the machine may be loaded; the assertions wait for 
 class Served:
     """A tiny app under :func:`uvicorn_config` on a thread: ``/`` answers, ``/forever`` streams without end."""
 
-    def __init__(self, limits: ConnectionLimits) -> None:
+    def __init__(self, limits: ConnectionLimits, parser: HttpParser) -> None:
         self.stream_started = threading.Event()
 
         async def hello(request: Request) -> Response:
@@ -46,7 +46,7 @@ class Served:
             return StreamingResponse(chunks())
 
         app = Starlette(routes=[Route("/", hello), Route("/forever", forever)])
-        config = uvicorn_config(app, host="127.0.0.1", port=0, limits=limits, log_level="error")
+        config = uvicorn_config(app, host="127.0.0.1", port=0, limits=limits, parser=parser, log_level="error")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -68,10 +68,19 @@ class Served:
         self.thread.join(DEADLINE)
 
 
+@pytest.fixture(params=[HttpParser.H11, HttpParser.HTTPTOOLS], ids=["h11", "httptools"])
+def parser(request: pytest.FixtureRequest) -> HttpParser:
+    """Every bound holds on both parsers (httptools: the default where it imports)."""
+    if request.param is HttpParser.HTTPTOOLS:
+        pytest.importorskip("httptools")
+    chosen: HttpParser = request.param
+    return chosen
+
+
 @pytest.fixture
-def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+def served(request: pytest.FixtureRequest, parser: HttpParser) -> Iterator[Served]:
     limits = getattr(request, "param", ConnectionLimits(header_timeout=0.5, keep_alive=1, max_connections=4))
-    live = Served(limits)
+    live = Served(limits, parser)
     yield live
     live.stop()
 
@@ -165,3 +174,11 @@ def test_loopback_is_an_address_test_not_a_prefix(host: str | None, local: bool)
     assert is_loopback(host) is local
     request: Any = SimpleNamespace(client=None if host is None else SimpleNamespace(host=host))
     assert _is_loopback(request) is local  # serve's operator routes ask the same
+
+
+def test_the_default_parser_is_httptools_where_it_imports() -> None:
+    pytest.importorskip("httptools")
+    config = uvicorn_config(Starlette(), host="127.0.0.1", port=0, limits=ConnectionLimits())
+    assert HttpParser.AUTO.resolved() is HttpParser.HTTPTOOLS
+    assert config.http.__name__ == "BoundedHttpToolsProtocol"  # type: ignore[union-attr]
+    assert HttpParser.H11.resolved() is HttpParser.H11
