@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from kvpool.errors import ConfigError
 from kvpool.hashing import BlockHash
 from kvpool.kv_events.transport import CurveClient, CurveTrust
+from kvpool.replica_rates import ReplicaRates
 from kvpool.router.stats import ReplicaStats
 
 __all__ = [
@@ -251,7 +252,9 @@ class Replica:
     checks do not bring it back (a quarantine or an ejection; 0: none).
     ``consecutive_failures``: failed answers in a row (5xx, broken connections) since its
     last good one; ``ejections``: ejections in a row with no good answer between (the
-    back-off's exponent); ``ejected``: all its ejections.
+    back-off's exponent); ``ejected``: all its ejections. ``rates``: how fast it works (its
+    ``GET /rates``, or the profile its spec names); ``None`` while unknown, when the router
+    weighs it by its ``--prefill-tokens-per-s`` option.
     """
 
     url: str
@@ -269,6 +272,7 @@ class Replica:
     ejected: int = 0
     last_error: str | None = field(default=None, repr=False)
     stats: ReplicaStats = field(default_factory=ReplicaStats, repr=False)
+    rates: ReplicaRates | None = None
 
     def __post_init__(self) -> None:
         if not self.base:
@@ -293,4 +297,5 @@ class Replica:
             "consecutive_failures": self.consecutive_failures,
             "ejected": self.ejected,
             "hash_check": self.stats.verdict.value,
+            "rates": None if self.rates is None else self.rates.to_json(),
         }
