@@ -45,9 +45,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.hashing import VLLM_DEFAULT_SEED, BlockHasher, HashAlgo
+from kvpool.replica_rates import ReplicaRates
 from kvpool.router.feed import EventFeed
 from kvpool.router.index import BlockIndex
 from kvpool.router.replicas import EventsInfo, Hashing, Replica
@@ -104,6 +106,7 @@ class ReplicaMonitor:
         quarantine: float = 30.0,
         ejection: Ejection | None = None,
         trust: CurveTrust | None = None,
+        rates_interval: float = 5.0,
     ) -> None:
         self.replicas = list(replicas)
         self._trust = trust  # CURVE: the router's keys and the replica keys it follows
@@ -121,6 +124,10 @@ class ReplicaMonitor:
         self._client: httpx.AsyncClient | None = None
         self.on_down: Callable[[str], None] | None = None  # told the URL of each replica marked down
         self._slow: set[str] = set()  # out of rotation for slowness: entries and feeds kept
+        # GET /rates every this many intervals (rarely: rates move slowly, and a check costs the replica too)
+        self.rates_every = max(1, round(rates_interval / interval)) if interval > 0 else 1
+        self.skipped = 0  # periodic checks skipped: the replica had shown life within the interval
+        self.probes = 0  # periodic checks sent on a kept connection (not through the HTTP client)
 
     async def start(self, client: httpx.AsyncClient) -> None:
         self._client = client
@@ -155,12 +162,41 @@ class ReplicaMonitor:
         return found
 
     async def _watch(self, replica: Replica) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self.check(replica)
+        probe = _HealthProbe.for_base(replica.base)
+        beat = 0
+        try:
+            while True:
+                await asyncio.sleep(self.interval)
+                beat += 1
+                if self._heard_lately(replica):
+                    self.skipped += 1
+                elif probe is None:
+                    await self.check(replica)
+                else:
+                    await self._probe(replica, probe)
+                if replica.up and self.rates_every and beat % self.rates_every == 0:
+                    await self.read_rates(replica)
+        finally:
+            if probe is not None:
+                probe.close()
+
+    def _heard_lately(self, replica: Replica) -> bool:
+        """Whether ``replica`` showed it is alive within the last interval: a health check would tell nothing.
+
+        Only an up replica with nothing held against it qualifies (a slow, down, quarantined or
+        ejected one is always checked: its checks are what bring it back). Life is an answer to a
+        request (:meth:`succeeded`) or an event batch its feed applied.
+        """
+        if not replica.up or replica.url in self._slow or replica.held_until > time.monotonic():
+            return False
+        if time.monotonic() - replica.heard_at < self.interval:
+            return True
+        feed = self.feeds.get(replica.url)
+        last = getattr(feed, "last_applied", None)
+        return last is not None and time.time() - last < self.interval
 
     async def check(self, replica: Replica) -> None:
-        """One health check; brings the replica up (events and all) or marks it down."""
+        """One health check (through the HTTP client); brings the replica up (events and all) or marks it down."""
         import httpx
 
         assert self._client is not None
@@ -172,8 +208,26 @@ class ReplicaMonitor:
         except httpx.TransportError as exc:
             self.mark_down(replica, f"/health: {type(exc).__name__}")
             return
-        if response.status_code != 200:
-            self.mark_down(replica, f"/health answered {response.status_code}")
+        await self._answered(replica, response.status_code)
+
+    async def _probe(self, replica: Replica, probe: _HealthProbe) -> None:
+        """The periodic health check on the replica's kept connection: the same verdicts as :meth:`check`."""
+        self.probes += 1
+        try:
+            status = await asyncio.wait_for(probe.get(), self.timeout)
+        except TimeoutError:
+            probe.close()  # an answer may still arrive on it: start the next check on a fresh connection
+            self.mark_slow(replica, f"/health: no answer in {self.timeout:g} s (probe timeout)")
+            return
+        except (OSError, EOFError, ValueError) as exc:
+            probe.close()
+            self.mark_down(replica, f"/health: {type(exc).__name__}")
+            return
+        await self._answered(replica, status)
+
+    async def _answered(self, replica: Replica, status: int) -> None:
+        if status != 200:
+            self.mark_down(replica, f"/health answered {status}")
             return
         if not replica.up and time.monotonic() >= replica.held_until:
             if replica.url in self._slow:  # slow, not gone: its feed and entries were kept
@@ -182,6 +236,35 @@ class ReplicaMonitor:
                 log.info("%s answers again (its index entries and event feed were kept)", replica.url)
             else:
                 await self._bring_up(replica)
+
+    async def read_rates(self, replica: Replica) -> None:
+        """Read a kvpool replica's ``GET /rates`` into ``replica.rates``; a bad answer leaves the old rates.
+
+        A described replica (vLLM) is not asked: its rates come from its spec's profile. A replica that
+        has not stepped yet (``"source": "none yet"``) leaves the old rates too.
+        """
+        import httpx
+
+        if not replica.discover or self._client is None:
+            return
+        where = f"GET {replica.url}/rates"
+        try:
+            response = await self._client.get(replica.base + "/rates", headers=self._operator, timeout=self.timeout)
+        except httpx.TransportError:
+            return  # its health checks judge it; the rates wait for the next read
+        if response.status_code != 200:
+            replica.rates_error = f"{where} answered {response.status_code}"
+            return
+        try:
+            rates = ReplicaRates.from_json(response.content, where)
+        except ConfigError as exc:
+            if replica.rates_error != str(exc):
+                log.warning("%s (its old rates kept)", exc)
+            replica.rates_error = str(exc)
+            return
+        replica.rates_error = None
+        if rates is not None:
+            replica.rates = rates
 
     async def _bring_up(self, replica: Replica) -> None:
         import httpx
@@ -213,6 +296,7 @@ class ReplicaMonitor:
         replica.stats.check.reset()  # maybe another process, with other settings: judged afresh
         replica.stats.verdict = HashVerdict.UNCHECKED
         log.info("%s is up%s", replica.url, "" if replica.events is None else f", events at {replica.events.endpoint}")
+        await self.read_rates(replica)
         if replica.events is not None:
             self.index.limit(replica.url, replica.events.num_blocks)
             feed = EventFeed(replica.url, replica.events, self.index)
@@ -268,7 +352,11 @@ class ReplicaMonitor:
         self.mark_down(replica, f"ejected for {period:g} s: {failures} failed answers in a row, the last {why}")
 
     def succeeded(self, replica: Replica) -> None:
-        """An answer that is not a failure: the count of failures in a row, and the back-off, start over."""
+        """An answer that is not a failure: the count of failures in a row, and the back-off, start over.
+
+        It is a sign of life too: the next health check within the interval is skipped.
+        """
+        replica.heard_at = time.monotonic()
         replica.consecutive_failures = 0
         replica.ejections = 0
 
@@ -300,6 +388,81 @@ class ReplicaMonitor:
         self.index.clear(replica.url)
         if self.on_down is not None:
             self.on_down(replica.url)
+
+
+class _HealthProbe:
+    """``GET /health`` on one kept HTTP/1.1 connection, with asyncio's streams alone.
+
+    The periodic check at every replica, every interval, is the router's idle CPU: through the
+    HTTP client it cost about 5 ms a second per replica; a bare request on a kept connection
+    costs a small part of that (``benchmarks/bench_router_idle.py``). Only a plain ``http://``
+    base without credentials is probed this way (:meth:`for_base`); the others, and every
+    check outside the periodic loop, go through the HTTP client.
+
+    :meth:`get` answers the status code. It raises ``OSError`` (refused, reset), ``EOFError``
+    (closed before an answer) or ``ValueError`` (not an HTTP answer); the caller bounds its
+    time and :meth:`close`s the connection after any of these. A kept connection the replica
+    closed while idle is opened again once, silently.
+    """
+
+    __slots__ = ("_host", "_port", "_reader", "_request", "_writer")
+
+    def __init__(self, host: str, port: int) -> None:
+        self._host, self._port = host, port
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._request = f"GET /health HTTP/1.1\r\nHost: {authority}\r\nAccept: */*\r\n\r\n".encode("ascii")
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    @classmethod
+    def for_base(cls, base: str) -> _HealthProbe | None:
+        parts = urlsplit(base)
+        if parts.scheme != "http" or parts.username is not None or parts.password is not None or not parts.hostname:
+            return None
+        return cls(parts.hostname, parts.port or 80)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+    async def get(self) -> int:
+        reused = self._writer is not None
+        try:
+            return await self._exchange()
+        except (OSError, EOFError):
+            self.close()
+            if not reused:
+                raise
+        return await self._exchange()  # the idle connection had been closed: once more on a fresh one
+
+    async def _exchange(self) -> int:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
+        reader, writer = self._reader, self._writer
+        assert reader is not None
+        writer.write(self._request)
+        head = await reader.readuntil(b"\r\n\r\n")  # IncompleteReadError is an EOFError
+        lines = head.decode("latin-1").split("\r\n")
+        version, _, rest = lines[0].partition(" ")
+        if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
+            raise ValueError(f"not an HTTP answer: {lines[0][:80]!r}")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip().lower()
+        if "content-length" in headers:
+            await reader.readexactly(int(headers["content-length"]))
+        elif headers.get("transfer-encoding") == "chunked":
+            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                await reader.readexactly(size + 2)
+            await reader.readuntil(b"\r\n")
+        else:  # the body runs to the connection's end
+            await reader.read()
+            self.close()
+        if headers.get("connection") == "close" or version == "HTTP/1.0":
+            self.close()
+        return int(rest[:3])
 
 
 def _hasher(info: EventsInfo, url: str) -> BlockHasher | None:

@@ -15,6 +15,7 @@ user information replaced by ``***``.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -273,6 +274,8 @@ class Replica:
     last_error: str | None = field(default=None, repr=False)
     stats: ReplicaStats = field(default_factory=ReplicaStats, repr=False)
     rates: ReplicaRates | None = None
+    rates_error: str | None = field(default=None, repr=False)  # why its last GET /rates was refused
+    heard_at: float = field(default=-math.inf, repr=False)  # monotonic time of its last good answer to a request
 
     def __post_init__(self) -> None:
         if not self.base:
@@ -298,4 +301,5 @@ class Replica:
             "ejected": self.ejected,
             "hash_check": self.stats.verdict.value,
             "rates": None if self.rates is None else self.rates.to_json(),
+            "rates_error": self.rates_error,
         }
