@@ -1,4 +1,4 @@
-"""Which replica takes a request: three routing rules over plain per-replica figures.
+"""Which replica takes a request: five routing rules over plain per-replica figures.
 
 A router (``kvpool route``) and the simulator (``kvpool simulate --replicas``) ask the
 same rules. Each rule sees, for one request and every candidate replica ``i``:
@@ -32,6 +32,38 @@ and returns the index of the chosen replica. The rules:
     load_cost``; past it, the request goes to the less loaded replica (which then
     caches the prefix too). With no cached prefix anywhere the rule is exactly
     least-loaded.
+
+Two more laws see a request's whole figures (:class:`RoutingFigures` per replica: cached
+tokens of this prompt, requests in flight, prompt tokens still to prefill there, prefill
+rate, the seconds a step spends outside prefill) and the prompt's length:
+
+``expected-ttft`` (:class:`ExpectedTtft`, :func:`expected_ttft_s`)
+    the smallest expected seconds to this request's first token. A replica computes, in
+    order, the prompt tokens already waiting there (``prefill_pending``) and then this
+    request's uncached ones, ``work = prefill_pending + prompt_tokens - cached_tokens``, at
+    its ``prefill_tokens_per_s``; it does so in steps of at most ``chunk_tokens`` prompt
+    tokens, and while it has requests in flight every step also runs their decode batch,
+    ``decode_step_s`` (the replica's own figure: its step overhead plus its recent batch's
+    decode work), which the prefill loses::
+
+        ttft = work / prefill_tokens_per_s + ceil(work / chunk_tokens) * decode_step_s   (in flight > 0)
+        ttft = work / prefill_tokens_per_s                                               (idle)
+
+    Every figure is the replica's own, so a faster replica earns its share and a cached
+    prefix is worth exactly the prefill time it saves *there*; no exchange rate is set by
+    hand. A hot prefix stays where it is cached while the queue there costs less than
+    the prefill it saves elsewhere, then goes to the replica where it finishes first
+    (which then caches it too): the shared system prompt is copied on purpose, once its
+    queue says so.
+
+``threshold`` (:class:`ThresholdGate`, :func:`threshold_gate`)
+    the gate SGLang's and vLLM's cache-aware routers use, for comparison, with their
+    defaults (:class:`Thresholds`: 0.3, 64, 1.5). When the fleet is out of balance
+    (``max - min > balance_abs`` requests in flight and ``max > balance_rel * min``),
+    the least loaded; else the replica holding the most of the prompt, if that is more
+    than ``cache`` of its tokens; else the least loaded. (SGLang sends a poor match to the
+    replica whose cache tree is smallest; kvpool has no tree size per replica and sends it
+    to the least loaded.)
 
 Ties left after that: the pure functions (:func:`least_loaded`, :func:`prefix_aware`)
 take the lowest index; the chooser objects (:class:`LeastLoaded`, :class:`PrefixAware`)
@@ -73,6 +105,9 @@ from typing import Protocol
 from kvpool.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_ROUTING",
+    "ExpectedTtft",
     "LeastLoaded",
     "MediumCost",
     "PrefixAware",
@@ -80,11 +115,16 @@ __all__ = [
     "ReplicaChooser",
     "RoundRobin",
     "Routing",
+    "RoutingFigures",
+    "ThresholdGate",
+    "Thresholds",
     "TierCredit",
     "chooser",
+    "expected_ttft_s",
     "least_loaded",
     "most_saved",
     "prefix_aware",
+    "threshold_gate",
 ]
 
 
@@ -94,6 +134,21 @@ class Routing(enum.Enum):
     PREFIX = "prefix"
     ROUND_ROBIN = "round-robin"
     LEAST_LOADED = "least-loaded"
+    EXPECTED_TTFT = "expected-ttft"
+    THRESHOLD = "threshold"
+
+    @property
+    def cache_aware(self) -> bool:
+        """Whether the rule weighs cached prefixes (the others, for comparison, see load only)."""
+        return self in (Routing.PREFIX, Routing.EXPECTED_TTFT, Routing.THRESHOLD)
+
+
+#: The rule a router and the simulator use when told none: chosen by ``benchmarks/bench_fleet.py``'s
+#: table (docs/routing.md, "The laws").
+DEFAULT_ROUTING = Routing.PREFIX
+
+#: The prompt tokens a replica prefills in one step when its figures say none (vLLM V1's default token budget).
+DEFAULT_CHUNK_TOKENS = 8192
 
 
 class PrefixMode(enum.Enum):
@@ -105,9 +160,82 @@ class PrefixMode(enum.Enum):
 
 
 class ReplicaChooser(Protocol):
-    """One routing rule: the index of the replica that takes the next request."""
+    """One routing rule: the index of the replica that takes the next request.
+
+    :meth:`choose` sees cached blocks (or tokens) and one load figure per replica;
+    :meth:`pick` sees each replica's :class:`RoutingFigures` and the prompt's length.
+    Every rule answers both; the rules that need more than a load (``expected-ttft``,
+    ``threshold``) refuse :meth:`choose`.
+    """
 
     def choose(self, cached_blocks: Sequence[int], loads: Sequence[float]) -> int: ...
+
+    def pick(self, figures: Sequence[RoutingFigures], prompt_tokens: int) -> int: ...
+
+
+def _whole(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutingFigures:
+    """What a rule sees of one replica for one request; checked at construction, ConfigError naming the field.
+
+    ``cached_tokens``: this prompt's leading tokens the replica holds (credited, as
+    :class:`TierCredit` counts them); ``in_flight``: requests sent there and not ended;
+    ``prefill_pending``: prompt tokens it must still compute for the requests in flight
+    there that have not reached their first token; ``prefill_tokens_per_s`` (> 0): how
+    fast it computes prompt tokens; ``decode_step_s`` (>= 0): the seconds each of its steps
+    spends outside prefill while requests run there; ``chunk_tokens`` (>= 1): the most
+    prompt tokens one step computes.
+    """
+
+    cached_tokens: int
+    in_flight: int
+    prefill_pending: int = 0
+    prefill_tokens_per_s: float = 1.0
+    decode_step_s: float = 0.0
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("cached_tokens", "in_flight", "prefill_pending"):
+            _whole(f"a replica's {name}", getattr(self, name))
+        _check_seconds("a replica's prefill_tokens_per_s", self.prefill_tokens_per_s, positive=True)
+        _check_seconds("a replica's decode_step_s", self.decode_step_s)
+        if _whole("a replica's chunk_tokens", self.chunk_tokens) < 1:
+            raise ConfigError(f"a replica's chunk_tokens must be an integer >= 1, got {self.chunk_tokens!r}")
+
+
+def _check_figures(figures: Sequence[RoutingFigures], prompt_tokens: int) -> None:
+    if not figures:
+        raise ConfigError("routing needs at least one replica, got none")
+    for i, f in enumerate(figures):
+        if not isinstance(f, RoutingFigures):
+            raise ConfigError(f"replica {i}'s figures must be RoutingFigures, got {f!r}")
+    _whole("prompt_tokens", prompt_tokens)
+
+
+def expected_ttft_s(figures: RoutingFigures, prompt_tokens: int) -> float:
+    """Expected seconds to a ``prompt_tokens`` prompt's first token at the replica ``figures`` describe.
+
+    The prompt tokens waiting there plus this prompt's uncached ones, at the replica's
+    prefill rate, plus one ``decode_step_s`` a step while it has requests in flight
+    (docs at the top of this module). O(1).
+    """
+    work = figures.prefill_pending + max(0, prompt_tokens - figures.cached_tokens)
+    seconds = work / figures.prefill_tokens_per_s
+    if figures.in_flight and work:
+        seconds += math.ceil(work / figures.chunk_tokens) * figures.decode_step_s
+    return seconds
+
+
+def _check_seconds(name: str, value: object, *, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    if positive and value == 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
 
 
 def _check_loads(loads: Sequence[float]) -> None:
@@ -174,6 +302,11 @@ class PrefixAware:
         self._next = choice + 1
         return choice
 
+    def pick(self, figures: Sequence[RoutingFigures], prompt_tokens: int) -> int:
+        """:meth:`choose` over each replica's cached tokens against its requests in flight."""
+        _check_figures(figures, prompt_tokens)
+        return self.choose([f.cached_tokens for f in figures], [f.in_flight for f in figures])
+
     def __repr__(self) -> str:
         return f"PrefixAware(load_cost={self.load_cost!r})"
 
@@ -193,6 +326,11 @@ class LeastLoaded:
         choice = _rotate([i for i, load in enumerate(loads) if load == least], self._next % len(loads))
         self._next = choice + 1
         return choice
+
+    def pick(self, figures: Sequence[RoutingFigures], prompt_tokens: int) -> int:
+        """:meth:`choose` over each replica's requests in flight."""
+        _check_figures(figures, prompt_tokens)
+        return self.choose([0] * len(figures), [f.in_flight for f in figures])
 
 
 class RoundRobin:
@@ -220,6 +358,108 @@ class RoundRobin:
         _check_cached(cached_blocks, len(loads))
         return self.next(len(loads))
 
+    def pick(self, figures: Sequence[RoutingFigures], prompt_tokens: int) -> int:
+        _check_figures(figures, prompt_tokens)
+        return self.next(len(figures))
+
+
+class _FiguresOnly:
+    """A rule that needs each replica's whole figures: :meth:`choose` (cached blocks and one load) is refused."""
+
+    __slots__ = ()
+
+    def choose(self, cached_blocks: Sequence[int], loads: Sequence[float]) -> int:
+        raise ConfigError(f"{self!r} needs each replica's RoutingFigures: call pick(figures, prompt_tokens)")
+
+
+class ExpectedTtft(_FiguresOnly):
+    """The ``expected-ttft`` rule: the smallest :func:`expected_ttft_s`; ties to fewer in flight, then rotate."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, figures: Sequence[RoutingFigures], prompt_tokens: int) -> int:
+        _check_figures(figures, prompt_tokens)
+        keys = [(expected_ttft_s(f, prompt_tokens), f.in_flight) for f in figures]
+        best = min(keys)
+        choice = _rotate([i for i, k in enumerate(keys) if k == best], self._next % len(figures))
+        self._next = choice + 1
+        return choice
+
+    def __repr__(self) -> str:
+        return "ExpectedTtft()"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Thresholds:
+    """The ``threshold`` gate's knobs, SGLang's router's defaults (vLLM's router takes the same).
+
+    ``cache`` (0..1): the share of the prompt the best replica must hold to be chosen for it;
+    ``balance_abs`` (>= 0) and ``balance_rel`` (>= 1): the fleet is out of balance when the
+    most requests in flight exceed the fewest by more than ``balance_abs`` *and* are more
+    than ``balance_rel`` times them.
+    """
+
+    cache: float = 0.3
+    balance_abs: float = 64.0
+    balance_rel: float = 1.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, bool) or not isinstance(self.cache, int | float) or not 0 <= self.cache <= 1:
+            raise ConfigError(f"the threshold gate's cache share must be a number in [0, 1], got {self.cache!r}")
+        _check_seconds("the threshold gate's balance_abs", self.balance_abs)
+        _check_seconds("the threshold gate's balance_rel", self.balance_rel)
+        if self.balance_rel < 1:
+            raise ConfigError(f"the threshold gate's balance_rel must be >= 1, got {self.balance_rel!r}")
+
+
+def threshold_gate(
+    figures: Sequence[RoutingFigures], prompt_tokens: int, thresholds: Thresholds | None = None
+) -> list[int]:
+    """The replicas the ``threshold`` gate would take, ascending (several when tied). O(n).
+
+    Out of balance: the least loaded. Else the best match when it holds more than
+    ``thresholds.cache`` of the prompt. Else the least loaded.
+    """
+    _check_figures(figures, prompt_tokens)
+    thresholds = Thresholds() if thresholds is None else thresholds
+    loads = [f.in_flight for f in figures]
+    most, least = max(loads), min(loads)
+    least_loaded_ones = [i for i, n in enumerate(loads) if n == least]
+    if most - least > thresholds.balance_abs and most > thresholds.balance_rel * least:
+        return least_loaded_ones
+    cached = [f.cached_tokens for f in figures]
+    best = max(cached)
+    if prompt_tokens and best / prompt_tokens > thresholds.cache:
+        matched = [i for i, n in enumerate(cached) if n == best]
+        fewest = min(loads[i] for i in matched)  # among equal matches, the less loaded
+        return [i for i in matched if loads[i] == fewest]
+    return least_loaded_ones
+
+
+class ThresholdGate(_FiguresOnly):
+    """The ``threshold`` rule (:func:`threshold_gate`) with its :class:`Thresholds`; ties rotate."""
+
+    __slots__ = ("thresholds", "_next")
+
+    def __init__(self, thresholds: Thresholds | None = None) -> None:
+        thresholds = Thresholds() if thresholds is None else thresholds
+        if not isinstance(thresholds, Thresholds):
+            raise ConfigError(f"thresholds must be Thresholds, got {thresholds!r}")
+        self.thresholds = thresholds
+        self._next = 0
+
+    def pick(self, figures: Sequence[RoutingFigures], prompt_tokens: int) -> int:
+        tied = threshold_gate(figures, prompt_tokens, self.thresholds)
+        choice = _rotate(tied, self._next % len(figures))
+        self._next = choice + 1
+        return choice
+
+    def __repr__(self) -> str:
+        return f"ThresholdGate({self.thresholds!r})"
+
 
 def chooser(rule: Routing, *, load_cost: float = 1.0) -> ReplicaChooser:
     """A fresh chooser for ``rule`` (``load_cost`` matters to :attr:`Routing.PREFIX` only)."""
@@ -229,17 +469,14 @@ def chooser(rule: Routing, *, load_cost: float = 1.0) -> ReplicaChooser:
         return RoundRobin()
     if rule is Routing.LEAST_LOADED:
         return LeastLoaded()
+    if rule is Routing.EXPECTED_TTFT:
+        return ExpectedTtft()
+    if rule is Routing.THRESHOLD:
+        return ThresholdGate()
     raise ConfigError(f"unknown routing rule {rule!r}; choose one of {[r.value for r in Routing]}")
 
 
 # -- tier credit ---------------------------------------------------------------------------
-
-
-def _check_seconds(name: str, value: object, *, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-    if positive and value == 0:
-        raise ConfigError(f"{name} must be > 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
