@@ -13,6 +13,7 @@ from kvpool.routing import (
     PrefixAware,
     RoundRobin,
     Routing,
+    RoutingFigures,
     chooser,
     least_loaded,
     prefix_aware,
@@ -82,12 +83,13 @@ def test_prefix_rule_never_piles_every_request_onto_the_hot_replica():
 
 @pytest.mark.parametrize("rule", list(Routing))
 def test_every_rule_has_a_chooser(rule):
-    pick = chooser(rule, load_cost=0.5)
-    assert 0 <= pick.choose([1, 0, 2], [1, 2, 0]) < 3
+    rule_chooser = chooser(rule, load_cost=0.5)
+    figures = [RoutingFigures(cached_tokens=c, in_flight=n) for c, n in [(1, 1), (0, 2), (2, 0)]]
+    assert 0 <= rule_chooser.pick(figures, 4) < 3
 
 
 def test_chooser_names_match_the_command_line():
-    assert [r.value for r in Routing] == ["prefix", "round-robin", "least-loaded"]
+    assert [r.value for r in Routing] == ["prefix", "round-robin", "least-loaded", "expected-ttft", "threshold"]
     assert isinstance(chooser(Routing.LEAST_LOADED), LeastLoaded)
 
 
