@@ -25,7 +25,6 @@ from kvpool.router.route_options import RouteOptions
 from kvpool.router.usage import UsageScanner, cached_tokens_of
 
 if TYPE_CHECKING:
-    import aiohttp
     import httpx
     from starlette.requests import Request
     from starlette.responses import Response
@@ -44,25 +43,8 @@ _HOP_HEADERS = frozenset(
 _FORWARDED = ("authorization", "content-type", "accept")
 
 
-def _answer_headers(response: httpx.Response | aiohttp.ClientResponse) -> dict[str, str]:
+def _answer_headers(response: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
-
-
-def _as_httpx(error: BaseException) -> httpx.TransportError:
-    """An aiohttp client failure as the httpx exception a router's monitor reads: refused, timed out, or broken."""
-    import aiohttp
-    import httpx
-
-    message = str(error) or type(error).__name__
-    if isinstance(error, aiohttp.ConnectionTimeoutError):
-        return httpx.ConnectTimeout(message)
-    if isinstance(error, aiohttp.ClientConnectorError):
-        return httpx.ConnectError(message)
-    if isinstance(error, TimeoutError):  # aiohttp's read timeout is one too
-        return httpx.ReadTimeout(message)
-    if isinstance(error, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return httpx.RemoteProtocolError(message)
-    return httpx.ReadError(message)
 
 
 class Relay:
@@ -86,7 +68,6 @@ class Relay:
         self.monitor = monitor
         self.no_replica = 0
         self._client: httpx.AsyncClient | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -94,9 +75,7 @@ class Relay:
         return self._client
 
     def open(self) -> httpx.AsyncClient:
-        """The clients, opened (in the running loop): aiohttp's for the requests, a replica silent for
-        ``upstream_timeout`` seconds failing its request; httpx's, returned, for GETs and health checks."""
-        import aiohttp
+        """The client, opened: a replica silent for ``upstream_timeout`` seconds fails the request."""
         import httpx
 
         options = self.options
@@ -104,19 +83,9 @@ class Relay:
         timeout = httpx.Timeout(options.health_timeout, connect=options.connect_timeout, read=options.upstream_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, use_dns_cache=True),
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=options.connect_timeout, sock_read=options.upstream_timeout
-            ),
-            auto_decompress=False,  # bytes pass through as the replica encoded them, as with httpx's raw stream
-            skip_auto_headers=("User-Agent", "Content-Type", "Accept-Encoding"),
-        )
         return self._client
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
         if self._client is not None:
             await self._client.aclose()
 
@@ -140,7 +109,7 @@ class Relay:
                 continue  # marked down while an earlier choice was being tried
             self.bookkeeping.check_hashes(replica)
             try:
-                response, content = await self._send(replica, path, body, headers, stream)
+                response = await self._send(replica, path, body, headers, stream)
             except httpx.TransportError as exc:
                 errors.append(f"{replica.url}: {type(exc).__name__}")
                 if not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
@@ -148,57 +117,44 @@ class Relay:
                         break
                     retries -= 1
                 continue
-            if response.status >= 500:
+            if response.status_code >= 500:
                 replica.stats.server_errors += 1
-                self.monitor.failed(replica, f"answered {response.status}")
+                self.monitor.failed(replica, f"answered {response.status_code}")
                 if retries and any(r.up for r, _ in ranked[position + 1 :]):
                     retries -= 1
                     self.bookkeeping.unsent(replica)
-                    errors.append(f"{replica.url}: answered {response.status}")
-                    response.close()
+                    errors.append(f"{replica.url}: answered {response.status_code}")
+                    await response.aclose()
                     continue
             else:
                 self.monitor.succeeded(replica)
-            return self._answer(replica, response, content, keys, cached, path, stream)
+            return self._answer(replica, response, keys, cached, path, stream)
         return self._unavailable(errors)
 
     async def _send(
         self, replica: Replica, path: str, body: bytes, headers: dict[str, str], stream: bool
-    ) -> tuple[aiohttp.ClientResponse, bytes]:
-        """``replica``'s answer and, unless ``stream``, its whole body (else ``b""``: the body is still to read);
-        a transport error is told to the monitor and raised as httpx's."""
-        import aiohttp
+    ) -> httpx.Response:
+        """``replica``'s answer (its headers; all of it unless ``stream``); a transport error is told to the monitor."""
+        import httpx
 
-        assert self._session is not None, "the router's HTTP client is opened by the app's lifespan"
+        outgoing = self.client.build_request("POST", replica.base + path, content=body, headers=headers)
         self.bookkeeping.sent(replica)
-        response: aiohttp.ClientResponse | None = None
         try:
-            response = await self._session.post(replica.base + path, data=body, headers=headers)
-            content = b"" if stream else await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            if response is not None:
-                response.close()
+            response = await self.client.send(outgoing, stream=True)
+            if not stream:
+                await response.aread()
+        except httpx.TransportError as exc:
             self.bookkeeping.unsent(replica)
             replica.stats.transport_errors += 1
-            error = _as_httpx(exc)
-            self.monitor.suspect(replica, error)
-            raise error from exc
+            self.monitor.suspect(replica, exc)
+            raise
         except BaseException:
-            if response is not None:
-                response.close()
             self.bookkeeping.unsent(replica)
             raise
-        return response, content
+        return response
 
     def _answer(
-        self,
-        replica: Replica,
-        response: aiohttp.ClientResponse,
-        content: bytes,
-        keys: PromptKeys,
-        cached: int,
-        path: str,
-        stream: bool,
+        self, replica: Replica, response: httpx.Response, keys: PromptKeys, cached: int, path: str, stream: bool
     ) -> Response | RelayedStream:
         """``replica``'s answer on its way to the client: whole, or as a stream that closes the upstream however it ends."""
         from starlette.responses import Response, StreamingResponse
@@ -209,13 +165,13 @@ class Relay:
         out_headers["x-kvpool-replica"] = replica.url
         if not stream:
             self.bookkeeping.ended(replica, keys)
-            if response.status == 200:
-                self.bookkeeping.answered(replica, keys, predicted, cached_tokens_of(content))
-            return Response(content, status_code=response.status, headers=out_headers)
+            if response.status_code == 200:
+                self.bookkeeping.answered(replica, keys, predicted, cached_tokens_of(response.content))
+            return Response(response.content, status_code=response.status_code, headers=out_headers)
         upstream = _Upstream(replica, response, functools.partial(self.bookkeeping.ended, replica, keys))
-        scanner = UsageScanner() if response.status == 200 else None
+        scanner = UsageScanner() if response.status_code == 200 else None
         relay = StreamingResponse(
-            self._relay(upstream, scanner, keys, predicted), status_code=response.status, headers=out_headers
+            self._relay(upstream, scanner, keys, predicted), status_code=response.status_code, headers=out_headers
         )
         return RelayedStream(relay, upstream)
 
@@ -233,24 +189,19 @@ class Relay:
         self, upstream: _Upstream, scanner: UsageScanner | None, keys: PromptKeys, predicted: int
     ) -> AsyncIterator[bytes]:
         """The replica's bytes as they arrive; closing early (a client gone) closes the upstream request too."""
-        import aiohttp
+        import httpx
 
-        read = upstream.response.content.readany
         try:
-            if scanner is None:
-                while chunk := await read():
-                    yield chunk
-            else:
-                feed = scanner.feed
-                while chunk := await read():
-                    feed(chunk)
-                    yield chunk
+            async for chunk in upstream.response.aiter_raw():
+                if scanner is not None:
+                    scanner.feed(chunk)
+                yield chunk
+            if scanner is not None:
                 self.bookkeeping.answered(upstream.replica, keys, predicted, scanner.cached_tokens)
-            upstream.complete = True
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except httpx.TransportError as exc:
             # Bytes already went to the client: the request cannot move. End the stream; the
             # client sees it cut short, and the replica is checked.
-            self.monitor.suspect(upstream.replica, _as_httpx(exc))
+            self.monitor.suspect(upstream.replica, exc)
         finally:
             await upstream.close()
 
@@ -275,18 +226,13 @@ class Relay:
 
 
 class _Upstream:
-    """A replica's streamed answer, closed exactly once however its relay ends (the in-flight count with it).
+    """A replica's streamed answer, closed exactly once however its relay ends (the in-flight count with it)."""
 
-    ``complete``: its body was read to the end, so its connection goes back to the pool; otherwise
-    (a client gone, a broken stream) the connection is closed, and the replica stops generating.
-    """
+    __slots__ = ("replica", "response", "_open", "_ended")
 
-    __slots__ = ("replica", "response", "complete", "_open", "_ended")
-
-    def __init__(self, replica: Replica, response: aiohttp.ClientResponse, ended: Callable[[], None]) -> None:
+    def __init__(self, replica: Replica, response: httpx.Response, ended: Callable[[], None]) -> None:
         self.replica = replica
         self.response = response
-        self.complete = False
         self._open = True
         self._ended = ended  # the bookkeeping's note that the request is out of flight and its blocks settled
 
@@ -294,10 +240,7 @@ class _Upstream:
         if self._open:
             self._open = False
             self._ended()
-            if self.complete:
-                self.response.release()
-            else:
-                self.response.close()
+            await self.response.aclose()
 
 
 class RelayedStream:
