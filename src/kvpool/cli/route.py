@@ -92,13 +92,17 @@ def _warn(line: str) -> None:
 )
 @click.option(
     "--routing",
-    type=click.Choice(["auto", "precise", "approximate", "prefix", "round-robin", "least-loaded"]),
+    type=click.Choice(
+        ["auto", "precise", "approximate", "prefix", "expected-ttft", "threshold", "round-robin", "least-loaded"]
+    ),
     default="auto",
     show_default=True,
-    help="The routing rule: by cached prefix against load, the prefixes learnt from the replicas' KV events "
-    "(precise; 'prefix' is its old name), from the router's memory of where it sent each one (approximate: "
-    "for servers without events), or each where it can (auto). round-robin and least-loaded ignore "
-    "prefixes, for comparison.",
+    help="The routing rule. auto, precise, approximate: the default law (docs/routing.md), with the prefixes "
+    "learnt from the replicas' KV events (precise), from the router's memory of where it sent each one "
+    "(approximate: for servers without events), or each where it can (auto). prefix: cached blocks against "
+    "--load-cost x requests in flight (precise); expected-ttft: the earliest expected first token, from each "
+    "replica's advertised rates; threshold: SGLang's and vLLM's cache-aware gate (0.3/64/1.5), for "
+    "comparison. round-robin and least-loaded ignore prefixes, for comparison.",
 )
 @click.option(
     "--approx-max-blocks",
@@ -123,12 +127,14 @@ def _warn(line: str) -> None:
 )
 @click.option(
     "--prefill-rate",
+    "--prefill-tokens-per-s",
     "prefill_tokens_per_s",
     type=FiniteFloatRange(min=0, min_open=True),
     default=20_000.0,
     show_default=True,
-    help="Prompt tokens per second a replica computes: what a prefix held only below its GPU memory "
-    "(a CPU or STORAGE tier, by its KV events' medium) is credited with is the prefill time loading it saves.",
+    help="Prompt tokens per second a replica computes, for a replica that advertises no rates (GET /rates): "
+    "the expected-ttft rule's rate, and what a prefix held only below its GPU memory (a CPU or STORAGE tier, "
+    "by its KV events' medium) is credited with, the prefill time loading it saves.",
 )
 @click.option(
     "--kv-bytes-per-token",
@@ -245,7 +251,7 @@ def route(**flags: Any) -> None:
         specs, no_tenant_isolation=tenants.no_tenant_isolation, tenant_files_given=files_given
     )
     salts, secret = SaltPolicy.from_options(isolate=isolate, secret_file=tenants.tenant_secret_file)
-    tokenizer, why_not = _prefix_tokenizer(flags.pop("model"), rule is Routing.PREFIX, secret)
+    tokenizer, why_not = _prefix_tokenizer(flags.pop("model"), rule.cache_aware, secret)
     _log(f"{counted(len(specs), 'replica')}: {', '.join(_describe(spec) for spec in specs)}")
     index = _index(flags)
     (_log if why_not is None else _warn)(_mode_line(routing, rule, mode, specs, why_not))
@@ -319,10 +325,13 @@ def _first_key(path: str) -> str:
 
 
 def _rule(routing: str, routing_type: Any, mode_type: Any) -> tuple[Any, Any]:
-    """The routing rule and prefix mode a ``--routing`` name stands for."""
-    modes = {"auto": "auto", "precise": "precise", "prefix": "precise", "approximate": "approximate"}
-    if routing in modes:
-        return routing_type.PREFIX, mode_type(modes[routing])
+    """The routing rule and prefix mode a ``--routing`` name stands for (auto/precise/approximate: the default law)."""
+    from kvpool.routing import DEFAULT_ROUTING
+
+    if routing in ("auto", "precise", "approximate"):
+        return DEFAULT_ROUTING, mode_type(routing)
+    if routing == "prefix":
+        return routing_type.PREFIX, mode_type.PRECISE
     return routing_type(routing), mode_type.AUTO
 
 
@@ -341,7 +350,7 @@ def _describe(spec: Any) -> str:
 
 def _mode_line(routing: str, rule: Any, mode: Any, specs: list[Any], why_not: str | None) -> str:
     """The start-up line that says which prefix mode runs, and why."""
-    if rule.value != "prefix":
+    if not rule.cache_aware:
         return f"prefix mode: none (--routing {routing}: cached prefixes are ignored, for comparison)"
     if why_not is not None:
         return f"prefix mode: none, routing by load only: {why_not}"

@@ -1,6 +1,10 @@
 """What the router notes of each request it routes, from the moment it is sent until it ends.
 
 * **in flight**: each replica's count of requests sent and not yet ended (its load in the rule);
+* **prefill pending**: per replica, the uncached prompt tokens of the requests there that have
+  not reached their first token (the ``expected-ttft`` rule's queue; ``Ranker.prefill_pending``).
+  A request's tokens are reserved when it is sent with its keys (else when it is accepted)
+  and released at its first token (else when it ends or fails);
 * **computing**: per replica, how many requests in flight there hold each block of their
   prompt (precise mode: blocks whose events are not out yet, counted as held there);
 * **memory**: where each prefix was sent (approximate mode);
@@ -18,7 +22,7 @@ import logging
 from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
 from kvpool.router.monitor import ReplicaMonitor
-from kvpool.router.ranking import PromptKeys, Ranker
+from kvpool.router.ranking import NO_KEYS, PromptKeys, Ranker
 from kvpool.router.replicas import Replica
 from kvpool.router.stats import HashVerdict
 
@@ -47,16 +51,46 @@ class Bookkeeping:
         self.index = index
         self.approx = approx
         self.computing = computing
+        self._prefilling: dict[int, tuple[str, int]] = {}  # id(keys) -> (replica URL, tokens reserved there)
 
-    # -- in flight ---------------------------------------------------------------------------
+    # -- in flight: the only methods that count a replica's load -------------------------------
 
-    def sent(self, replica: Replica) -> None:
-        """A request is on its way to ``replica``: it counts in its load until :meth:`unsent` or :meth:`ended`."""
+    def sent(self, replica: Replica, keys: PromptKeys | None = None, cached_blocks: int = 0) -> None:
+        """A request is on its way to ``replica``: it counts in its load until :meth:`unsent` or :meth:`ended`.
+
+        With its ``keys``, its uncached prompt tokens are reserved in the replica's prefill pending at once.
+        """
         replica.in_flight += 1
+        if keys is not None:
+            self.reserve_prefill(replica, keys, cached_blocks)
 
-    def unsent(self, replica: Replica) -> None:
+    def unsent(self, replica: Replica, keys: PromptKeys | None = None) -> None:
         """A request :meth:`sent` to ``replica`` failed before it was :meth:`accepted` there."""
         replica.in_flight -= 1
+        if keys is not None:
+            self.first_token(keys)
+
+    def reserve_prefill(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> None:
+        """The request's uncached prompt tokens count as pending at ``replica`` (once per request)."""
+        if keys is NO_KEYS or id(keys) in self._prefilling:
+            return
+        tokens = max(0, keys.tokens - self.ranker.predicted_tokens(replica, keys, cached_blocks))
+        pending = self.ranker.prefill_pending
+        pending[replica.url] = pending.get(replica.url, 0) + tokens
+        self._prefilling[id(keys)] = (replica.url, tokens)
+
+    def first_token(self, keys: PromptKeys) -> None:
+        """The request keyed ``keys`` reached its first token (or left): its prompt tokens are no longer pending."""
+        reserved = self._prefilling.pop(id(keys), None)
+        if reserved is None:
+            return
+        url, tokens = reserved
+        pending = self.ranker.prefill_pending
+        left = pending.get(url, 0) - tokens
+        if left > 0:
+            pending[url] = left
+        else:
+            pending.pop(url, None)
 
     def accepted(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
         """``replica`` answered a request (its answer goes to the client): counted, and its prefix noted.
@@ -64,6 +98,7 @@ class Bookkeeping:
         Returns the cached tokens predicted for it.
         """
         replica.routed += 1
+        self.reserve_prefill(replica, keys, cached_blocks)  # if it was sent without its keys
         predicted = self.ranker.predicted_tokens(replica, keys, cached_blocks)
         replica.stats.requests += 1
         replica.stats.prompt_tokens += keys.tokens
@@ -74,6 +109,7 @@ class Bookkeeping:
     def ended(self, replica: Replica, keys: PromptKeys) -> None:
         """A request :meth:`accepted` at ``replica`` ended (answered, failed or cut): out of flight, settled."""
         replica.in_flight -= 1
+        self.first_token(keys)
         self.settled(replica, keys)
 
     # -- blocks and prefixes ---------------------------------------------------------------------

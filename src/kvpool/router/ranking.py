@@ -26,7 +26,7 @@ from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompt_hashes import block_hashes
 from kvpool.router.replicas import Hashing, Replica
 from kvpool.router.route_options import RouteOptions
-from kvpool.routing import PrefixMode, Routing, chooser
+from kvpool.routing import DEFAULT_CHUNK_TOKENS, PrefixMode, Routing, RoutingFigures, chooser, expected_ttft_s
 
 if TYPE_CHECKING:
     from kvpool.openai_http.protocol import GenerationRequest
@@ -96,8 +96,15 @@ class Ranker:
 
     ``index`` holds the replicas' published blocks, ``approx`` the router's memory of
     where it sent prefixes, and ``computing`` (read only here; the router's bookkeeping
-    writes it) the blocks that requests in flight are computing at each replica now.
-    Each :meth:`rank` of a keyed prompt is noted in :attr:`regret`.
+    writes it) the blocks that requests in flight are computing at each replica now;
+    :attr:`prefill_pending` (also written by the bookkeeping) the prompt tokens each
+    replica must still compute before the requests in flight there reach their first
+    token. Each :meth:`rank` of a keyed prompt is noted in :attr:`regret`.
+
+    The ``expected-ttft`` and ``threshold`` rules see each replica as
+    :class:`~kvpool.routing.RoutingFigures`: its credited cached tokens, requests in
+    flight, prefill pending, and its rates (``Replica.rates``, what it advertises; the
+    router's ``prefill_tokens_per_s`` and no decode term while it advertises none).
     """
 
     def __init__(
@@ -118,6 +125,8 @@ class Ranker:
         self.approx_hasher = BlockHasher(options.approx_block_size)
         self.load_cost = options.load_cost * LOAD_COST_TOKENS  # in cached tokens
         self.rule = chooser(options.routing, load_cost=self.load_cost)
+        self.by_figures = options.routing in (Routing.EXPECTED_TTFT, Routing.THRESHOLD)
+        self.prefill_pending: dict[str, int] = {}  # replica URL -> prompt tokens to compute (the bookkeeping's)
         self.regret = RoutingRegret()  # what each choice held against the best one (the router's /metrics)
 
     # -- where each replica's prefixes come from ---------------------------------------------
@@ -137,7 +146,7 @@ class Ranker:
     def prefix_mode_now(self) -> str:
         """``precise``, ``approximate``, ``mixed`` (some replicas each way) or ``load only``, for the replicas up."""
         tokenizer = self.options.tokenizer
-        if self.options.routing is not Routing.PREFIX or tokenizer is None or not tokenizer.loaded:
+        if not self.options.routing.cache_aware or tokenizer is None or not tokenizer.loaded:
             return "load only"
         up = [r for r in self.replicas if r.up]
         precise = sum(self.precise_for(r) for r in up)
@@ -164,7 +173,7 @@ class Ranker:
     def prompt_keys(self, request: GenerationRequest, tenant: str) -> PromptKeys:
         """The request's prompt length and block hashes under each hashing in use; :data:`NO_KEYS` until tokenized."""
         tokenizer = self.options.tokenizer
-        if tokenizer is None or not tokenizer.loaded or self.options.routing is not Routing.PREFIX:
+        if tokenizer is None or not tokenizer.loaded or not self.options.routing.cache_aware:
             return NO_KEYS
         if request.messages is not None:
             tokens = tokenizer.chat_tokens(request.messages)
@@ -185,18 +194,24 @@ class Ranker:
     def rank(self, keys: PromptKeys) -> list[tuple[Replica, int]]:
         """The replicas that are up, in the order to try them, each with the blocks of the prompt it holds.
 
-        Best first by the ``prefix`` rule; a replica marked down is not in the list.
+        Best first by the rule; a replica marked down is not in the list.
         """
         candidates = [r for r in self.replicas if r.up]
         ranked: list[tuple[Replica, int]] = []
         if candidates:
             cached, tokens, sizes = self._cached(candidates, keys)
             loads = [r.load for r in candidates]
-            i = self.rule.choose(tokens, loads)  # its ties rotate: new prefixes spread
-            if keys is not NO_KEYS:
-                usable = max(0, keys.tokens - 1)  # as predicted_tokens counts them
-                held = [min(n, usable // size) * size if size else 0 for n, size in zip(cached, sizes)]
-                self.regret.note(held[i], max(held))
+            if self.by_figures:
+                figures = self.figures(candidates, tokens)
+                i = self.rule.pick(figures, keys.tokens)  # its ties rotate too
+                if self.options.routing is Routing.EXPECTED_TTFT:
+                    ttft = [expected_ttft_s(f, keys.tokens) for f in figures]
+                    rest = sorted((j for j in range(len(candidates)) if j != i), key=lambda j: (ttft[j], loads[j]))
+                    self._note_regret(keys, cached, sizes, i)
+                    return [(candidates[j], cached[j]) for j in [i, *rest]]
+            else:
+                i = self.rule.choose(tokens, loads)  # its ties rotate: new prefixes spread
+            self._note_regret(keys, cached, sizes, i)
             # the fallbacks, for a retry: prefix_aware's order, ties to the smaller load and then to the
             # earlier replica (a stable sort), without moving the chooser's rotation; one sort, not a choice each
             cost = self.load_cost
@@ -205,6 +220,30 @@ class Ranker:
             )
             ranked = [(candidates[j], cached[j]) for j in [i, *rest]]
         return ranked
+
+    def _note_regret(self, keys: PromptKeys, cached: Sequence[int], sizes: Sequence[int], chosen: int) -> None:
+        if keys is not NO_KEYS:
+            usable = max(0, keys.tokens - 1)  # as predicted_tokens counts them
+            held = [min(n, usable // size) * size if size else 0 for n, size in zip(cached, sizes)]
+            self.regret.note(held[chosen], max(held))
+
+    def figures(self, candidates: Sequence[Replica], tokens: Sequence[int]) -> list[RoutingFigures]:
+        """Each candidate as the figure rules see it, ``tokens`` its credited cached tokens of the prompt."""
+        rate, pending = self.options.prefill_tokens_per_s, self.prefill_pending
+        out = []
+        for replica, held in zip(candidates, tokens):
+            rates = replica.rates
+            out.append(
+                RoutingFigures(
+                    cached_tokens=held,
+                    in_flight=replica.in_flight,
+                    prefill_pending=pending.get(replica.url, 0),
+                    prefill_tokens_per_s=rate if rates is None else rates.prefill_tokens_per_s,
+                    decode_step_s=0.0 if rates is None else rates.decode_step_s,
+                    chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                )
+            )
+        return out
 
     def _cached(self, candidates: Sequence[Replica], keys: PromptKeys) -> tuple[list[int], list[int], list[int]]:
         """Per candidate, the prompt's leading blocks it holds, the tokens they are credited with, and its block size.

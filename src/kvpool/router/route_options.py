@@ -14,7 +14,7 @@ from kvpool.router.monitor import Ejection
 from kvpool.router.prompt_hashes import Tokenizer
 from kvpool.router.replica_config import ReplicaSpec
 from kvpool.router.replicas import MAX_BLOCK_SIZE, check_distinct
-from kvpool.routing import MediumCost, PrefixMode, Routing, TierCredit
+from kvpool.routing import DEFAULT_ROUTING, MediumCost, PrefixMode, Routing, TierCredit
 from kvpool.tenancy import KeyRing, SaltPolicy
 from kvpool.tiers.store import medium_links
 
@@ -60,7 +60,9 @@ class RouteOptions:
     """Everything ``kvpool route`` is told on its command line, checked.
 
     ``load_cost``: cached blocks of :data:`~kvpool.router.ranking.LOAD_COST_TOKENS` tokens one request queued or
-    running at a replica is worth (the ``prefix`` rule's exchange rate; 8: 128 tokens); ``routing``: the rule (the others, for comparison, ignore prefixes). ``admin_key``: sent to the replicas'
+    running at a replica is worth (the ``prefix`` rule's exchange rate; 8: 128 tokens, a hand-set weight that
+    overrides nothing else); ``routing``: the rule (:data:`~kvpool.routing.DEFAULT_ROUTING` unless told;
+    ``round-robin`` and ``least-loaded``, for comparison, ignore prefixes). ``admin_key``: sent to the replicas'
     ``/kv-events``, which only their loopback interface may read without one. ``admin_keys``: the keys that
     open the router's own ``/health?verbose=1`` to clients off its loopback interface (None: loopback only).
     ``keys`` None: the replicas are
@@ -77,7 +79,8 @@ class RouteOptions:
 
     Tier credit (:class:`~kvpool.routing.TierCredit`, built once as :attr:`credit`): a
     prefix a replica holds only in a tier below its GPU memory counts for the prefill time
-    loading it saves. ``prefill_tokens_per_s``: the replicas' prefill rate;
+    loading it saves. ``prefill_tokens_per_s``: the replicas' prefill rate (also the ``expected-ttft``
+    rule's for a replica that advertises no rates of its own);
     ``kv_bytes_per_token``: one token's KV bytes (what a load moves); ``medium_links``:
     ``MEDIUM=BANDWIDTH[,LATENCY]`` specs (:func:`parse_medium_link`), each medium at most
     once, over the defaults from the tier registry (:func:`kvpool.tiers.store.medium_links`:
@@ -92,7 +95,7 @@ class RouteOptions:
     load_cost: float = 8.0
     admin_key: str | None = None
     admin_keys: KeyRing | None = None
-    routing: Routing = Routing.PREFIX
+    routing: Routing = DEFAULT_ROUTING
     health_interval: float = 0.5
     health_timeout: float = 2.0
     connect_timeout: float = 2.0
