@@ -7,7 +7,7 @@ import pytest
 
 from kvpool.cost_model import CostProfile, load_profile
 from kvpool.errors import ConfigError
-from kvpool.replica_rates import NOT_MEASURED_YET, ReplicaRates
+from kvpool.replica_rates import NOT_MEASURED_YET, ReplicaRates, StepWindow
 
 
 def _rates(**changes):
@@ -108,3 +108,22 @@ def test_from_profile_refuses_bad_arguments_and_a_free_prefill():
     free = CostProfile.flat(step_overhead_s=0, prefill_s_per_token=0, decode_s_per_seq=0, name="free")
     with pytest.raises(ConfigError, match="free prefills at 0 seconds"):
         ReplicaRates.from_profile(free)
+
+
+def test_step_window_measures_prefill_and_decode_from_recent_steps():
+    window = StepWindow(size=4)
+    assert window.rates() is None
+    window.note(0, 8, 0.02)
+    assert window.rates() is None  # no prefill yet: no rate
+    window.note(1000, 8, 0.12)  # 0.1 s of prefill on top of the 0.02 s decode step
+    rates = window.rates({"CPU": 5e5})
+    assert rates is not None and rates.source == "measured"
+    assert rates.prefill_tokens_per_s == pytest.approx(10_000.0)
+    assert rates.decode_step_s == pytest.approx(0.02)
+    assert rates.tier_load_tokens_per_s == {"CPU": 5e5}
+    for _ in range(4):  # the window forgets: only these prefill-only steps remain
+        window.note(500, 0, 0.1)
+    later = window.rates()
+    assert later is not None and later.prefill_tokens_per_s == pytest.approx(5000.0) and later.decode_step_s == 0.0
+    with pytest.raises(ConfigError, match="size must be an integer >= 1, got 0"):
+        StepWindow(0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -30,12 +31,15 @@ from typing import Any
 from kvpool.cost_model import CostProfile
 from kvpool.errors import ConfigError
 
-__all__ = ["NOT_MEASURED_YET", "PROFILE_CHUNK_TOKENS", "ReplicaRates"]
+__all__ = ["NOT_MEASURED_YET", "PROFILE_CHUNK_TOKENS", "RECENT_STEPS", "ReplicaRates", "StepWindow"]
 
 #: The ``source`` of a ``/rates`` body with no figures: the replica has not stepped yet.
 NOT_MEASURED_YET = "none yet"
 #: The prefill chunk a profile's rate is read at when none is given (vLLM V1's default token budget).
 PROFILE_CHUNK_TOKENS = 8192
+
+#: Steps a :class:`StepWindow` remembers: the rates are the recent batch's, not the day's.
+RECENT_STEPS = 256
 
 _FIELDS = ("prefill_tokens_per_s", "decode_step_s", "step_overhead_s", "tier_load_tokens_per_s", "source")
 
@@ -167,3 +171,52 @@ class ReplicaRates:
             return cls(**data)
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from None
+
+
+class StepWindow:
+    """The last ``size`` steps' timings, and the rates they show (what ``GET /rates`` answers as ``"measured"``).
+
+    :meth:`note` takes one step: its prefill tokens, its decoding sequences, its seconds. :meth:`rates`:
+
+    * ``decode_step_s``: the mean seconds of the window's pure decode steps (no prefill);
+    * ``prefill_tokens_per_s``: the window's prefill tokens over the seconds of the steps that prefilled,
+      less what the decode step would have cost them (the overhead and the decodes ride along anyway),
+      so a prefill chunk is credited with its own time alone;
+    * ``None`` until a step prefilled (a rate from decodes alone would be a guess).
+
+    ``step_overhead_s`` is not measured (a step's overhead hides inside its decode time): 0.
+    O(1) a step; :meth:`rates` is O(size).
+    """
+
+    __slots__ = ("_steps",)
+
+    def __init__(self, size: int = RECENT_STEPS) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"StepWindow size must be an integer >= 1, got {size!r}")
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=size)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def note(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """One step (trusted input: the engine's own counts and its clock's seconds)."""
+        self._steps.append((prefill_tokens, decode_seqs, seconds))
+
+    def rates(self, tier_load_tokens_per_s: Mapping[str, float] | None = None) -> ReplicaRates | None:
+        """The window's rates (source ``"measured"``), with the tiers' load rates given; None before a prefill."""
+        decode = [seconds for prefill, seqs, seconds in self._steps if prefill == 0 and seqs > 0]
+        decode_step_s = sum(decode) / len(decode) if decode else 0.0
+        tokens = 0
+        seconds = 0.0
+        for prefill, seqs, took in self._steps:
+            if prefill > 0:
+                tokens += prefill
+                seconds += max(took - (decode_step_s if seqs else 0.0), took * 0.01)
+        if tokens == 0 or seconds <= 0:
+            return None
+        return ReplicaRates(
+            prefill_tokens_per_s=tokens / seconds,
+            decode_step_s=decode_step_s,
+            tier_load_tokens_per_s=dict(tier_load_tokens_per_s or {}),
+            source="measured",
+        )

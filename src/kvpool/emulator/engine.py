@@ -44,6 +44,7 @@ from kvpool.errors import ConfigError, InvalidTokenError, KVPoolError, RequestSt
 from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.prompts import check_conversation
+from kvpool.replica_rates import ReplicaRates, StepWindow
 from kvpool.request import Request
 from kvpool.sampling_params import SamplingParams
 from kvpool.scheduler import (
@@ -193,6 +194,7 @@ class EmulatedEngine:
         #: Steps run, and the modelled seconds they took (before ``time_scale``).
         self.num_steps = 0
         self.modelled_seconds = 0.0
+        self._window = StepWindow()  # the recent steps' modelled timings: GET /rates
 
     # -- what the server reads -------------------------------------------------------
 
@@ -381,7 +383,10 @@ class EmulatedEngine:
             if self.scheduler.has_unfinished_requests():
                 raise RequestStateError("the scheduler could not schedule any waiting request")
             return []
-        self._pace(self.step_seconds(plan))
+        prefill, decodes, context = self._work(plan)
+        seconds = self.options.profile.step_seconds(prefill, decodes, context_tokens=context)
+        self._window.note(prefill, decodes, seconds)
+        self._pace(seconds)
         tokens = {c.request_id: self._live[c.request_id].draw.next() for c in plan.chunks if c.sample}
         finished = {m.request_id: m for m in self.scheduler.update(plan, tokens)}
         deltas = [self._deliver(rid, token, finished.get(rid)) for rid, token in tokens.items()]
@@ -395,6 +400,11 @@ class EmulatedEngine:
         prompt's, or a preempted request's recomputation) is prefill. Every chunk reads the KV
         before its first position.
         """
+        prefill, decodes, context = self._work(plan)
+        return self.options.profile.step_seconds(prefill, decodes, context_tokens=context)
+
+    def _work(self, plan: SchedulerOutput) -> tuple[int, int, int]:
+        """``plan``'s prefill tokens, decoding sequences and context tokens read (see :meth:`step_seconds`)."""
         prefill = decodes = context = 0
         for chunk in plan.chunks:
             if chunk.num_tokens == 1 and self.scheduler.request(chunk.request_id).num_output_tokens:
@@ -402,7 +412,18 @@ class EmulatedEngine:
             else:
                 prefill += chunk.num_tokens
             context += chunk.start_position
-        return self.options.profile.step_seconds(prefill, decodes, context_tokens=context)
+        return prefill, decodes, context
+
+    def rates(self) -> ReplicaRates:
+        """How fast this replica works, in modelled seconds (``GET /rates``).
+
+        Measured over its recent steps once one prefilled; before that, its profile's figures at a
+        full ``max_num_batched_tokens`` chunk (source ``"profile:<name>"``). No tiers are emulated.
+        """
+        measured = self._window.rates()
+        if measured is not None:
+            return measured
+        return ReplicaRates.from_profile(self.options.profile, chunk_tokens=self.options.max_num_batched_tokens)
 
     def _pace(self, seconds: float) -> None:
         """Let ``seconds`` (scaled) pass, from the previous step's end when this step follows it at once.

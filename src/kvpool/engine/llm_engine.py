@@ -58,6 +58,7 @@ are not touched.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from array import array
@@ -86,6 +87,7 @@ from kvpool.errors import (
 from kvpool.hashing import to_token_array
 from kvpool.manager import KVCacheManager
 from kvpool.prompts import check_conversation
+from kvpool.replica_rates import ReplicaRates, StepWindow
 from kvpool.request import Request
 from kvpool.scheduler import (
     FinishReason,
@@ -96,6 +98,7 @@ from kvpool.scheduler import (
     StopConditions,
     check_output_bound,
 )
+from kvpool.tiers.store import event_medium
 
 if TYPE_CHECKING:
     from kvpool.engine.kv_cache import KVCaches
@@ -211,6 +214,7 @@ class LLMEngine:
         self._live: dict[str, LiveRequest] = {}
         self._grammars = GrammarCompiler(setup.tokenizer, setup.runner.vocab_size, setup.eos_token_ids)
         self._next_id = 0  # automatic request IDs are str(n), n counting up from here
+        self._window = StepWindow()  # the recent forward passes' timings: rates()
 
     # -- properties ----------------------------------------------------------------
 
@@ -531,8 +535,10 @@ class LLMEngine:
             # the scheduler's chunks, as they are: checked when they were made
             started = time.perf_counter()
             result = forward_contained(self.setup.runner.execute, plan.chunks)
+            took = time.perf_counter() - started
             if tiers is not None:
-                tiers.note_step(plan.num_batched_tokens, time.perf_counter() - started)
+                tiers.note_step(plan.num_batched_tokens, took)
+            self._note_step(plan, took)
             failed.update(result.failed)
             failed.update(dependants(self.manager, plan.chunks, failed))
             self._drop_unwritten(plan, failed, dropped)
@@ -554,6 +560,31 @@ class LLMEngine:
         tokens = {rid: s.token_id for rid, s in sampled.items()}
         finished = {m.request_id: m for m in self.scheduler.update(plan, tokens)}
         return [self._deliver(rid, one, finished.get(rid)) for rid, one in sampled.items()] + failures
+
+    def _note_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """A forward pass's prefill tokens, decodes and seconds, into the window :meth:`rates` reads."""
+        prefill = decodes = 0
+        for chunk in plan.chunks:
+            if chunk.num_tokens == 1 and self.scheduler.request(chunk.request_id).num_output_tokens:
+                decodes += 1
+            else:
+                prefill += chunk.num_tokens
+        self._window.note(prefill, decodes, seconds)
+
+    def rates(self) -> ReplicaRates | None:
+        """How fast this engine works (``GET /rates``): measured over its recent forward passes, with each
+        KV tier's measured load rate in tokens a second (by its event medium, ``CPU``, ``STORAGE``).
+
+        None until a pass prefilled: an engine has no profile to fall back on.
+        """
+        tiers: dict[str, float] = {}
+        chooser = None if self.kv_tiers is None else self.kv_tiers.chooser
+        if chooser is not None:
+            bytes_per_token = self.setup.plan.pool_block_bytes / self.manager.block_size
+            for name, figures in chooser.figures()["tiers"].items():
+                if figures["loads"] and math.isfinite(rate := figures["load_bandwidth_bytes_per_s"]) and rate > 0:
+                    tiers[_medium(name)] = rate / bytes_per_token
+        return self._window.rates(tiers)
 
     def _deliver(self, rid: str, sampled: SampledToken, metrics: RequestMetrics | None) -> RequestDelta:
         """The delta of a request that got a token; it finishes here if the token ended it or its text did."""
@@ -680,3 +711,11 @@ class LLMEngine:
 def _check_request_size(prepared: Sequence[_Prepared], limit: int) -> None:
     """Refuse requests that together may produce more than ``limit`` tokens (the scheduler's rule)."""
     check_output_bound([p.stop for p in prepared], limit, omitted=any(p.params.max_tokens is None for p in prepared))
+
+
+def _medium(tier_name: str) -> str:
+    """The event medium of a tier (``CPU``, ``STORAGE``), or its own name where the registry has none."""
+    try:
+        return event_medium(tier_name)
+    except ConfigError:
+        return tier_name

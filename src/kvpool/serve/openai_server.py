@@ -9,7 +9,7 @@ This module only wires routes to their handlers, which live by group:
 
 * :mod:`kvpool.serve.generation_routes`: ``/v1/completions`` and ``/v1/chat/completions``;
 * :mod:`kvpool.serve.model_routes`: ``/v1/models``, ``/tokenize`` and ``/detokenize``;
-* :mod:`kvpool.serve.operator_routes`: ``/health``, ``/metrics``, ``/kv-events`` and ``/version``;
+* :mod:`kvpool.serve.operator_routes`: ``/health``, ``/metrics``, ``/kv-events``, ``/rates`` and ``/version``;
 
 over one :class:`~kvpool.serve.server_state.ServerState`.
 
@@ -90,6 +90,7 @@ def build_app(
         Route("/health", _answers(operator.health), methods=["GET"]),
         Route("/metrics", _answers(operator.metrics), methods=["GET"]),
         Route("/kv-events", _answers(operator.kv_events), methods=["GET"]),
+        Route("/rates", _answers(operator.rates), methods=["GET"]),
         Route("/tokenize", _answers(model.tokenize), methods=["POST"]),
         Route("/detokenize", _answers(model.detokenize), methods=["POST"]),
         Route("/version", _answers(operator.version), methods=["GET"]),

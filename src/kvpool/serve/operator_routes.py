@@ -1,6 +1,6 @@
-"""``GET /health``, ``/metrics``, ``/kv-events`` and ``/version``: what an operator (or a router) asks of a server.
+"""``GET /health``, ``/metrics``, ``/kv-events``, ``/rates`` and ``/version``: what an operator (or a router) asks.
 
-Plain ``/health`` and ``/version`` are open to anyone; ``/health?verbose=1``,
+Plain ``/health``, ``/rates`` (how fast the engine works, no tenant's figures) and ``/version`` are open to anyone; ``/health?verbose=1``,
 ``/metrics`` and ``/kv-events`` show every tenant's figures, so only the
 loopback interface or an admin key sees them.
 """
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.build_info import VERSION
 from kvpool.openai_http.errors import APIError
+from kvpool.replica_rates import NOT_MEASURED_YET, ReplicaRates
 from kvpool.serve.engine_loop import EngineStopped
 
 if TYPE_CHECKING:
@@ -42,6 +43,11 @@ def pool_health(engine: ServedEngine) -> dict[str, Any]:
         "kv_cache_usage": manager.usage,
         "invariants": invariants,
     }
+
+
+def _rates_of(engine: ServedEngine) -> ReplicaRates | None:
+    """The engine's rates (run on the engine thread, between steps: its step window is the engine's own)."""
+    return engine.rates()
 
 
 class OperatorRoutes:
@@ -85,6 +91,17 @@ class OperatorRoutes:
         if isinstance(body, (bytes, str)):
             return Response(body, media_type="application/json")
         return JSONResponse(body)
+
+    async def rates(self, request: Request) -> Response:
+        """The engine's :class:`~kvpool.replica_rates.ReplicaRates` as JSON, or ``{"source": "none yet"}``
+        (200 too) while it cannot say (a real engine before its first prefill); 503 once the engine stopped."""
+        from starlette.responses import JSONResponse
+
+        try:
+            rates = await self.state.loop.call(_rates_of)
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from None
+        return JSONResponse({"source": NOT_MEASURED_YET} if rates is None else rates.to_json())
 
     async def version(self, request: Request) -> Response:
         from starlette.responses import JSONResponse

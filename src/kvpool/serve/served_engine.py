@@ -7,7 +7,7 @@ The server builds its routes, metrics, events and health over :class:`ServedEngi
 never names either, so every route behaves the same in front of both.
 
 Only the engine thread (:class:`~kvpool.serve.engine_loop.EngineLoop`) calls ``add_requests``,
-``abort``, ``step`` and reads the manager and the scheduler; the tokenizer thread calls
+``abort``, ``step``, ``rates`` and reads the manager and the scheduler; the tokenizer thread calls
 ``encode``, ``decode``, ``render_chat`` and reads ``tokenizer``, which must not touch the
 rest of the engine.
 """
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from kvpool.engine.outputs import RequestDelta
     from kvpool.manager import KVCacheManager
+    from kvpool.replica_rates import ReplicaRates
     from kvpool.sampling_params import SamplingParams
     from kvpool.scheduler import Scheduler
 
@@ -131,3 +132,7 @@ class ServedEngine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def step(self) -> list[RequestDelta]: ...
+
+    def rates(self) -> ReplicaRates | None:
+        """How fast it works (``GET /rates``): measured over recent steps; None when it cannot say yet."""
+        ...
