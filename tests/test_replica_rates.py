@@ -10,8 +10,8 @@ from kvpool.errors import ConfigError
 from kvpool.replica_rates import NOT_MEASURED_YET, ReplicaRates, StepWindow
 
 
-def _rates(**changes):
-    fields = {
+def _rates(**changes: object) -> dict[str, object]:
+    fields: dict[str, object] = {
         "prefill_tokens_per_s": 20_000.0,
         "decode_step_s": 0.012,
         "step_overhead_s": 0.004,
@@ -22,7 +22,7 @@ def _rates(**changes):
     return fields
 
 
-def test_json_round_trip_keeps_every_field():
+def test_json_round_trip_keeps_every_field() -> None:
     rates = ReplicaRates(**_rates())
     body = json.dumps(rates.to_json()).encode()
     back = ReplicaRates.from_json(body, "GET http://r/rates")
@@ -31,7 +31,7 @@ def test_json_round_trip_keeps_every_field():
     assert back is not None and back.tier_load_tokens_per_s == {"CPU": 250_000.0}
 
 
-def test_optional_fields_default_and_the_mapping_is_a_copy():
+def test_optional_fields_default_and_the_mapping_is_a_copy() -> None:
     tiers = {"STORAGE": 1000.0}
     rates = ReplicaRates(prefill_tokens_per_s=5, decode_step_s=0, tier_load_tokens_per_s=tiers, source="flag")
     tiers["CPU"] = 1.0
@@ -41,7 +41,7 @@ def test_optional_fields_default_and_the_mapping_is_a_copy():
     assert minimal is not None and minimal.tier_load_tokens_per_s == {} and minimal.step_overhead_s == 0.0
 
 
-def test_none_yet_reads_as_unknown():
+def test_none_yet_reads_as_unknown() -> None:
     assert ReplicaRates.from_json({"source": NOT_MEASURED_YET}, "here") is None
     with pytest.raises(ConfigError, match="carries no figures"):
         ReplicaRates.from_json({"source": NOT_MEASURED_YET, "decode_step_s": 1.0}, "here")
@@ -65,7 +65,7 @@ def test_none_yet_reads_as_unknown():
         ({"source": 3}, "source"),
     ],
 )
-def test_bad_fields_are_refused_by_name(changes, named):
+def test_bad_fields_are_refused_by_name(changes: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         ReplicaRates(**_rates(**changes))
     with pytest.raises(ConfigError, match=f"GET http://r/rates: .*{named}"):
@@ -82,12 +82,12 @@ def test_bad_fields_are_refused_by_name(changes, named):
         ({"decode_step_s": 1.0, "source": "measured"}, "missing the fields \\['prefill_tokens_per_s'\\]"),
     ],
 )
-def test_bad_bodies_are_refused_naming_where(body, said):
+def test_bad_bodies_are_refused_naming_where(body: object, said: str) -> None:
     with pytest.raises(ConfigError, match=f"^replica r: .*{said}"):
         ReplicaRates.from_json(body, "replica r")
 
 
-def test_from_profile_reads_the_chunk_rate_and_the_decode_step():
+def test_from_profile_reads_the_chunk_rate_and_the_decode_step() -> None:
     profile = CostProfile.flat(step_overhead_s=0.005, prefill_s_per_token=1e-4, decode_s_per_seq=0.001, name="toy")
     rates = ReplicaRates.from_profile(profile, decode_seqs=8)
     assert rates.prefill_tokens_per_s == pytest.approx(10_000.0)
@@ -99,7 +99,7 @@ def test_from_profile_reads_the_chunk_rate_and_the_decode_step():
     assert full.prefill_tokens_per_s >= small.prefill_tokens_per_s > 0  # a full chunk pays less a token
 
 
-def test_from_profile_refuses_bad_arguments_and_a_free_prefill():
+def test_from_profile_refuses_bad_arguments_and_a_free_prefill() -> None:
     profile = CostProfile.flat(step_overhead_s=0, prefill_s_per_token=1e-4, decode_s_per_seq=0)
     with pytest.raises(ConfigError, match="chunk_tokens must be an integer >= 1, got 0"):
         ReplicaRates.from_profile(profile, chunk_tokens=0)
@@ -110,7 +110,7 @@ def test_from_profile_refuses_bad_arguments_and_a_free_prefill():
         ReplicaRates.from_profile(free)
 
 
-def test_step_window_measures_prefill_and_decode_from_recent_steps():
+def test_step_window_measures_prefill_and_decode_from_recent_steps() -> None:
     window = StepWindow(size=4)
     assert window.rates() is None
     window.note(0, 8, 0.02)

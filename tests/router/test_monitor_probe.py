@@ -73,7 +73,7 @@ def monitor_for(url: str, *, interval: float = 0.05, timeout: float = 0.5) -> tu
     return monitor, replica
 
 
-def test_probe_keeps_one_connection_and_reads_both_body_framings():
+def test_probe_keeps_one_connection_and_reads_both_body_framings() -> None:
     async def go() -> None:
         fake = Fake()
         url = await fake.start()
@@ -94,13 +94,13 @@ def test_probe_keeps_one_connection_and_reads_both_body_framings():
     asyncio.run(go())
 
 
-def test_only_plain_http_without_credentials_is_probed():
+def test_only_plain_http_without_credentials_is_probed() -> None:
     assert _HealthProbe.for_base("https://r:8000") is None
     assert _HealthProbe.for_base("http://user:secret@r:8000") is None
     assert _HealthProbe.for_base("http://r:8000") is not None
 
 
-def test_the_loop_marks_a_silent_replica_slow_keeping_its_entries_and_a_refusing_one_down():
+def test_the_loop_marks_a_silent_replica_slow_keeping_its_entries_and_a_refusing_one_down() -> None:
     async def go() -> None:
         fake = Fake()
         url = await fake.start()
@@ -128,7 +128,7 @@ def test_the_loop_marks_a_silent_replica_slow_keeping_its_entries_and_a_refusing
     asyncio.run(go())
 
 
-def test_a_status_other_than_200_takes_it_down():
+def test_a_status_other_than_200_takes_it_down() -> None:
     async def go() -> None:
         fake = Fake()
         url = await fake.start()
@@ -144,7 +144,7 @@ def test_a_status_other_than_200_takes_it_down():
     asyncio.run(go())
 
 
-def test_an_answer_to_a_request_within_the_interval_skips_the_check():
+def test_an_answer_to_a_request_within_the_interval_skips_the_check() -> None:
     async def go() -> None:
         fake = Fake()
         url = await fake.start()
@@ -164,7 +164,7 @@ def test_an_answer_to_a_request_within_the_interval_skips_the_check():
     asyncio.run(go())
 
 
-def test_rates_are_read_and_a_bad_body_keeps_the_old_ones():
+def test_rates_are_read_and_a_bad_body_keeps_the_old_ones() -> None:
     good = ReplicaRates(prefill_tokens_per_s=9000.0, decode_step_s=0.02, source="measured")
     bodies = {"rates": json.dumps(good.to_json()).encode()}
 
@@ -187,7 +187,7 @@ def test_rates_are_read_and_a_bad_body_keeps_the_old_ones():
     assert replica.rates == good and replica.rates_error is None
 
 
-def test_a_described_replica_is_not_asked_for_rates():
+def test_a_described_replica_is_not_asked_for_rates() -> None:
     def answer(request: httpx.Request) -> httpx.Response:
         raise AssertionError(f"asked {request.url}")
 
