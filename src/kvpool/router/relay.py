@@ -191,12 +191,19 @@ class Relay:
         """The replica's bytes as they arrive; closing early (a client gone) closes the upstream request too."""
         import httpx
 
+        # The transport's stream itself, not ``aiter_raw``: the same bytes (httpx's transport maps
+        # httpcore's errors to its own), without a chunker and a request context entered per chunk.
+        chunks = upstream.response.stream
+        assert isinstance(chunks, httpx.AsyncByteStream), "a streamed answer of the async client"
         try:
-            async for chunk in upstream.response.aiter_raw():
-                if scanner is not None:
-                    scanner.feed(chunk)
-                yield chunk
-            if scanner is not None:
+            if scanner is None:
+                async for chunk in chunks:
+                    yield chunk
+            else:
+                feed = scanner.feed
+                async for chunk in chunks:
+                    feed(chunk)
+                    yield chunk
                 self.bookkeeping.answered(upstream.replica, keys, predicted, scanner.cached_tokens)
         except httpx.TransportError as exc:
             # Bytes already went to the client: the request cannot move. End the stream; the
