@@ -42,6 +42,11 @@ The keys (``-`` and ``_`` are the same in a key):
     kvpool). Defaults to ``int64`` for vLLM's algorithms, ``bytes`` for kvpool's.
 ``num-blocks``
     the most blocks the replica holds (caps its entries in the index).
+``profile``
+    a cost profile (a built-in name such as ``llama-3.1-8b-h100``, or the path of
+    ``kvpool calibrate``'s JSON output): the replica's rates (prefill tokens a second, decode
+    step) as the router weighs it, for a server that does not answer ``GET /rates`` (vLLM).
+    Allowed on any replica; a ``kvpool serve`` replica's own ``/rates`` replace it once read.
 
 Every mistake (an unknown key or one given twice, a block size that is not an integer
 from 1 to :data:`~kvpool.router.replicas.MAX_BLOCK_SIZE`, an algorithm the router cannot
@@ -58,9 +63,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.cost_model import load_profile
 from kvpool.errors import ConfigError
 from kvpool.hashing import HashAlgo
 from kvpool.kv_events.transport import parse_subscriber_endpoint
+from kvpool.replica_rates import ReplicaRates
 from kvpool.router.replicas import (
     EventsInfo,
     HashForm,
@@ -74,7 +81,7 @@ from kvpool.router.replicas import (
 
 __all__ = ["ReplicaSpec", "load_config", "parse_replica", "replica_specs", "replicas_isolate_tenants"]
 
-_KEYS = ("events", "replay", "block_size", "hash", "seed", "block_hash", "num_blocks")
+_KEYS = ("events", "replay", "block_size", "hash", "seed", "block_hash", "num_blocks", "profile")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)
@@ -84,11 +91,13 @@ class ReplicaSpec:
     ``url`` is where requests go, credentials included; :attr:`name` is how it is shown.
     ``discover``: read ``GET /kv-events`` (a ``kvpool serve`` replica). Otherwise
     ``events`` is what the replica was described with (None: it publishes no events).
+    ``rates``: from the ``profile`` key (None: none named).
     """
 
     url: str
     discover: bool = True
     events: EventsInfo | None = None
+    rates: ReplicaRates | None = None
 
     @property
     def name(self) -> str:
@@ -100,7 +109,9 @@ class ReplicaSpec:
         return not self.discover
 
     def __repr__(self) -> str:
-        return f"ReplicaSpec(name={self.name!r}, discover={self.discover!r}, events={self.events!r})"
+        return (
+            f"ReplicaSpec(name={self.name!r}, discover={self.discover!r}, events={self.events!r}, rates={self.rates!r})"
+        )
 
 
 def _number(value: object) -> object:
@@ -147,8 +158,9 @@ def build_spec(url: str, fields: Mapping[str, object]) -> ReplicaSpec:
             f"replica {name}: unknown key {shown(unknown[0])}; "
             f"the keys are {', '.join(k.replace('_', '-') for k in _KEYS)}"
         )
+    rates = _rates(norm.pop("profile"), name) if "profile" in norm else None
     if not norm:
-        return ReplicaSpec(url=url)
+        return ReplicaSpec(url=url, rates=rates)
     events = norm.get("events")
     if events is None:
         raise ConfigError(f"replica {name}: a described replica needs events=ENDPOINT (or events=none)")
@@ -156,7 +168,7 @@ def build_spec(url: str, fields: Mapping[str, object]) -> ReplicaSpec:
         extra = sorted(set(norm) - {"events"})
         if extra:
             raise ConfigError(f"replica {name}: events=none publishes no events, so {shown(extra[0])} means nothing")
-        return ReplicaSpec(url=url, discover=False)
+        return ReplicaSpec(url=url, discover=False, rates=rates)
     if "block_size" not in norm:
         raise ConfigError(f"replica {name}: block-size is needed with events (vLLM's CPU backend: 128, GPUs: 16)")
     block_size = check_block_size(_number(norm["block_size"]), f"replica {name}")
@@ -181,6 +193,7 @@ def build_spec(url: str, fields: Mapping[str, object]) -> ReplicaSpec:
     return ReplicaSpec(
         url=url,
         discover=False,
+        rates=rates,
         events=EventsInfo(
             endpoint=_endpoint(events, "events", name),
             replay_endpoint=None if replay is None else _endpoint(replay, "replay", name),
@@ -192,6 +205,16 @@ def build_spec(url: str, fields: Mapping[str, object]) -> ReplicaSpec:
             configured=True,
         ),
     )
+
+
+def _rates(value: object, name: str) -> ReplicaRates:
+    """The rates of the cost profile ``value`` names (a built-in name or a JSON file); ConfigError naming both."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"replica {name}: profile must name a cost profile or its JSON file, got {shown(value)}")
+    try:
+        return ReplicaRates.from_profile(load_profile(value))
+    except ConfigError as exc:
+        raise ConfigError(f"replica {name}: profile {shown(value)}: {exc}") from None
 
 
 def parse_replica(text: str) -> ReplicaSpec:
