@@ -6,9 +6,11 @@ the Mooncake conversation trace (``fleet_workload.py``: prompt text sharing exac
 512-token blocks), replayed at the trace's own arrival times compressed to a load level, through
 each router in turn:
 
-* ``kvpool route`` by cached prefix (``precise``: the replicas' KV events; ``approximate``: the
-  router's own record of where it sent each prompt) and round-robin (``kvpool route --routing
-  round-robin``);
+* ``kvpool route`` by each law of ``kvpool.routing``: ``kvpool-precise`` (the linear ``prefix`` law,
+  prefixes from the replicas' KV events), ``kvpool-approximate`` (the default law, prefixes from the
+  router's own record of where it sent each prompt), ``kvpool-ttft`` (``expected-ttft``: the earliest
+  expected first token from the replicas' rates and the prefill pending at each), ``kvpool-threshold``
+  (the gate SGLang's and vLLM's routers use), and round-robin (``kvpool route --routing round-robin``);
 * ``sglang-router`` and ``vllm-router`` with their cache-aware policy, each from its own virtual
   environment (``--sglang-router`` / ``--vllm-router``; a router that cannot start is reported
   with its error, the others still run).
@@ -58,7 +60,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fleet_workload  # noqa: E402
 
-ROUTERS = ("kvpool-precise", "kvpool-approximate", "round-robin", "sglang-router", "vllm-router")
+#: kvpool's routers, by the ``--routing`` each runs: the laws of :mod:`kvpool.routing` (docs/routing.md).
+KVPOOL_ROUTING = {
+    "kvpool-precise": "prefix",  # the linear law, prefixes from the replicas' KV events
+    "kvpool-approximate": "approximate",  # the default law, prefixes from the router's own memory
+    "kvpool-ttft": "expected-ttft",
+    "kvpool-threshold": "threshold",
+    "round-robin": "round-robin",
+}
+ROUTERS = (*KVPOOL_ROUTING, "sglang-router", "vllm-router")
 MODEL = "smollm2-135m"
 
 
@@ -171,14 +181,14 @@ class Router:
 
 def start_router(name: str, fleet: Fleet, args: argparse.Namespace, tmp: Path) -> Router:
     log = tmp / f"router-{name}.log"
-    if name in ("kvpool-precise", "kvpool-approximate", "round-robin"):
-        routing = {"kvpool-precise": "precise", "kvpool-approximate": "approximate"}.get(name, "round-robin")
+    if name in KVPOOL_ROUTING:
+        routing = KVPOOL_ROUTING[name]
         cmd = ["route", "--port", "0", "--routing", routing, "--model", MODEL]
         cmd += ["--tenant-secret-file", str(tmp / "secret"), *[a for u in fleet.urls for a in ("--replica", u)]]
         proc = _kvpool(cmd, log)
         (url,) = _wait_for_lines(proc, log, r"routing on (http://[0-9.:]+)", 1, timeout=300)
         router = Router(name, url, proc, kvpool=True)
-        if routing == "precise":
+        if routing in ("prefix", "expected-ttft", "threshold"):
             _wait_http(f"{url}/health", lambda body: json.loads(body).get("prefix_mode") == "precise", name)
         return router
     binary = args.sglang_router if name == "sglang-router" else args.vllm_router

@@ -283,7 +283,8 @@ def _progress(show: bool) -> Progress:
     "routing_rules",
     multiple=True,
     type=click.Choice([r.value for r in Routing]),
-    help="How arrivals are spread over replicas; repeat to compare (default: all three with --replicas > 1).",
+    help="How arrivals are spread over replicas (kvpool.routing's laws); repeat to compare (default: every rule "
+    "with --replicas > 1).",
 )
 @click.option("--ttft-slo", type=Duration(), help="Size the deployment: the fewest replicas whose TTFT meets this.")
 @click.option(

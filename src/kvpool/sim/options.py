@@ -22,7 +22,7 @@ from kvpool.checks import check_flag, check_int
 from kvpool.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
 from kvpool.errors import ConfigError
 from kvpool.hashing import HashAlgo
-from kvpool.routing import Routing
+from kvpool.routing import DEFAULT_ROUTING, Routing
 from kvpool.sim.simulator import policy_factory
 from kvpool.sim.transfers import DEFAULT_LINKS, TierLink, capacity_blocks
 from kvpool.specs import KVCacheGroup
@@ -148,7 +148,7 @@ class SimulateOptions:
             :func:`kvpool.specs.group_layers`) instead of one full-attention group; each group's block is a pool block.
         window_aware_saves: a window group saves only the blocks a request can still read (default False: every full block).
         replicas: simulated replicas, each its own pool.
-        routing: the rules that spread arrivals over replicas, each replayed in turn; empty: all three
+        routing: the rules that spread arrivals over replicas, each replayed in turn; empty: every rule
             with several replicas or ``ttft_slo``, else prefix.
         ttft_slo: size the deployment instead: the fewest replicas whose TTFT at ``ttft_slo_percentile``
             is at most this many seconds (with ``replicas`` 1).
@@ -272,7 +272,7 @@ class SimulateOptions:
             raise ConfigError(f"--ttft-slo-percentile must be in (0, 100), got {self.ttft_slo_percentile!r}")
         put(self, "ttft_slo_percentile", percentile)
         several = self.replicas > 1 or self.ttft_slo is not None
-        put(self, "rules", routing or (tuple(Routing) if several else (Routing.PREFIX,)))
+        put(self, "rules", routing or (tuple(Routing) if several else (DEFAULT_ROUTING,)))
         if self.ttft_slo is not None and self.replicas > 1:
             raise ConfigError(f"--ttft-slo searches for the number of replicas; drop --replicas {self.replicas}")
         if self.sequential and (self.replicas > 1 or routing or self.ttft_slo is not None or targets):

@@ -32,6 +32,11 @@ routed by a rule of :mod:`kvpool.routing`, seeing every replica's cached prefix
 of the request (GPU and tiers) and its load: the prompt tokens it has still to
 prefill (those of a step still running at the arrival included). The prefix rule weighs them with ``load_cost = 1 / block_size``, i.e. it
 sends the request where the fewest tokens must be computed before its first token.
+The figure laws (``expected-ttft``, ``threshold``) see each replica as
+:class:`~kvpool.routing.RoutingFigures` built from its own state: its cached prefix
+tokens, its requests in flight, that load as prefill pending, the cost profile's
+prefill rate at a full batch and, as the decode step, the profile's step overhead
+plus its requests in flight decoding (one sequence each).
 The busy replica with the earliest clock steps next, and an arrival is routed
 once every busy replica's clock has reached it: routing sees an idle replica as it
 is, and a busy one as it will be when its current step ends (its load still
@@ -56,7 +61,7 @@ from kvpool.errors import CapacityError, ConfigError
 from kvpool.hashing import HashAlgo
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
-from kvpool.routing import Routing, chooser
+from kvpool.routing import DEFAULT_ROUTING, Routing, RoutingFigures, chooser
 from kvpool.scheduler import ChunkDetail, RequestMetrics, Scheduler, SchedulerConfig, SchedulerOutput, StopConditions
 from kvpool.sim.traces import TraceRequest
 from kvpool.sim.transfers import DEFAULT_LINKS, KeyStore, TierLink, TimingWorker, build_tiers
@@ -96,7 +101,7 @@ class SimulationConfig:
     tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
     tier_links: Mapping[TierKind, TierLink] = field(default_factory=lambda: dict(DEFAULT_LINKS))
     replicas: int = 1
-    routing: Routing = Routing.PREFIX
+    routing: Routing = DEFAULT_ROUTING
     #: Load a tier's blocks only where that is faster than computing them (the engine's rule); False: always load.
     load_or_compute: bool = True
     #: The model's layer groups (a hybrid model's); empty: one full-attention group.
@@ -184,7 +189,7 @@ class SimulationResult:
     usage_timeline: tuple[tuple[float, float], ...]
     wall_seconds: float
     replicas: int = 1
-    routing: str = Routing.PREFIX.value
+    routing: str = DEFAULT_ROUTING.value
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     tier_load_seconds: float = 0.0
     tier_save_seconds: float = 0.0
@@ -438,7 +443,11 @@ def simulate(
     shared: dict[TierKind, KeyStore] = {}
     replicas = [_Replica(config, shared, first_arrival) for _ in range(config.replicas)]
     rule = chooser(config.routing, load_cost=1 / config.block_size)
+    by_figures = config.routing in (Routing.EXPECTED_TTFT, Routing.THRESHOLD)
     wants_prefixes = config.routing is Routing.PREFIX and len(replicas) > 1
+    cost = config.cost
+    chunk = config.max_num_batched_tokens
+    prefill_rate = 1.0 / cost.prefill_rate(chunk)
     no_prefixes = [0] * len(replicas)
     ttfts: list[float] = []
     queues: list[float] = []
@@ -463,6 +472,20 @@ def simulate(
             )
             if len(replicas) == 1:
                 target = replicas[0]
+            elif by_figures:
+                now = trace_request.arrival_ms / 1000
+                figures = [
+                    RoutingFigures(
+                        cached_tokens=r.cached_prefix_tokens(request),
+                        in_flight=len(r.live),
+                        prefill_pending=r.load(now),
+                        prefill_tokens_per_s=prefill_rate,
+                        decode_step_s=cost.step_overhead_s + cost.decode_s_per_seq * len(r.live),
+                        chunk_tokens=chunk,
+                    )
+                    for r in replicas
+                ]
+                target = replicas[rule.pick(figures, request.num_prompt_tokens)]
             else:
                 cached = (
                     [r.cached_prefix_tokens(request) // config.block_size for r in replicas]
