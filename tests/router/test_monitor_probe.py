@@ -24,6 +24,7 @@ class Fake:
         self.silent = False  # read requests, answer nothing
         self.close_after = False  # close each connection after its answer, without saying so
         self.chunked = False
+        self.rates = b'{"source": "none yet"}'
         self.connections = 0
         self.requests = 0
         self.asked = asyncio.Event()
@@ -46,12 +47,13 @@ class Fake:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                assert head.startswith(b"GET /health HTTP/1.1\r\n")
+                path = head.split(b" ")[1]
+                assert path in (b"/health", b"/rates")
                 self.requests += 1
                 self.asked.set()
                 if self.silent:
                     continue
-                body = b'{"status": "ok"}'
+                body = self.rates if path == b"/rates" else b'{"status": "ok"}'
                 if self.chunked:
                     writer.write(b"HTTP/1.1 %d X\r\ntransfer-encoding: chunked\r\n\r\n" % self.status)
                     writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
@@ -79,14 +81,14 @@ def test_probe_keeps_one_connection_and_reads_both_body_framings() -> None:
         url = await fake.start()
         probe = _HealthProbe.for_base(url)
         assert probe is not None
-        assert [await probe.get() for _ in range(3)] == [200, 200, 200]
+        assert [(await probe.get())[0] for _ in range(3)] == [200, 200, 200]
         fake.chunked, fake.status = True, 503
-        assert await probe.get() == 503
+        assert await probe.get() == (503, b'{"status": "ok"}')  # the chunked body, joined
         assert fake.connections == 1 and fake.requests == 4
         fake.close_after = True
         fake.chunked, fake.status = False, 200
-        assert await probe.get() == 200  # the replica closes it after this answer
-        assert await probe.get() == 200  # opened again, silently
+        assert (await probe.get())[0] == 200  # the replica closes it after this answer
+        assert (await probe.get())[0] == 200  # opened again, silently
         assert fake.connections == 2
         probe.close()
         await fake.stop()
@@ -196,3 +198,25 @@ def test_a_described_replica_is_not_asked_for_rates() -> None:
     monitor._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
     asyncio.run(monitor.read_rates(replica))
     assert replica.rates is None
+
+
+def test_rates_are_read_on_the_kept_connection() -> None:
+    async def go() -> None:
+        fake = Fake()
+        url = await fake.start()
+        rates = ReplicaRates(prefill_tokens_per_s=7000.0, decode_step_s=0.01, source="measured")
+        fake.rates = json.dumps(rates.to_json()).encode()
+        fake.chunked = True
+        monitor, replica = monitor_for(url)
+        monitor._client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+        probe = _HealthProbe.for_base(url)
+        assert probe is not None
+        await monitor.read_rates(replica, probe)
+        assert replica.rates == rates and fake.connections == 1  # not through the client (it answers 500)
+        fake.rates = b"{broken"
+        await monitor.read_rates(replica, probe)
+        assert replica.rates == rates and "not JSON" in (replica.rates_error or "")
+        probe.close()
+        await fake.stop()
+
+    asyncio.run(go())

@@ -175,7 +175,7 @@ class ReplicaMonitor:
                 else:
                     await self._probe(replica, probe)
                 if replica.up and self.rates_every and beat % self.rates_every == 0:
-                    await self.read_rates(replica)
+                    await self.read_rates(replica, probe)
         finally:
             if probe is not None:
                 probe.close()
@@ -214,7 +214,7 @@ class ReplicaMonitor:
         """The periodic health check on the replica's kept connection: the same verdicts as :meth:`check`."""
         self.probes += 1
         try:
-            status = await asyncio.wait_for(probe.get(), self.timeout)
+            status, _ = await asyncio.wait_for(probe.get(), self.timeout)
         except TimeoutError:
             probe.close()  # an answer may still arrive on it: start the next check on a fresh connection
             self.mark_slow(replica, f"/health: no answer in {self.timeout:g} s (probe timeout)")
@@ -237,26 +237,35 @@ class ReplicaMonitor:
             else:
                 await self._bring_up(replica)
 
-    async def read_rates(self, replica: Replica) -> None:
+    async def read_rates(self, replica: Replica, probe: _HealthProbe | None = None) -> None:
         """Read a kvpool replica's ``GET /rates`` into ``replica.rates``; a bad answer leaves the old rates.
 
-        A described replica (vLLM) is not asked: its rates come from its spec's profile. A replica that
-        has not stepped yet (``"source": "none yet"``) leaves the old rates too.
+        On ``probe``'s kept connection when given, else through the HTTP client. A described replica
+        (vLLM) is not asked: its rates come from its spec's profile. A replica that has not stepped yet
+        (``"source": "none yet"``) leaves the old rates too.
         """
         import httpx
 
         if not replica.discover or self._client is None:
             return
         where = f"GET {replica.url}/rates"
-        try:
-            response = await self._client.get(replica.base + "/rates", headers=self._operator, timeout=self.timeout)
-        except httpx.TransportError:
-            return  # its health checks judge it; the rates wait for the next read
-        if response.status_code != 200:
-            replica.rates_error = f"{where} answered {response.status_code}"
+        if probe is not None:
+            try:
+                status, content = await asyncio.wait_for(probe.get("/rates"), self.timeout)
+            except (TimeoutError, OSError, EOFError, ValueError):
+                probe.close()
+                return  # its health checks judge it; the rates wait for the next read
+        else:
+            try:
+                response = await self._client.get(replica.base + "/rates", headers=self._operator, timeout=self.timeout)
+            except httpx.TransportError:
+                return
+            status, content = response.status_code, response.content
+        if status != 200:
+            replica.rates_error = f"{where} answered {status}"
             return
         try:
-            rates = ReplicaRates.from_json(response.content, where)
+            rates = ReplicaRates.from_json(content, where)
         except ConfigError as exc:
             if replica.rates_error != str(exc):
                 log.warning("%s (its old rates kept)", exc)
@@ -391,7 +400,7 @@ class ReplicaMonitor:
 
 
 class _HealthProbe:
-    """``GET /health`` on one kept HTTP/1.1 connection, with asyncio's streams alone.
+    """``GET /health`` (and ``/rates``) on one kept HTTP/1.1 connection, with asyncio's streams alone.
 
     The periodic check at every replica, every interval, is the router's idle CPU: through the
     HTTP client it cost about 5 ms a second per replica; a bare request on a kept connection
@@ -399,18 +408,18 @@ class _HealthProbe:
     base without credentials is probed this way (:meth:`for_base`); the others, and every
     check outside the periodic loop, go through the HTTP client.
 
-    :meth:`get` answers the status code. It raises ``OSError`` (refused, reset), ``EOFError``
+    :meth:`get` answers the status code and the body. It raises ``OSError`` (refused, reset), ``EOFError``
     (closed before an answer) or ``ValueError`` (not an HTTP answer); the caller bounds its
     time and :meth:`close`s the connection after any of these. A kept connection the replica
     closed while idle is opened again once, silently.
     """
 
-    __slots__ = ("_host", "_port", "_reader", "_request", "_writer")
+    __slots__ = ("_authority", "_host", "_port", "_reader", "_requests", "_writer")
 
     def __init__(self, host: str, port: int) -> None:
         self._host, self._port = host, port
-        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._request = f"GET /health HTTP/1.1\r\nHost: {authority}\r\nAccept: */*\r\n\r\n".encode("ascii")
+        self._authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._requests: dict[str, bytes] = {}  # path -> its request's bytes, built once
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -426,22 +435,26 @@ class _HealthProbe:
             self._writer.close()
         self._reader = self._writer = None
 
-    async def get(self) -> int:
+    async def get(self, path: str = "/health") -> tuple[int, bytes]:
+        request = self._requests.get(path)
+        if request is None:
+            text = f"GET {path} HTTP/1.1\r\nHost: {self._authority}\r\nAccept: */*\r\n\r\n"
+            request = self._requests[path] = text.encode("ascii")
         reused = self._writer is not None
         try:
-            return await self._exchange()
+            return await self._exchange(request)
         except (OSError, EOFError):
             self.close()
             if not reused:
                 raise
-        return await self._exchange()  # the idle connection had been closed: once more on a fresh one
+        return await self._exchange(request)  # the idle connection had been closed: once more on a fresh one
 
-    async def _exchange(self) -> int:
+    async def _exchange(self, request: bytes) -> tuple[int, bytes]:
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self._host, self._port)
         reader, writer = self._reader, self._writer
         assert reader is not None
-        writer.write(self._request)
+        writer.write(request)
         head = await reader.readuntil(b"\r\n\r\n")  # IncompleteReadError is an EOFError
         lines = head.decode("latin-1").split("\r\n")
         version, _, rest = lines[0].partition(" ")
@@ -452,17 +465,19 @@ class _HealthProbe:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip().lower()
         if "content-length" in headers:
-            await reader.readexactly(int(headers["content-length"]))
+            body = await reader.readexactly(int(headers["content-length"]))
         elif headers.get("transfer-encoding") == "chunked":
+            pieces = []
             while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-                await reader.readexactly(size + 2)
+                pieces.append((await reader.readexactly(size + 2))[:-2])
             await reader.readuntil(b"\r\n")
+            body = b"".join(pieces)
         else:  # the body runs to the connection's end
-            await reader.read()
+            body = await reader.read()
             self.close()
         if headers.get("connection") == "close" or version == "HTTP/1.0":
             self.close()
-        return int(rest[:3])
+        return int(rest[:3]), body
 
 
 def _hasher(info: EventsInfo, url: str) -> BlockHasher | None:
