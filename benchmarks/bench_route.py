@@ -47,6 +47,18 @@ Reported: median and p90 time to first byte and to the stream's end, and the rou
 median overhead over the direct path.
 
     python benchmarks/bench_route.py --overhead --requests 400
+
+``--relay-cpu``: the router's CPU per request (user + system, from /proc), streamed and not,
+one ``kvpool route --routing round-robin`` per source tree in ``--trees NAME=FOLDER`` (its
+``PYTHONPATH`` that checkout's ``src``; an empty folder: this one), all in front of the same
+two emulated replicas (``--emulate PROFILE``), started at once; ``--rounds`` rounds of
+``--requests`` requests one at a time (a ~7,500-token prompt, distinct per request,
+``--max-tokens`` output tokens) to each router in turn. Reported: the median over rounds and
+each round's figure. The router's background work (two health checks a second) counts in.
+
+    git worktree add /work/wt-X-base 88e4336
+    python benchmarks/bench_route.py --relay-cpu --trees before=/work/wt-X-base after= \\
+        --requests 40 --rounds 3 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -596,11 +608,12 @@ def run_relay_cpu(args: argparse.Namespace) -> None:
             f"{args.max_tokens} output tokens ({statistics.median(chunks)} chunks a stream, read as they came); "
             f"load average {os.getloadavg()[0]:.1f}"
         )
-        print("| tree | streamed | not streamed |")
-        print("| --- | ---: | ---: |")
+        print("| tree | streamed | not streamed | streamed, each round | not streamed, each round |")
+        print("| --- | ---: | ---: | --- | --- |")
         for name in routers:
             cells = [f"{statistics.median(per[name, s]) * 1e3:.2f} ms" for s in (True, False)]
-            print(f"| {name} | {cells[0]} | {cells[1]} |")
+            rounds = [" / ".join(f"{v * 1e3:.1f}" for v in per[name, s]) for s in (True, False)]
+            print(f"| {name} | {cells[0]} | {cells[1]} | {rounds[0]} | {rounds[1]} |")
     finally:
         for p in processes:
             p.send_signal(signal.SIGINT)
