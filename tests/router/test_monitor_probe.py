@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -67,6 +68,14 @@ class Fake:
             writer.close()
 
 
+async def until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Wait (yielding to the monitor's loop) until ``condition`` holds; fail naming ``what`` past ``timeout``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)  # a turn of the loop for the watch task, not a measured wait
+
+
 def monitor_for(url: str, *, interval: float = 0.05, timeout: float = 0.5) -> tuple[ReplicaMonitor, Replica]:
     replica = Replica(url, up=True)
     index = MemoryIndex()
@@ -109,17 +118,14 @@ def test_the_loop_marks_a_silent_replica_slow_keeping_its_entries_and_a_refusing
         monitor, replica = monitor_for(url, interval=0.02, timeout=0.1)
         fake.silent = True
         watch = asyncio.create_task(monitor._watch(replica))
-        while replica.up:
-            await asyncio.sleep(0.01)
+        await until(lambda: not replica.up, "the silent replica marked slow")
         assert "no answer in 0.1 s" in (replica.last_error or "")
         assert monitor.index.match(HASHES, [url])[0] == 4  # slow is not dead
         fake.silent = False
-        while not replica.up:  # it answers again: back as it was, no bring-up
-            await asyncio.sleep(0.01)
+        await until(lambda: replica.up, "the replica back")  # it answers again: as it was, no bring-up
         assert monitor.index.match(HASHES, [url])[0] == 4
         await fake.stop()
-        while replica.up:
-            await asyncio.sleep(0.01)
+        await until(lambda: not replica.up, "the refusing replica marked down")
         assert replica.last_error is not None and replica.last_error.startswith("/health: ")
         assert monitor.index.match(HASHES, [url])[0] == 0  # refused: entries dropped
         watch.cancel()
@@ -137,8 +143,7 @@ def test_a_status_other_than_200_takes_it_down() -> None:
         fake.status = 503
         monitor, replica = monitor_for(url)
         watch = asyncio.create_task(monitor._watch(replica))
-        while replica.up:
-            await asyncio.sleep(0.01)
+        await until(lambda: not replica.up, "the 503 replica marked down")
         assert replica.last_error == "/health answered 503"
         watch.cancel()
         await fake.stop()
