@@ -180,8 +180,9 @@ class StepWindow:
 
     * ``decode_step_s``: the mean seconds of the window's pure decode steps (no prefill);
     * ``prefill_tokens_per_s``: the window's prefill tokens over the seconds of the steps that prefilled,
-      less what the decode step would have cost them (the overhead and the decodes ride along anyway),
-      so a prefill chunk is credited with its own time alone;
+      each less the decode step's seconds (a step's overhead, and the decodes riding along, are paid with
+      or without the prefill), so a chunk is credited with its own time alone: the marginal rate a prefix
+      hit saves, not a short prompt's overhead-bound one;
     * ``None`` until a step prefilled (a rate from decodes alone would be a guess).
 
     ``step_overhead_s`` is not measured (a step's overhead hides inside its decode time): 0.
@@ -208,10 +209,10 @@ class StepWindow:
         decode_step_s = sum(decode) / len(decode) if decode else 0.0
         tokens = 0
         seconds = 0.0
-        for prefill, seqs, took in self._steps:
+        for prefill, _, took in self._steps:
             if prefill > 0:
                 tokens += prefill
-                seconds += max(took - (decode_step_s if seqs else 0.0), took * 0.01)
+                seconds += max(took - decode_step_s, took * 0.01)
         if tokens == 0 or seconds <= 0:
             return None
         return ReplicaRates(
