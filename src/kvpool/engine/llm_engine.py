@@ -573,7 +573,8 @@ class LLMEngine:
 
     def rates(self) -> ReplicaRates | None:
         """How fast this engine works (``GET /rates``): measured over its recent forward passes, with each
-        KV tier's measured load rate in tokens a second (by its event medium, ``CPU``, ``STORAGE``).
+        KV tier's load rate in tokens a second (by its event medium, ``CPU``, ``STORAGE``): the load-or-compute
+        rule's estimate, measured from the loads it timed, its link's prior until then.
 
         None until a pass prefilled: an engine has no profile to fall back on.
         """
@@ -582,7 +583,7 @@ class LLMEngine:
         if chooser is not None:
             bytes_per_token = self.setup.plan.pool_block_bytes / self.manager.block_size
             for name, figures in chooser.figures()["tiers"].items():
-                if figures["loads"] and math.isfinite(rate := figures["load_bandwidth_bytes_per_s"]) and rate > 0:
+                if math.isfinite(rate := figures["load_bandwidth_bytes_per_s"]) and rate > 0:
                     tiers[_medium(name)] = rate / bytes_per_token
         return self._window.rates(tiers)
 
