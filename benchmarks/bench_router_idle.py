@@ -8,6 +8,9 @@ process's user + system CPU (``/proc/<pid>/stat``) over ``--seconds``. Printed: 
 as a fraction of one core, and per replica.
 
     python benchmarks/bench_router_idle.py --replicas 32 --before 61b64d5
+
+Session 36, 2 shared cores: before (61b64d5, every check through httpx) 0.171 of a core, 5.34 ms a second
+per replica; after (checks skipped after a sign of life, the rest on a kept raw connection) 0.017, 0.53 ms.
 """
 
 from __future__ import annotations
