@@ -49,6 +49,13 @@ rate, the seconds a step spends outside prefill) and the prompt's length:
         ttft = work / prefill_tokens_per_s + ceil(work / chunk_tokens) * decode_step_s   (in flight > 0)
         ttft = work / prefill_tokens_per_s                                               (idle)
 
+    The rule ranks by that plus ``own_weight`` times the request's own prefill seconds
+    there (``(prompt_tokens - cached_tokens) / prefill_tokens_per_s``, default weight 1):
+    the time this prefill adds to the requests that arrive after it at that replica. A
+    request alone sees only its own first token and copies a hot prefix as soon as the
+    queue there equals a fresh prefill, which spends the fleet's compute on copies; with
+    the weight, it copies when the queue costs twice the prefill saved.
+
     Every figure is the replica's own, so a faster replica earns its share and a cached
     prefix is worth exactly the prefill time it saves *there*; no exchange rate is set by
     hand. A hot prefix stays where it is cached while the queue there costs less than
@@ -373,23 +380,34 @@ class _FiguresOnly:
 
 
 class ExpectedTtft(_FiguresOnly):
-    """The ``expected-ttft`` rule: the smallest :func:`expected_ttft_s`; ties to fewer in flight, then rotate."""
+    """The ``expected-ttft`` rule: the smallest :meth:`cost`; ties to fewer in flight, then rotate.
 
-    __slots__ = ("_next",)
+    ``own_weight`` (>= 0): how many later requests' wait the request's own prefill counts for
+    (0: the request's first token alone).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("own_weight", "_next")
+
+    def __init__(self, own_weight: float = 1.0) -> None:
+        _check_seconds("own_weight", own_weight)
+        self.own_weight = float(own_weight)
         self._next = 0
+
+    def cost(self, figures: RoutingFigures, prompt_tokens: int) -> float:
+        """:func:`expected_ttft_s` plus ``own_weight`` times the request's own prefill seconds there. O(1)."""
+        own = max(0, prompt_tokens - figures.cached_tokens) / figures.prefill_tokens_per_s
+        return expected_ttft_s(figures, prompt_tokens) + self.own_weight * own
 
     def pick(self, figures: Sequence[RoutingFigures], prompt_tokens: int) -> int:
         _check_figures(figures, prompt_tokens)
-        keys = [(expected_ttft_s(f, prompt_tokens), f.in_flight) for f in figures]
+        keys = [(self.cost(f, prompt_tokens), f.in_flight) for f in figures]
         best = min(keys)
         choice = _rotate([i for i, k in enumerate(keys) if k == best], self._next % len(figures))
         self._next = choice + 1
         return choice
 
     def __repr__(self) -> str:
-        return "ExpectedTtft()"
+        return f"ExpectedTtft(own_weight={self.own_weight!r})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

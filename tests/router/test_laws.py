@@ -62,13 +62,16 @@ def test_expected_ttft_keeps_a_hot_prefix_until_its_pending_prefill_costs_more_t
     assert router.ranker.prefill_pending == {} and holder.in_flight == other.in_flight == 0
 
 
-def test_expected_ttft_sends_a_prompt_elsewhere_once_the_holders_queue_is_longer_than_its_prefill() -> None:
+def test_expected_ttft_sends_a_prompt_elsewhere_once_the_holders_queue_costs_more_than_it_saves() -> None:
     router = router_with(Routing.EXPECTED_TTFT)
     holder, other = router.replicas
     keys = keys_of(router, "y" * 800)
     router.index.store(holder.url, keys.hashes[next(iter(keys.hashes))][:40])  # 640 of ~810 tokens
     assert router.rank(keys)[0][0] is holder
-    router.ranker.prefill_pending[holder.url] = 700  # 700 + 170 > 810 to compute at the other
+    router.ranker.prefill_pending[holder.url] = 700  # (700 + 170) + 170 tokens' seconds < 810 + 810
+    holder.in_flight = 1
+    assert router.rank(keys)[0][0] is holder
+    router.ranker.prefill_pending[holder.url] = 1400  # (1400 + 170) + 170 > 810 + 810
     holder.in_flight = 1
     assert router.rank(keys)[0][0] is other
 

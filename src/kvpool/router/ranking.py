@@ -26,7 +26,7 @@ from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompt_hashes import block_hashes
 from kvpool.router.replicas import Hashing, Replica
 from kvpool.router.route_options import RouteOptions
-from kvpool.routing import DEFAULT_CHUNK_TOKENS, PrefixMode, Routing, RoutingFigures, chooser, expected_ttft_s
+from kvpool.routing import DEFAULT_CHUNK_TOKENS, ExpectedTtft, PrefixMode, Routing, RoutingFigures, chooser
 
 if TYPE_CHECKING:
     from kvpool.openai_http.protocol import GenerationRequest
@@ -204,8 +204,8 @@ class Ranker:
             if self.by_figures:
                 figures = self.figures(candidates, tokens)
                 i = self.rule.pick(figures, keys.tokens)  # its ties rotate too
-                if self.options.routing is Routing.EXPECTED_TTFT:
-                    ttft = [expected_ttft_s(f, keys.tokens) for f in figures]
+                if isinstance(self.rule, ExpectedTtft):
+                    ttft = [self.rule.cost(f, keys.tokens) for f in figures]
                     rest = sorted((j for j in range(len(candidates)) if j != i), key=lambda j: (ttft[j], loads[j]))
                     self._note_regret(keys, cached, sizes, i)
                     return [(candidates[j], cached[j]) for j in [i, *rest]]
