@@ -47,15 +47,15 @@ def test_expected_ttft_is_queued_plus_own_uncached_tokens_over_the_rate_plus_a_s
 
 
 def test_expected_ttft_prefers_the_cache_until_its_queue_costs_more_than_the_prefill_saved() -> None:
-    # replica 0 holds 900 of 1000 tokens: its first token in 0.1 s + its queue, and 0.1 s of prefill
-    # added for those after it; replica 1: 1.0 s and 1.0 s
+    # replica 0 holds 900 of 1000 tokens: its first token in 0.1 s + its queue, and 2 x 0.1 s of prefill
+    # added for those after it; replica 1: 1.0 s and 2 x 1.0 s
     rule = ExpectedTtft()
-    assert rule.pick([fig(cached=900, in_flight=1, pending=1700), fig()], 1000) == 0  # 1.9 s < 2.0 s
-    assert rule.pick([fig(cached=900, in_flight=1, pending=1900), fig()], 1000) == 1  # 2.1 s > 2.0 s
+    assert rule.pick([fig(cached=900, in_flight=1, pending=2600), fig()], 1000) == 0  # 2.9 s < 3.0 s
+    assert rule.pick([fig(cached=900, in_flight=1, pending=2800), fig()], 1000) == 1  # 3.1 s > 3.0 s
     alone = ExpectedTtft(own_weight=0.0)  # the request's own first token only
     assert alone.pick([fig(cached=900, in_flight=1, pending=800), fig()], 1000) == 0  # 0.9 s < 1.0 s
     assert alone.pick([fig(cached=900, in_flight=1, pending=1000), fig()], 1000) == 1  # 1.1 s > 1.0 s
-    assert rule.cost(fig(cached=900, pending=100), 1000) == pytest.approx(0.2 + 0.1)
+    assert rule.cost(fig(cached=900, pending=100), 1000) == pytest.approx(0.2 + 2 * 0.1)
 
 
 def test_expected_ttft_weighs_each_replicas_own_rate() -> None:
@@ -80,7 +80,7 @@ def test_a_hot_system_prompt_stays_where_it_is_cached_until_its_queue_costs_more
     in_flight = [0, 0, 0]
     rule = ExpectedTtft()
     chosen = []
-    for _ in range(24):
+    for _ in range(36):
         figures = [fig(cached=c, in_flight=n, pending=p) for c, n, p in zip(cached, in_flight, pending)]
         i = rule.pick(figures, prompt)
         if cached[i] == 0:  # a copy: it costs no more than the cheapest replica holding the prompt
@@ -91,9 +91,9 @@ def test_a_hot_system_prompt_stays_where_it_is_cached_until_its_queue_costs_more
         in_flight[i] += 1
         cached[i] = shared  # the replica that computed the prompt now holds it too
     # the first turns group at replica 0 while its queue (200 tokens a turn) costs less than computing the
-    # 2,000 tokens afresh and delaying those after by as much (4.0 s); then it is copied to one more replica
-    assert chosen[:18] == [0] * 18
-    assert chosen[18] == 1
+    # 2,000 tokens afresh and delaying those after by twice as much (6.0 s); then it is copied to one more
+    assert chosen[:27] == [0] * 27
+    assert chosen[27] == 1
     assert 2 not in chosen  # a third copy is not needed yet: replica 1 takes the turns its queue allows
     assert chosen.count(1) < chosen.count(0)
 

@@ -68,10 +68,10 @@ def test_expected_ttft_sends_a_prompt_elsewhere_once_the_holders_queue_costs_mor
     keys = keys_of(router, "y" * 800)
     router.index.store(holder.url, keys.hashes[next(iter(keys.hashes))][:40])  # 640 of ~810 tokens
     assert router.rank(keys)[0][0] is holder
-    router.ranker.prefill_pending[holder.url] = 700  # (700 + 170) + 170 tokens' seconds < 810 + 810
+    router.ranker.prefill_pending[holder.url] = 1400  # (1400 + 170) + 2 x 170 tokens' seconds < 3 x 810
     holder.in_flight = 1
     assert router.rank(keys)[0][0] is holder
-    router.ranker.prefill_pending[holder.url] = 1400  # (1400 + 170) + 170 > 810 + 810
+    router.ranker.prefill_pending[holder.url] = 2200  # (2200 + 170) + 2 x 170 > 3 x 810
     holder.in_flight = 1
     assert router.rank(keys)[0][0] is other
 
