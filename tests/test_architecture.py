@@ -24,6 +24,7 @@ LAYERS = {
     "model_names": 1,  # kvpool's model names -> their folders, torch-free (the engine converts; the router reads)
     "fair_share": 1,  # how tenants share the batch, the pool and a step (the scheduler asks it)
     "cost_model": 1,  # how long an engine step takes: named cost profiles (the simulator and the emulator ask it)
+    "replica_rates": 2,  # how fast one replica works: GET /rates, the router's Replica.rates (from a cost profile too)
     "sampling_params": 2,  # a request's sampling options, their fields and ranges (torch-free; the engine samples)
     "prompts": 2,  # how a prompt becomes token IDs: the rule the engine, the server and the router follow
     "gguf_tokenizer": 2,  # a bundled model's tokenizer files written from its GGUF's metadata (no torch, no numpy)

@@ -49,7 +49,7 @@ def test_replicas_compare_every_routing_rule():
     result = invoke("--replicas", "3", "--json", requests=40)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data["routing"]) == {"prefix", "round-robin", "least-loaded"}
+    assert set(data["routing"]) == {"prefix", "round-robin", "least-loaded", "expected-ttft", "threshold"}
     for rule, sim in data["routing"].items():
         assert sim["replicas"] == 3 and sim["routing"] == rule
         assert len(sim["per_replica"]) == 3 and sim["request_imbalance"] >= 1.0
@@ -62,7 +62,7 @@ def test_sizing_answers_per_rule(tmp_path):
     result = invoke("--ttft-slo", "500ms", "--ttft-slo-percentile", "50", "--max-replicas", "4", "--json", requests=30)
     assert result.exit_code == 0, result.output
     sizing = json.loads(result.stdout)["sizing"]
-    assert set(sizing) == {"prefix", "round-robin", "least-loaded"}
+    assert set(sizing) == {"prefix", "round-robin", "least-loaded", "expected-ttft", "threshold"}
     for answer in sizing.values():
         assert answer["slo_s"] == 0.5 and answer["percentile"] == 50
         if answer["replicas"] is not None:

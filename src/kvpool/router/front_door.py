@@ -375,4 +375,4 @@ def _replica(entry: str | ReplicaSpec) -> Replica:
     """The router's record of a replica named by URL (kvpool: discovered) or by a spec (credentials redacted)."""
     if isinstance(entry, str):
         return Replica(check_replica_url(entry))
-    return Replica(entry.url, discover=entry.discover, described=entry.events)
+    return Replica(entry.url, discover=entry.discover, described=entry.events, rates=entry.rates)

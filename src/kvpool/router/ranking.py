@@ -182,13 +182,19 @@ class Ranker:
         else:
             tokens = list(request.prompt or ())
         salt = self.options.salts.cache_salt(tenant, request.cache_salt)
-        up = [r for r in self.replicas if r.up]
+        mode = self.options.prefix_mode
+        in_use = self.monitor.hashers()  # asked once: once per replica made keying O(replicas^2)
         hashes = {
             hashing: hashing[3].published(block_hashes(hasher, tokens, salt))
-            for hashing, hasher in self.monitor.hashers().items()
-            if self.options.prefix_mode is not PrefixMode.APPROXIMATE
+            for hashing, hasher in in_use.items()
+            if mode is not PrefixMode.APPROXIMATE
         }
-        approx = block_hashes(self.approx_hasher, tokens, salt) if any(map(self.approximate_for, up)) else []
+        # approximate_for, with the hashings in use asked once
+        wants_approx = mode is PrefixMode.APPROXIMATE or (
+            mode is PrefixMode.AUTO
+            and any(r.events is None or r.events.hashing not in in_use for r in self.replicas if r.up)
+        )
+        approx = block_hashes(self.approx_hasher, tokens, salt) if wants_approx else []
         return PromptKeys(tokens=len(tokens), hashes=hashes, approx=approx)
 
     def rank(self, keys: PromptKeys) -> list[tuple[Replica, int]]:

@@ -109,7 +109,7 @@ class Relay:
                 continue  # marked down while an earlier choice was being tried
             self.bookkeeping.check_hashes(replica)
             try:
-                response = await self._send(replica, path, body, headers, stream)
+                response = await self._send(replica, path, body, headers, stream, keys, cached)
             except httpx.TransportError as exc:
                 errors.append(f"{replica.url}: {type(exc).__name__}")
                 if not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
@@ -122,7 +122,7 @@ class Relay:
                 self.monitor.failed(replica, f"answered {response.status_code}")
                 if retries and any(r.up for r, _ in ranked[position + 1 :]):
                     retries -= 1
-                    self.bookkeeping.unsent(replica)
+                    self.bookkeeping.unsent(replica, keys)
                     errors.append(f"{replica.url}: answered {response.status_code}")
                     await response.aclose()
                     continue
@@ -132,24 +132,34 @@ class Relay:
         return self._unavailable(errors)
 
     async def _send(
-        self, replica: Replica, path: str, body: bytes, headers: dict[str, str], stream: bool
+        self,
+        replica: Replica,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        keys: PromptKeys,
+        cached: int,
     ) -> httpx.Response:
-        """``replica``'s answer (its headers; all of it unless ``stream``); a transport error is told to the monitor."""
+        """``replica``'s answer (its headers; all of it unless ``stream``); a transport error is told to the monitor.
+
+        The request's uncached prompt tokens are reserved at ``replica`` as it is sent (its prefill pending).
+        """
         import httpx
 
         outgoing = self.client.build_request("POST", replica.base + path, content=body, headers=headers)
-        self.bookkeeping.sent(replica)
+        self.bookkeeping.sent(replica, keys, cached)
         try:
             response = await self.client.send(outgoing, stream=True)
             if not stream:
                 await response.aread()
         except httpx.TransportError as exc:
-            self.bookkeeping.unsent(replica)
+            self.bookkeeping.unsent(replica, keys)
             replica.stats.transport_errors += 1
             self.monitor.suspect(replica, exc)
             raise
         except BaseException:
-            self.bookkeeping.unsent(replica)
+            self.bookkeeping.unsent(replica, keys)
             raise
         return response
 
@@ -195,13 +205,21 @@ class Relay:
         # httpcore's errors to its own), without a chunker and a request context entered per chunk.
         chunks = upstream.response.stream
         assert isinstance(chunks, httpx.AsyncByteStream), "a streamed answer of the async client"
+        first_token = self.bookkeeping.first_token
+        started = False  # the first chunk: the request's prompt is computed, its prefill no longer pending
         try:
             if scanner is None:
                 async for chunk in chunks:
+                    if not started:
+                        started = True
+                        first_token(keys)
                     yield chunk
             else:
                 feed = scanner.feed
                 async for chunk in chunks:
+                    if not started:
+                        started = True
+                        first_token(keys)
                     feed(chunk)
                     yield chunk
                 self.bookkeeping.answered(upstream.replica, keys, predicted, scanner.cached_tokens)
