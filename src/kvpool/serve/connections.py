@@ -100,31 +100,55 @@ def _protocol_class(limits: ConnectionLimits, parser: HttpParser = HttpParser.AU
     return _h11_protocol_class(limits)
 
 
+class _HeaderClock:
+    """What both bounded protocols add to uvicorn's: the connection cap, and a clock on each wait for headers.
+
+    Mixed in before uvicorn's protocol class, which defines ``transport``, ``connections`` and
+    ``loop``; ``limits`` is set by the class that mixes it in; ``_headers_overdue`` is its own.
+    """
+
+    limits: ConnectionLimits
+    transport: asyncio.Transport
+    connections: set[Any]
+    loop: asyncio.AbstractEventLoop
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]  # uvicorn's protocol, after this in the MRO
+        if len(self.connections) > self.limits.max_connections:
+            self.transport.write(_REFUSAL)
+            self.transport.close()
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)  # type: ignore[misc]  # as above
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.limits.header_timeout, self._headers_overdue)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_overdue(self) -> None:
+        raise NotImplementedError
+
+
 def _httptools_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the header clock and the connection cap."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    class BoundedHttpToolsProtocol(_HeaderClock, HttpToolsProtocol):
         """Starts a clock whenever the connection waits for request headers; stops it when they are complete.
 
         The connection waits for headers from its opening, and again from each complete
         response until the next request's headers are parsed (a pipelined request whose
         headers are already in starts no clock).
         """
-
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)  # type: ignore[arg-type]  # uvicorn narrows it to Transport
-            if len(self.connections) > limits.max_connections:
-                self.transport.write(_REFUSAL)
-                self.transport.close()
-                return
-            self._arm_header_timer()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_timer()
-            super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()  # a request's headers are in (its body is the app's to read)
@@ -135,20 +159,12 @@ def _httptools_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol
             if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self._arm_header_timer()  # the next request's headers are due as well
 
-        def _arm_header_timer(self) -> None:
-            self._disarm_header_timer()
-            self._header_timer = self.loop.call_later(limits.header_timeout, self._headers_overdue)
-
-        def _disarm_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
         def _headers_overdue(self) -> None:
             self._header_timer = None  # only a wait for headers arms it, and complete headers disarm it
             if not self.transport.is_closing():
                 self.transport.close()
 
+    BoundedHttpToolsProtocol.limits = limits
     return BoundedHttpToolsProtocol
 
 
@@ -157,22 +173,8 @@ def _h11_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class BoundedH11Protocol(H11Protocol):
+    class BoundedH11Protocol(_HeaderClock, H11Protocol):
         """Starts a clock whenever the connection waits for request headers; stops it when they are complete."""
-
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)  # type: ignore[arg-type]  # uvicorn narrows it to Transport
-            if len(self.connections) > limits.max_connections:
-                self.transport.write(_REFUSAL)
-                self.transport.close()
-                return
-            self._arm_header_timer()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_timer()
-            super().connection_lost(exc)
 
         def handle_events(self) -> None:
             super().handle_events()
@@ -184,21 +186,13 @@ def _h11_protocol_class(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self._arm_header_timer()  # the next request's headers are due as well
 
-        def _arm_header_timer(self) -> None:
-            self._disarm_header_timer()
-            self._header_timer = self.loop.call_later(limits.header_timeout, self._headers_overdue)
-
-        def _disarm_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
         def _headers_overdue(self) -> None:
             self._header_timer = None
             waiting = self.cycle is None or self.cycle.response_complete
             if waiting and self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 self.transport.close()
 
+    BoundedH11Protocol.limits = limits
     return BoundedH11Protocol
 
 
