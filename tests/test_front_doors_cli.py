@@ -125,10 +125,11 @@ def test_counts_in_start_up_lines_take_the_right_plural() -> None:
 
     from kvpool.checks import counted
     from kvpool.cli.route import _mode_line
+    from kvpool.routing import Routing
 
     assert [counted(n, "tenant") for n in (0, 1, 2)] == ["0 tenants", "1 tenant", "2 tenants"]
     assert counted(1, "replica") == "1 replica" and counted(3, "index", "indices") == "3 indices"
-    prefix = SimpleNamespace(value="prefix")
+    prefix = Routing.PREFIX
     plain = SimpleNamespace(discover=False, events=None, name="a")
     publishing = SimpleNamespace(discover=False, events=object(), name="b")
     precise = _mode_line("prefix", prefix, SimpleNamespace(value="precise"), [publishing, plain], None)

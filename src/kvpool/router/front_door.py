@@ -69,7 +69,7 @@ from kvpool.router.index_guard import GuardedIndex, guarded
 from kvpool.router.metrics import render_metrics
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.ranking import LOAD_COST_TOKENS, NO_KEYS, PromptKeys, Ranker
-from kvpool.router.relay import Relay, RelayedStream
+from kvpool.router.relay import Relay, RelayedStream, first_answer
 from kvpool.router.replica_config import ReplicaSpec
 from kvpool.router.replicas import Replica, check_replica_url
 from kvpool.router.route_options import RouteOptions
@@ -261,7 +261,11 @@ class Router:
 
     async def forward_get(self, path: str, authorization: str | None) -> Response:
         """A GET (``/v1/models``) answered by the first replica that is up."""
-        return await self.relay.forward_get(path, authorization)
+        relay = self.relay
+        timeout = self.options.health_timeout
+        return await first_answer(
+            relay.client, relay.replicas, relay.monitor, path, authorization=authorization, timeout=timeout
+        )
 
 
 class _FrontDoor:

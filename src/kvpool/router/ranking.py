@@ -31,7 +31,7 @@ from kvpool.routing import DEFAULT_CHUNK_TOKENS, ExpectedTtft, PrefixMode, Routi
 if TYPE_CHECKING:
     from kvpool.openai_http.protocol import GenerationRequest
 
-__all__ = ["LOAD_COST_TOKENS", "NO_KEYS", "REGRET_BUCKETS", "PromptKeys", "Ranker", "RoutingRegret"]
+__all__ = ["LOAD_COST_TOKENS", "NO_KEYS", "REGRET_BUCKETS", "PromptKeys", "Ranker", "RoutingRegret", "replica_figures"]
 
 #: The tokens of one "block" in the routing rule's exchange rate: ``load_cost`` such blocks
 #: cached are worth one request in flight, whatever block size the replicas use.
@@ -208,7 +208,7 @@ class Ranker:
             cached, tokens, sizes = self._cached(candidates, keys)
             loads = [r.load for r in candidates]
             if self.by_figures:
-                figures = self.figures(candidates, tokens)
+                figures = replica_figures(candidates, tokens, self.prefill_pending, self.options.prefill_tokens_per_s)
                 i = self.rule.pick(figures, keys.tokens)  # its ties rotate too
                 if isinstance(self.rule, ExpectedTtft):
                     ttft = [self.rule.cost(f, keys.tokens) for f in figures]
@@ -232,24 +232,6 @@ class Ranker:
             usable = max(0, keys.tokens - 1)  # as predicted_tokens counts them
             held = [min(n, usable // size) * size if size else 0 for n, size in zip(cached, sizes)]
             self.regret.note(held[chosen], max(held))
-
-    def figures(self, candidates: Sequence[Replica], tokens: Sequence[int]) -> list[RoutingFigures]:
-        """Each candidate as the figure rules see it, ``tokens`` its credited cached tokens of the prompt."""
-        rate, pending = self.options.prefill_tokens_per_s, self.prefill_pending
-        out = []
-        for replica, held in zip(candidates, tokens):
-            rates = replica.rates
-            out.append(
-                RoutingFigures(
-                    cached_tokens=held,
-                    in_flight=replica.in_flight,
-                    prefill_pending=pending.get(replica.url, 0),
-                    prefill_tokens_per_s=rate if rates is None else rates.prefill_tokens_per_s,
-                    decode_step_s=0.0 if rates is None else rates.decode_step_s,
-                    chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                )
-            )
-        return out
 
     def _cached(self, candidates: Sequence[Replica], keys: PromptKeys) -> tuple[list[int], list[int], list[int]]:
         """Per candidate, the prompt's leading blocks it holds, the tokens they are credited with, and its block size.
@@ -297,3 +279,27 @@ class Ranker:
             return 0
         usable = max(0, keys.tokens - 1) // block_size  # the last token is always computed
         return min(cached_blocks, usable) * block_size
+
+
+def replica_figures(
+    candidates: Sequence[Replica], tokens: Sequence[int], pending: Mapping[str, int], default_rate: float
+) -> list[RoutingFigures]:
+    """Each candidate as the figure rules see it, ``tokens`` its credited cached tokens of the prompt.
+
+    ``pending``: prompt tokens still to prefill per replica URL; ``default_rate``: the prefill
+    rate of a replica that advertises none (it then gets no decode term).
+    """
+    out = []
+    for replica, held in zip(candidates, tokens):
+        rates = replica.rates
+        out.append(
+            RoutingFigures(
+                cached_tokens=held,
+                in_flight=replica.in_flight,
+                prefill_pending=pending.get(replica.url, 0),
+                prefill_tokens_per_s=default_rate if rates is None else rates.prefill_tokens_per_s,
+                decode_step_s=0.0 if rates is None else rates.decode_step_s,
+                chunk_tokens=DEFAULT_CHUNK_TOKENS,
+            )
+        )
+    return out

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from starlette.responses import Response
     from starlette.types import Receive, Scope, Send
 
-__all__ = ["Relay", "RelayedStream"]
+__all__ = ["Relay", "RelayedStream", "first_answer"]
 
 log = logging.getLogger("kvpool.route")
 
@@ -230,25 +230,6 @@ class Relay:
         finally:
             await upstream.close()
 
-    async def forward_get(self, path: str, authorization: str | None) -> Response:
-        """A GET (``/v1/models``) answered by the first replica that is up."""
-        import httpx
-        from starlette.responses import JSONResponse, Response
-
-        headers = {"authorization": authorization} if authorization else {}
-        for replica in [r for r in self.replicas if r.up]:  # a replica marked down gets nothing
-            try:
-                response = await self.client.get(
-                    replica.base + path, headers=headers, timeout=self.options.health_timeout
-                )
-            except httpx.TransportError as exc:
-                self.monitor.suspect(replica, exc)
-                continue
-            return Response(response.content, status_code=response.status_code, headers=_answer_headers(response))
-        return JSONResponse(
-            error_body("no replica answers", type="service_unavailable", code="no_replica"), status_code=503
-        )
-
 
 class _Upstream:
     """A replica's streamed answer, closed exactly once however its relay ends (the in-flight count with it)."""
@@ -286,3 +267,32 @@ class RelayedStream:
             await self.inner(scope, receive, send)
         finally:
             await self.upstream.close()
+
+
+async def first_answer(
+    client: httpx.AsyncClient,
+    replicas: Sequence[Replica],
+    monitor: ReplicaMonitor,
+    path: str,
+    *,
+    authorization: str | None,
+    timeout: float,
+) -> Response:
+    """A GET (``/v1/models``) answered by the first replica up, in ``timeout`` seconds each.
+
+    ``authorization`` is passed on when given; a replica that fails the GET is told to ``monitor``.
+    """
+    import httpx
+    from starlette.responses import JSONResponse, Response
+
+    headers = {"authorization": authorization} if authorization else {}
+    for replica in [r for r in replicas if r.up]:  # a replica marked down gets nothing
+        try:
+            response = await client.get(replica.base + path, headers=headers, timeout=timeout)
+        except httpx.TransportError as exc:
+            monitor.suspect(replica, exc)
+            continue
+        return Response(response.content, status_code=response.status_code, headers=_answer_headers(response))
+    return JSONResponse(
+        error_body("no replica answers", type="service_unavailable", code="no_replica"), status_code=503
+    )
