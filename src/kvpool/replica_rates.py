@@ -8,12 +8,13 @@ slow tier saves less than one already on the GPU; a replica that prefills faster
      "decode_step_s": 0.012,              >= 0: one decode step's seconds at the replica's recent batch
      "step_overhead_s": 0.004,            >= 0: what every step costs before any token
      "tier_load_tokens_per_s": {"CPU": 250000.0},   medium name -> tokens a second it loads
-     "source": "measured"}                "measured", "profile:<name>" or "flag"
+     "source": "measured"}                "measured", "profile:<name>", "metrics" or "flag"
 
 The figures come from the replica's own step timings (``"measured"``), from a cost profile
 (:meth:`ReplicaRates.from_profile`: an emulated replica that has not stepped yet, a vLLM replica whose spec
-names a profile), or from the router's command line (``"flag"``). A replica that has nothing to say yet
-answers ``{"source": "none yet"}``, which :meth:`ReplicaRates.from_json` reads as ``None`` (unknown).
+names a profile), from a vLLM replica's Prometheus counters (``"metrics"``, read by the router), or from
+the router's command line (``"flag"``). A replica that has nothing to say yet answers
+``{"source": "none yet"}``, which :meth:`ReplicaRates.from_json` reads as ``None`` (unknown).
 
 Standard library only: the engine, the emulator, the server and the router all import it.
 """

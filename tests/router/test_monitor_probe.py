@@ -194,15 +194,17 @@ def test_rates_are_read_and_a_bad_body_keeps_the_old_ones() -> None:
     assert replica.rates == good and replica.rates_error is None
 
 
-def test_a_described_replica_is_not_asked_for_rates() -> None:
+def test_a_described_replica_with_a_profile_is_not_asked_for_rates() -> None:
     def answer(request: httpx.Request) -> httpx.Response:
         raise AssertionError(f"asked {request.url}")
 
     monitor, replica = monitor_for("http://replica-a:8000")
     replica.discover = False
+    profiled = ReplicaRates(prefill_tokens_per_s=5000.0, decode_step_s=0.03, source="profile:mine")
+    replica.rates = profiled  # the operator's override: neither /rates nor /metrics is read
     monitor._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
     asyncio.run(monitor.read_rates(replica))
-    assert replica.rates is None
+    assert replica.rates is profiled
 
 
 def test_rates_are_read_on_the_kept_connection() -> None:

@@ -52,6 +52,7 @@ from kvpool.hashing import VLLM_DEFAULT_SEED, BlockHasher, HashAlgo
 from kvpool.replica_rates import ReplicaRates
 from kvpool.router.feed import EventFeed
 from kvpool.router.index import BlockIndex
+from kvpool.router.metrics_rates import METRICS_SOURCE, MetricsSample, MetricsWindow
 from kvpool.router.replicas import EventsInfo, Hashing, Replica
 from kvpool.router.stats import HashVerdict
 
@@ -128,6 +129,7 @@ class ReplicaMonitor:
         self.rates_every = max(1, round(rates_interval / interval)) if interval > 0 else 1
         self.skipped = 0  # periodic checks skipped: the replica had shown life within the interval
         self.probes = 0  # periodic checks sent on a kept connection (not through the HTTP client)
+        self._metrics: dict[str, MetricsWindow] = {}  # a described replica's /metrics reads, by URL
 
     async def start(self, client: httpx.AsyncClient) -> None:
         self._client = client
@@ -246,7 +248,11 @@ class ReplicaMonitor:
         """
         import httpx
 
-        if not replica.discover or self._client is None:
+        if self._client is None:
+            return
+        if not replica.discover:
+            if replica.rates is None or replica.rates.source == METRICS_SOURCE:  # a spec's profile overrides
+                await self._read_metrics(replica, probe)
             return
         where = f"GET {replica.url}/rates"
         if probe is not None:
@@ -272,6 +278,36 @@ class ReplicaMonitor:
             replica.rates_error = str(exc)
             return
         replica.rates_error = None
+        if rates is not None:
+            replica.rates = rates
+
+    async def _read_metrics(self, replica: Replica, probe: _HealthProbe | None) -> None:
+        """A described (vLLM) replica's rates from its ``GET /metrics`` (:mod:`kvpool.router.metrics_rates`)."""
+        import httpx
+
+        where = f"GET {replica.url}/metrics"
+        try:
+            if probe is not None:
+                status, content = await asyncio.wait_for(probe.get("/metrics"), self.timeout)
+            else:
+                response = await self._client.get(replica.base + "/metrics", timeout=self.timeout)  # type: ignore[union-attr]  # read_rates checked it
+                status, content = response.status_code, response.content
+        except (TimeoutError, OSError, EOFError, ValueError, httpx.TransportError):
+            if probe is not None:
+                probe.close()
+            return  # its health checks judge it; the rates wait for the next read
+        if status != 200:
+            replica.rates_error = f"{where} answered {status}"
+            return
+        try:
+            sample = MetricsSample.parse(content.decode("utf-8", "replace"), where)
+        except ConfigError as exc:
+            if replica.rates_error != str(exc):
+                log.warning("%s (its old rates kept)", exc)
+            replica.rates_error = str(exc)
+            return
+        replica.rates_error = None
+        rates = self._metrics.setdefault(replica.url, MetricsWindow()).note(sample)
         if rates is not None:
             replica.rates = rates
 
@@ -400,7 +436,7 @@ class ReplicaMonitor:
 
 
 class _HealthProbe:
-    """``GET /health`` (and ``/rates``) on one kept HTTP/1.1 connection, with asyncio's streams alone.
+    """``GET /health`` (and ``/rates``, ``/metrics``) on one kept HTTP/1.1 connection, with asyncio's streams alone.
 
     The periodic check at every replica, every interval, is the router's idle CPU: through the
     HTTP client it cost about 5 ms a second per replica; a bare request on a kept connection
