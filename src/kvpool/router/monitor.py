@@ -240,38 +240,36 @@ class ReplicaMonitor:
                 await self._bring_up(replica)
 
     async def read_rates(self, replica: Replica, probe: _HealthProbe | None = None) -> None:
-        """Read a kvpool replica's ``GET /rates`` into ``replica.rates``; a bad answer leaves the old rates.
+        """Read a replica's rates into ``replica.rates``; a bad answer leaves the old rates, and says why.
 
-        On ``probe``'s kept connection when given, else through the HTTP client. A described replica
-        (vLLM) is not asked: its rates come from its spec's profile. A replica that has not stepped yet
-        (``"source": "none yet"``) leaves the old rates too.
+        A kvpool replica's from its ``GET /rates`` (one that has not stepped yet, ``"source": "none
+        yet"``, leaves the old rates too); a described (vLLM) one's from its ``GET /metrics``
+        (:mod:`kvpool.router.metrics_rates`), unless its spec named a profile: the operator's
+        override. On ``probe``'s kept connection when given, else through the HTTP client.
         """
-        import httpx
-
         if self._client is None:
             return
-        if not replica.discover:
-            if replica.rates is None or replica.rates.source == METRICS_SOURCE:  # a spec's profile overrides
-                await self._read_metrics(replica, probe)
-            return
-        where = f"GET {replica.url}/rates"
-        if probe is not None:
-            try:
-                status, content = await asyncio.wait_for(probe.get("/rates"), self.timeout)
-            except (TimeoutError, OSError, EOFError, ValueError):
-                probe.close()
-                return  # its health checks judge it; the rates wait for the next read
+        read: Callable[[bytes, str], ReplicaRates | None]
+        if replica.discover:
+            path, read, headers = "/rates", ReplicaRates.from_json, self._operator
+        elif replica.rates is None or replica.rates.source == METRICS_SOURCE:
+            window = self._metrics.setdefault(replica.url, MetricsWindow())
+            path, headers = "/metrics", {}  # the admin key is a kvpool replica's: a vLLM one is not given it
+
+            def read(content: bytes, where: str) -> ReplicaRates | None:
+                return window.note(MetricsSample.parse(content.decode("utf-8", "replace"), where))
         else:
-            try:
-                response = await self._client.get(replica.base + "/rates", headers=self._operator, timeout=self.timeout)
-            except httpx.TransportError:
-                return
-            status, content = response.status_code, response.content
+            return
+        answer = await self._get(replica, probe, path, headers)
+        if answer is None:
+            return  # its health checks judge it; the rates wait for the next read
+        status, content = answer
+        where = f"GET {replica.url}{path}"
         if status != 200:
             replica.rates_error = f"{where} answered {status}"
             return
         try:
-            rates = ReplicaRates.from_json(content, where)
+            rates = read(content, where)
         except ConfigError as exc:
             if replica.rates_error != str(exc):
                 log.warning("%s (its old rates kept)", exc)
@@ -281,35 +279,22 @@ class ReplicaMonitor:
         if rates is not None:
             replica.rates = rates
 
-    async def _read_metrics(self, replica: Replica, probe: _HealthProbe | None) -> None:
-        """A described (vLLM) replica's rates from its ``GET /metrics`` (:mod:`kvpool.router.metrics_rates`)."""
+    async def _get(
+        self, replica: Replica, probe: _HealthProbe | None, path: str, headers: dict[str, str]
+    ) -> tuple[int, bytes] | None:
+        """``replica``'s answer to ``GET path`` (on ``probe`` when given), or None when none came in time."""
         import httpx
 
-        where = f"GET {replica.url}/metrics"
+        assert self._client is not None
         try:
             if probe is not None:
-                status, content = await asyncio.wait_for(probe.get("/metrics"), self.timeout)
-            else:
-                response = await self._client.get(replica.base + "/metrics", timeout=self.timeout)  # type: ignore[union-attr]  # read_rates checked it
-                status, content = response.status_code, response.content
+                return await asyncio.wait_for(probe.get(path), self.timeout)
+            response = await self._client.get(replica.base + path, headers=headers, timeout=self.timeout)
         except (TimeoutError, OSError, EOFError, ValueError, httpx.TransportError):
             if probe is not None:
                 probe.close()
-            return  # its health checks judge it; the rates wait for the next read
-        if status != 200:
-            replica.rates_error = f"{where} answered {status}"
-            return
-        try:
-            sample = MetricsSample.parse(content.decode("utf-8", "replace"), where)
-        except ConfigError as exc:
-            if replica.rates_error != str(exc):
-                log.warning("%s (its old rates kept)", exc)
-            replica.rates_error = str(exc)
-            return
-        replica.rates_error = None
-        rates = self._metrics.setdefault(replica.url, MetricsWindow()).note(sample)
-        if rates is not None:
-            replica.rates = rates
+            return None
+        return response.status_code, response.content
 
     async def _bring_up(self, replica: Replica) -> None:
         import httpx
