@@ -46,24 +46,22 @@ class Bookkeeping:
         index: BlockIndex,
         approx: BlockIndex,
         computing: dict[str, dict[BlockHash, int]],
-        board: LoadBoard | None = None,
     ) -> None:
         self.ranker = ranker
         self.monitor = monitor
         self.index = index
         self.approx = approx
         self.computing = computing
-        self.board: LoadBoard = NoBoard() if board is None else board
+        self.board: LoadBoard = NoBoard()  # the router's, when it shares its loads
         self._prefilling: dict[int, tuple[str, int]] = {}  # id(keys) -> (replica URL, tokens reserved there)
         self._claimed: dict[int, str] = {}  # id(keys) -> the replica its choice reserved on the board
 
     # -- select and reserve: the only place a choice is made -----------------------------------
 
     def choose(self, keys: PromptKeys) -> list[tuple[Replica, int]]:
-        """The ranking for ``keys`` (:meth:`Ranker.rank`), its first choice reserved on the load board at once.
+        """The ranking for ``keys`` (:meth:`Ranker.rank`) by every router's loads, its first choice reserved at once.
 
-        Ranked with every router's loads; when another router reserved in between, ranked
-        again with the loads now (at most :data:`CLAIM_TRIES` times, then on the last ones read).
+        When another router reserved in between, ranked again on the loads now (:data:`CLAIM_TRIES` times at most).
         """
         seen = self.board.totals([r.url for r in self.ranker.replicas if r.up])
         for _ in range(CLAIM_TRIES):
@@ -71,9 +69,8 @@ class Bookkeeping:
             if not ranked or seen is None:
                 return ranked
             replica, cached = ranked[0]
-            seen = self.board.claim(
-                seen, replica.url, self.own_counts(replica.url, 1, self._pending_of(replica, keys, cached))
-            )
+            mine = self.own_counts(replica.url, 1, self._pending_of(replica, keys, cached))
+            seen = self.board.claim(seen, replica.url, mine)
             if seen is None:
                 self._claimed[id(keys)] = replica.url
                 return ranked
@@ -84,8 +81,7 @@ class Bookkeeping:
         flight = next((r.in_flight for r in self.ranker.replicas if r.url == url), 0)
         return flight + more_in, self.ranker.prefill_pending.get(url, 0) + more_pending
 
-    def all_counts(self) -> dict[str, tuple[int, int]]:
-        """:meth:`own_counts` of every replica: what this router's key on the board holds."""
+    def all_counts(self) -> dict[str, tuple[int, int]]:  # what this router's key on the board holds
         return {r.url: self.own_counts(r.url) for r in self.ranker.replicas}
 
     def _pending_of(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
@@ -109,8 +105,8 @@ class Bookkeeping:
         claimed = self._claimed.pop(id(keys), None)
         if claimed != replica.url:  # else its choice wrote these counts already
             self._publish(replica.url)
-            if claimed is not None:
-                self._publish(claimed)  # chosen, then marked down before it was sent: not there after all
+            if claimed is not None:  # chosen, then marked down before it was sent: not there after all
+                self._publish(claimed)
 
     def unsent(self, replica: Replica, keys: PromptKeys | None = None) -> None:
         """A request :meth:`sent` to ``replica`` failed before it was :meth:`accepted` there."""
