@@ -34,6 +34,7 @@ import json
 import statistics
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvpool.hashing import BlockHash
 from kvpool.router import RouteOptions, Router
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--system-blocks", type=int, default=8, help="the burst's shared prompt, in 512-token blocks")
     parser.add_argument("--routing", default="prefix", choices=[r.value for r in Routing])
     parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--trace", type=Path, default=None, help="default: fleet_workload's trace")
     parser.add_argument("--conversations", type=int, default=40)
     parser.add_argument("--prefill-rate", type=float, default=20_000.0, help="tokens per second per replica")
     parser.add_argument("--decode-step", type=float, default=0.02, help="seconds per output token")
@@ -172,9 +174,10 @@ def main() -> None:
     if args.burst:
         report["burst max/mean in flight (median)"] = run_bursts(args)
     if args.replay:
-        from fleet_workload import read_trace
+        from fleet_workload import DEFAULT_TRACE, read_trace
 
-        trace = read_trace(count=args.count, conversations=args.conversations)
+        path = DEFAULT_TRACE if args.trace is None else args.trace
+        trace = read_trace(path, count=args.count, conversations=args.conversations)
         report["replay % prompt tokens cached"] = {
             "1 router": round(replay(1, trace, args), 2),
             f"{args.routers} routers, board": round(replay(args.routers, trace, args), 2),

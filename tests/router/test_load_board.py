@@ -3,7 +3,8 @@
 The routers here are in-process :class:`~kvpool.router.Router` objects on one real Redis
 (a fresh prefix per test); nothing talks HTTP. A request is chosen and sent as the relay
 does it (``bookkeeping.choose``, then ``sent`` to its first choice), reaches its first
-token, and ends.
+token, and ends. The benchmark commands of docs/routing.md ("Several routers, one load
+board") run here on tiny inputs (:func:`test_the_benchmark_runs_as_documented`).
 """
 
 from __future__ import annotations
@@ -264,3 +265,35 @@ def test_with_its_redis_down_a_router_chooses_by_its_own_loads_and_writes_them_w
 def test_a_board_needs_a_positive_ttl(redis_url: str) -> None:
     with pytest.raises(ValueError, match="ttl_s must be positive, not 0"):
         SharedBoard(redis.Redis.from_url(redis_url), dict, ttl_s=0)
+
+
+def test_the_benchmark_runs_as_documented(redis_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": t, "input_length": 1100, "output_length": 3, "hash_ids": [0, t % 2, 9 + t]} for t in range(6)]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = [sys.executable, str(root / "benchmarks" / "bench_load_board.py"), "--redis", redis_url, "--burst"]
+    command += [
+        "--replay",
+        "--trace",
+        str(trace),
+        "--requests",
+        "16",
+        "--repeats",
+        "1",
+        "--system-blocks",
+        "1",
+        "--conversations",
+        "1",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    out = subprocess.run(command, capture_output=True, text=True, env=env, check=True, timeout=120)
+    report = json.loads(out.stdout)
+    assert report["replay % prompt tokens cached"]["requests"] == 6
+    assert set(report["burst max/mean in flight (median)"]) == {"cold", "published"}
