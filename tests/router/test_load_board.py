@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import hypothesis.strategies as st
 import pytest
+import redis
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -26,8 +27,6 @@ from kvpool.router.replica_config import parse_replica
 from kvpool.routing import Routing
 from kvpool.tenancy import DEFAULT_TENANT, SaltPolicy
 from tests.router.fakes import ByteTokenizer
-
-redis = pytest.importorskip("redis")
 
 _prefixes = itertools.count()
 SYSTEM = "You are the guide for the whole team. " * 8  # 19 blocks of 16 bytes
@@ -297,3 +296,15 @@ def test_the_benchmark_runs_as_documented(redis_url: str, tmp_path) -> None:  # 
     report = json.loads(out.stdout)
     assert report["replay % prompt tokens cached"]["requests"] == 6
     assert set(report["burst max/mean in flight (median)"]) == {"cold", "published"}
+
+
+def test_a_lease_renewed_after_its_key_expired_brings_the_counts_back_whole(redis_url: str, prefix: str) -> None:
+    a, b = fleet(redis_url, 2, 2, prefix=prefix)
+    send(a, keys_of(a, SYSTEM))
+    send(a, keys_of(a, "a second request of a's"))
+    board = a.board
+    assert isinstance(board, SharedBoard)
+    redis.Redis.from_url(redis_url).delete(board.key)  # expired while a was busy elsewhere
+    assert board_totals([b]) == own_sum([b])
+    board.refresh()  # what keep_lease does every ttl_s / 3
+    assert board_totals([a, b]) == own_sum([a, b]) and sum(n for n, _ in own_sum([a]).values()) == 2

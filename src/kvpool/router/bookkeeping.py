@@ -12,6 +12,11 @@
   reports, and whether the replica's events ever name the blocks of the prompts sent to it
   (said once, loudly, when they do not).
 
+Where routers share a Redis index, the first two are also this router's share of the load
+board (:mod:`kvpool.router.load_board`): :meth:`Bookkeeping.choose` ranks with every
+router's loads and reserves its choice there at once, and each change here writes this
+router's new counts.
+
 Everything here changes on the router's event loop only, so nothing locks.
 """
 
