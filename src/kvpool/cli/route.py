@@ -281,7 +281,7 @@ def _index(flags: dict[str, Any]) -> Any:
         "max_blocks_per_replica": flags.pop("index_max_blocks_per_replica"),
     }
     index = index_from_url(where, **caps)
-    _log("block index: " + (f"Redis at {where}" if where else "in this process"))
+    _log("block index: " + (f"Redis at {where}; loads shared there (the load board)" if where else "in this process"))
     return index
 
 

@@ -12,6 +12,11 @@
   reports, and whether the replica's events ever name the blocks of the prompts sent to it
   (said once, loudly, when they do not).
 
+Where routers share a Redis index, the first two are also this router's share of the load
+board (:mod:`kvpool.router.load_board`): :meth:`Bookkeeping.choose` ranks with every
+router's loads and reserves its choice there at once, and each change here writes this
+router's new counts.
+
 Everything here changes on the router's event loop only, so nothing locks.
 """
 
@@ -21,6 +26,7 @@ import logging
 
 from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
+from kvpool.router.load_board import CLAIM_TRIES, LoadBoard, NoBoard
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.ranking import NO_KEYS, PromptKeys, Ranker
 from kvpool.router.replicas import Replica
@@ -51,7 +57,45 @@ class Bookkeeping:
         self.index = index
         self.approx = approx
         self.computing = computing
+        self.board: LoadBoard = NoBoard()  # the router's, when it shares its loads
         self._prefilling: dict[int, tuple[str, int]] = {}  # id(keys) -> (replica URL, tokens reserved there)
+        self._claimed: dict[int, str] = {}  # id(keys) -> the replica its choice reserved on the board
+
+    # -- select and reserve: the only place a choice is made -----------------------------------
+
+    def choose(self, keys: PromptKeys) -> list[tuple[Replica, int]]:
+        """The ranking for ``keys`` (:meth:`Ranker.rank`) by every router's loads, its first choice reserved at once.
+
+        When another router reserved in between, ranked again on the loads now (:data:`CLAIM_TRIES` times at most).
+        """
+        seen = self.board.totals([r.url for r in self.ranker.replicas if r.up])
+        for _ in range(CLAIM_TRIES):
+            ranked = self.ranker.rank(keys, seen)
+            if not ranked or seen is None:
+                return ranked
+            replica, cached = ranked[0]
+            mine = self.own_counts(replica.url, 1, self._pending_of(replica, keys, cached))
+            seen = self.board.claim(seen, replica.url, mine)
+            if seen is None:
+                self._claimed[id(keys)] = replica.url
+                return ranked
+        return ranked
+
+    def own_counts(self, url: str, more_in: int = 0, more_pending: int = 0) -> tuple[int, int]:
+        """This router's requests in flight and prefill pending at ``url`` (plus those about to be sent)."""
+        flight = next((r.in_flight for r in self.ranker.replicas if r.url == url), 0)
+        return flight + more_in, self.ranker.prefill_pending.get(url, 0) + more_pending
+
+    def all_counts(self) -> dict[str, tuple[int, int]]:  # what this router's key on the board holds
+        return {r.url: self.own_counts(r.url) for r in self.ranker.replicas}
+
+    def _pending_of(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
+        if keys is NO_KEYS or id(keys) in self._prefilling:
+            return 0
+        return max(0, keys.tokens - self.ranker.predicted_tokens(replica, keys, cached_blocks))
+
+    def _publish(self, url: str) -> None:
+        self.board.write(url, self.own_counts(url))
 
     # -- in flight: the only methods that count a replica's load -------------------------------
 
@@ -62,28 +106,41 @@ class Bookkeeping:
         """
         replica.in_flight += 1
         if keys is not None:
-            self.reserve_prefill(replica, keys, cached_blocks)
+            self.reserve_prefill(replica, keys, cached_blocks, publish=False)
+        claimed = self._claimed.pop(id(keys), None)
+        if claimed != replica.url:  # else its choice wrote these counts already
+            self._publish(replica.url)
+            if claimed is not None:  # chosen, then marked down before it was sent: not there after all
+                self._publish(claimed)
 
     def unsent(self, replica: Replica, keys: PromptKeys | None = None) -> None:
         """A request :meth:`sent` to ``replica`` failed before it was :meth:`accepted` there."""
         replica.in_flight -= 1
         if keys is not None:
-            self.first_token(keys)
+            self._release_prefill(keys)
+        self._publish(replica.url)
 
-    def reserve_prefill(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> None:
+    def reserve_prefill(self, replica: Replica, keys: PromptKeys, cached_blocks: int, *, publish: bool = True) -> None:
         """The request's uncached prompt tokens count as pending at ``replica`` (once per request)."""
         if keys is NO_KEYS or id(keys) in self._prefilling:
             return
-        tokens = max(0, keys.tokens - self.ranker.predicted_tokens(replica, keys, cached_blocks))
+        tokens = self._pending_of(replica, keys, cached_blocks)
         pending = self.ranker.prefill_pending
         pending[replica.url] = pending.get(replica.url, 0) + tokens
         self._prefilling[id(keys)] = (replica.url, tokens)
+        if publish:
+            self._publish(replica.url)
 
     def first_token(self, keys: PromptKeys) -> None:
         """The request keyed ``keys`` reached its first token (or left): its prompt tokens are no longer pending."""
+        url = self._release_prefill(keys)
+        if url is not None:
+            self._publish(url)
+
+    def _release_prefill(self, keys: PromptKeys) -> str | None:
         reserved = self._prefilling.pop(id(keys), None)
         if reserved is None:
-            return
+            return None
         url, tokens = reserved
         pending = self.ranker.prefill_pending
         left = pending.get(url, 0) - tokens
@@ -91,6 +148,7 @@ class Bookkeeping:
             pending[url] = left
         else:
             pending.pop(url, None)
+        return url
 
     def accepted(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
         """``replica`` answered a request (its answer goes to the client): counted, and its prefix noted.
@@ -109,7 +167,8 @@ class Bookkeeping:
     def ended(self, replica: Replica, keys: PromptKeys) -> None:
         """A request :meth:`accepted` at ``replica`` ended (answered, failed or cut): out of flight, settled."""
         replica.in_flight -= 1
-        self.first_token(keys)
+        self._release_prefill(keys)
+        self._publish(replica.url)
         self.settled(replica, keys)
 
     # -- blocks and prefixes ---------------------------------------------------------------------

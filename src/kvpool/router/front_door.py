@@ -66,6 +66,7 @@ from kvpool.openai_http.protocol import GenerationEndpoint, GenerationRequest, p
 from kvpool.router.bookkeeping import Bookkeeping
 from kvpool.router.index import BlockIndex, MemoryIndex
 from kvpool.router.index_guard import GuardedIndex, guarded
+from kvpool.router.load_board import LoadBoard, SharedBoard, board_for, keep_lease
 from kvpool.router.metrics import render_metrics
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.ranking import LOAD_COST_TOKENS, NO_KEYS, PromptKeys, Ranker
@@ -126,6 +127,9 @@ class Router:
         computing: dict[str, dict[BlockHash, int]] = {}
         self.ranker = Ranker(options, self.replicas, self.monitor, self.index, self.approx, computing)
         self.bookkeeping = Bookkeeping(self.ranker, self.monitor, self.index, self.approx, computing)
+        # routers on one Redis index share their loads too: each choice reserves on every router's board
+        self.bookkeeping.board = board_for(self.index, self.bookkeeping.all_counts)
+        self._lease: asyncio.Task[None] | None = None
         self.relay = Relay(options, self.replicas, self.ranker, self.bookkeeping, self.monitor)
         self._loading: asyncio.Future[None] | None = None
 
@@ -149,6 +153,10 @@ class Router:
         return self.ranker.approx_hasher
 
     @property
+    def board(self) -> LoadBoard:
+        return self.bookkeeping.board
+
+    @property
     def load_cost(self) -> float:
         return self.ranker.load_cost
 
@@ -160,6 +168,8 @@ class Router:
 
     async def start(self) -> None:
         await self.monitor.start(self.relay.open())
+        if isinstance(self.board, SharedBoard):
+            self._lease = asyncio.get_running_loop().create_task(keep_lease(self.board, self.board.ttl_s))
         if self.options.tokenizer is not None:
             # Seconds (transformers loads); until then requests are routed by load alone.
             self._loading = asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
@@ -173,6 +183,8 @@ class Router:
             log.warning("the tokenizer did not load (%r): routing by load only", exc)
 
     async def stop(self) -> None:
+        if self._lease is not None:
+            self._lease.cancel()
         await self.monitor.stop()
         await self.relay.close()
 
@@ -184,6 +196,7 @@ class Router:
             "events": {url: feed.figures() for url, feed in self.monitor.feeds.items()},
             "approximate": {r.url: self.approx.num_blocks(r.url) for r in self.replicas},
             "tier_credit": self.options.credit.figures(),
+            "load_board": self.board.figures(),
         }
 
     def metrics(self) -> str:

@@ -850,6 +850,15 @@ class RedisIndex:
         self._match = client.register_script(_MATCH_SCRIPT)
         self._match_media = client.register_script(_MATCH_MEDIA_SCRIPT)
 
+    @property
+    def client(self) -> Redis:
+        """The server's client (the routers' load board shares it)."""
+        return self._redis
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix.decode()
+
     def _block(self, key: bytes) -> bytes:
         return self._prefix + b":b:" + key
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.hashing import BlockHash, BlockHasher
 from kvpool.router.index import BlockIndex, HeldMedia
+from kvpool.router.load_board import BoardTotals
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompt_hashes import block_hashes
 from kvpool.router.replicas import Hashing, Replica
@@ -197,18 +198,24 @@ class Ranker:
         approx = block_hashes(self.approx_hasher, tokens, salt) if wants_approx else []
         return PromptKeys(tokens=len(tokens), hashes=hashes, approx=approx)
 
-    def rank(self, keys: PromptKeys) -> list[tuple[Replica, int]]:
+    def rank(self, keys: PromptKeys, seen: BoardTotals | None = None) -> list[tuple[Replica, int]]:
         """The replicas that are up, in the order to try them, each with the blocks of the prompt it holds.
 
-        Best first by the rule; a replica marked down is not in the list.
+        Best first by the rule; a replica marked down is not in the list. ``seen``: every
+        router's loads (the load board's, per URL: in flight, prefill pending) in place of
+        this router's own.
         """
         candidates = [r for r in self.replicas if r.up]
         ranked: list[tuple[Replica, int]] = []
         if candidates:
             cached, tokens, sizes = self._cached(candidates, keys)
-            loads = [r.load for r in candidates]
+            if seen is None:
+                loads, pending = [r.load for r in candidates], self.prefill_pending
+            else:
+                loads = [seen.get(r.url, (0, 0))[0] for r in candidates]
+                pending = {url: p for url, (_, p) in seen.items()}
             if self.by_figures:
-                figures = replica_figures(candidates, tokens, self.prefill_pending, self.options.prefill_tokens_per_s)
+                figures = replica_figures(candidates, tokens, pending, self.options.prefill_tokens_per_s, loads)
                 i = self.rule.pick(figures, keys.tokens)  # its ties rotate too
                 if isinstance(self.rule, ExpectedTtft):
                     ttft = [self.rule.cost(f, keys.tokens) for f in figures]
@@ -282,20 +289,26 @@ class Ranker:
 
 
 def replica_figures(
-    candidates: Sequence[Replica], tokens: Sequence[int], pending: Mapping[str, int], default_rate: float
+    candidates: Sequence[Replica],
+    tokens: Sequence[int],
+    pending: Mapping[str, int],
+    default_rate: float,
+    in_flight: Sequence[int] | None = None,
 ) -> list[RoutingFigures]:
     """Each candidate as the figure rules see it, ``tokens`` its credited cached tokens of the prompt.
 
     ``pending``: prompt tokens still to prefill per replica URL; ``default_rate``: the prefill
-    rate of a replica that advertises none (it then gets no decode term).
+    rate of a replica that advertises none (it then gets no decode term); ``in_flight``: each
+    candidate's requests in flight (default: this router's own).
     """
     out = []
-    for replica, held in zip(candidates, tokens):
+    flights = [r.in_flight for r in candidates] if in_flight is None else in_flight
+    for replica, held, flight in zip(candidates, tokens, flights):
         rates = replica.rates
         out.append(
             RoutingFigures(
                 cached_tokens=held,
-                in_flight=replica.in_flight,
+                in_flight=flight,
                 prefill_pending=pending.get(replica.url, 0),
                 prefill_tokens_per_s=default_rate if rates is None else rates.prefill_tokens_per_s,
                 decode_step_s=0.0 if rates is None else rates.decode_step_s,

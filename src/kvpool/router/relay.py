@@ -102,7 +102,7 @@ class Relay:
         headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
         path = request.url.path
         errors: list[str] = []
-        ranked = self.ranker.rank(keys)
+        ranked = self.bookkeeping.choose(keys)  # the first choice reserved on every router's board
         retries = 1  # after a failure the replica may have seen; refused connections do not count
         for position, (replica, cached) in enumerate(ranked):
             if not replica.up:
