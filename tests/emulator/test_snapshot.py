@@ -71,3 +71,43 @@ def test_a_server_without_events_answers_no_snapshot(make_engine: Callable[..., 
     finally:
         live.stop()
     assert answer.status_code == 404 and "no KV event snapshot" in answer.text
+
+
+def test_a_router_starting_after_the_buffer_moved_on_holds_exactly_the_replicas_blocks(
+    make_engine: Callable[..., EmulatedEngine],
+) -> None:
+    from kvpool.router.feed import EventFeed
+    from kvpool.router.index import MemoryIndex
+    from kvpool.router.replicas import EventsInfo
+    from kvpool.router.snapshot_loader import http_snapshot
+    from tests.router.fakes import wait_for
+    from tests.router.test_feed import Loop
+
+    engine = make_engine(block_size=4, num_blocks=12, enable_kv_events=True)
+    publisher = KVEventPublisher("bind:tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=2)
+    live = LiveServer(build_app(engine, serve_config(), events=publisher))
+    loop = Loop()
+    feed = None
+    try:
+        for start in (10, 50, 90):  # 5, 9, 9 blocks in a pool of 11: more batches than the 2 buffered, and evictions
+            _complete(live, list(range(start, start + 20 + 16 * (start > 10))))
+        info = EventsInfo.from_json(httpx.get(f"{live.url}/kv-events", timeout=30).json(), live.url)
+        assert info.snapshot == SNAPSHOT_PATH
+        index = MemoryIndex()
+        feed = EventFeed(live.url, info, index, snapshot=http_snapshot(live.url + info.snapshot, {}, 30.0))
+        feed.start(loop.loop)
+        wait_for(lambda: feed.snapshots == 1, "the snapshot", timeout=30)
+        _complete(live, list(range(200, 220)))  # after the snapshot: its batch is applied on top
+        held = _held(engine)
+
+        def whole() -> bool:
+            claimed = {h for h in held if index.match([h], [live.url]) == [1]}
+            return claimed == held and index.num_blocks(live.url) == len(held)
+
+        wait_for(whole, "exactly the replica's blocks", timeout=30)
+        assert feed.figures()["snapshot_errors"] == 0 and feed.gaps == 0
+    finally:
+        if feed is not None:
+            feed.stop()
+        live.stop()
+        loop.close()

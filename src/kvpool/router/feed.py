@@ -150,6 +150,11 @@ class EventFeed:
         """Whether the feed's thread still runs (it ends only after :meth:`stop`)."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def snapshot_errors(self) -> int:
+        """Snapshots that could not be fetched, decoded or joined to the stream (the entries stayed cleared)."""
+        return self._loader.errors
+
     def figures(self) -> dict[str, object]:
         """The stream's figures, as the router's verbose health shows them."""
         return {
@@ -164,7 +169,7 @@ class EventFeed:
             "last_error": self.last_error,
             "snapshots": self.snapshots,
             "snapshot_blocks": self.snapshot_blocks,
-            "snapshot_errors": self._loader.errors,
+            "snapshot_errors": self.snapshot_errors,
             "last_snapshot_error": self._loader.last_error,
         }
 
