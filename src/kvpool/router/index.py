@@ -448,7 +448,7 @@ class MemoryIndex:
         clock = self._clock
         self._clock += n
         added = 0
-        keys_of, masks, stamps_of = self._keys, self._masks, self._stamps
+        keys_of, masks, stamps_of, live = self._keys, self._masks, self._stamps, self._live
         stamp = clock
         log, log_stamps = r.log, r.log_stamps
         for fp in reversed(fps):  # a chain's root is the newest claim of the batch: dropped last
@@ -458,12 +458,20 @@ class MemoryIndex:
             m = masks[s]
             i = (fp >> _SHARD_BITS) & m
             k = keys[i]
-            if k != fp:  # not in its first slot: probed on, and added when absent
+            if k != fp:  # not in its first slot: probed on, and added when absent (in the first slot let go)
+                gone = -1
                 while k != fp and k != _EMPTY:
+                    if k == _GONE and gone < 0:
+                        gone = i
                     i = (i + 1) & m
                     k = keys[i]
                 if k == _EMPTY:
-                    s, i = self._insert(fp)
+                    if gone >= 0:
+                        keys[gone] = fp
+                        live[s] += 1
+                        i = gone
+                    else:
+                        s, i = self._insert(fp)
             stamps_of[s][i] = stamp
             holders = bank[s]
             if holders[i] & bit:
