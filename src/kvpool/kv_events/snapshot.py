@@ -19,6 +19,8 @@ group caches (``parent_block_hash`` null, in the order the pool cached them),
 and carries no token IDs, LoRA name nor extra keys (what
 :attr:`EventContent.HASHES` leaves out: a prefix router needs the hashes
 only). The hashes are the replica's own bytes, as its events carry them.
+It holds the pool's blocks (``MEDIUM_GPU``) only: blocks held only in KV tiers
+below it are left out, so a subscriber misses them rather than claims them.
 """
 
 from __future__ import annotations
