@@ -286,6 +286,33 @@ class BlockPool:
             sliding_window=window,
         )
 
+    def snapshot_events(self, block_sizes: Sequence[int]) -> list[BlockStored]:
+        """What the index holds as stored-block events: one per group that caches any, ``block_sizes[g]`` each.
+
+        A set, not a chain: the pool does not keep which block follows which, so
+        ``parent_block_hash`` is None, and no token IDs nor extra keys are carried
+        (see :mod:`kvpool.kv_events.snapshot`). O(cached blocks); records nothing.
+        """
+        out = []
+        for group_id, index in enumerate(self.indexes):
+            hashes = tuple(index.hashes())
+            if hashes:
+                kind, window = self.group_kinds[group_id]
+                out.append(
+                    BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=None,
+                        token_ids=(),
+                        block_size=block_sizes[group_id],
+                        lora_name=None,
+                        extra_keys=(None,) * len(hashes),
+                        group_id=group_id,
+                        spec_kind=kind,
+                        sliding_window=window,
+                    )
+                )
+        return out
+
     @property
     def records_events(self) -> bool:
         """Whether the pool records KV events (``enable_events``)."""

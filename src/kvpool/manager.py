@@ -42,7 +42,7 @@ from kvpool.block_pool import BlockPool
 from kvpool.checks import MIN_MODEL_LEN, check_int
 from kvpool.coordinator import Coordinator, make_group_managers
 from kvpool.errors import CapacityError, ConfigError, RequestStateError
-from kvpool.events import KVCacheEvent
+from kvpool.events import BlockStored, KVCacheEvent
 from kvpool.hashing import BlockHasher, HashAlgo
 from kvpool.invariants import check_manager
 from kvpool.request import Request
@@ -670,6 +670,12 @@ class KVCacheManager:
     def free_queue_block_ids(self) -> list[int]:
         """Block IDs in free-queue order: front (reused first) to back."""
         return list(self.pool.free_queue.block_ids())
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """Every block the prefix cache holds, as ``BlockStored`` events (one per group; see
+        :meth:`BlockPool.snapshot_events`). Pending events are not taken: a publisher takes
+        them first, so that the snapshot follows its last batch."""
+        return self.pool.snapshot_events([g.block_size for g in self.groups])
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events recorded since the last call (empty unless ``enable_events``)."""

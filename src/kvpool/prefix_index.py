@@ -155,6 +155,10 @@ class PrefixIndex:
         self._map.clear()
         self._num_shared = 0
 
+    def hashes(self) -> list[BlockHash]:
+        """Every hash in the index once (duplicates share one), in the order they were first cached; O(n)."""
+        return list(self._map)
+
     def items(self) -> Iterator[tuple[BlockHash, KVBlock]]:
         """Every (hash, block) pair in the index."""
         for block_hash, found in self._map.items():

@@ -496,6 +496,7 @@ def describe_events(
     content: EventContent = EventContent.FULL,
     curve_public_key: str | None = None,
     num_blocks: int | None = None,
+    snapshot: str | None = None,
 ) -> dict[str, object]:
     """What ``GET /kv-events`` answers: where this replica's events are and how its blocks are hashed.
 
@@ -507,7 +508,9 @@ def describe_events(
     subscriber must name, and a subscriber checks it against keys it trusts
     rather than believing it. ``num_blocks``, when given, is the most blocks
     the replica can hold over all its media: a router keeps no more of its
-    claims than that.
+    claims than that. ``snapshot``, when set, is the path (on the same HTTP
+    server) answering :mod:`kvpool.kv_events.snapshot`'s message: a router
+    that lost more batches than the replay buffer holds loads it.
     """
     return {
         "enabled": endpoint is not None,
@@ -519,6 +522,7 @@ def describe_events(
         "content": content.value,
         "curve_public_key": curve_public_key,
         "num_blocks": num_blocks,
+        "snapshot": snapshot,
         "hash_algorithm": hasher.algo.value,
         "hash_seed": hasher.seed_name,
         "block_size": hasher.block_size,

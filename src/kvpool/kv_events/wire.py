@@ -31,7 +31,16 @@ from kvpool.errors import ConfigError, ExternalDataError
 from kvpool.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.hashing import BlockHash, ExtraKey
 
-__all__ = ["EventBatch", "EventContent", "EventStreamError", "decode_batch", "encode_batch", "import_extra"]
+__all__ = [
+    "EventBatch",
+    "EventContent",
+    "EventStreamError",
+    "batch_of",
+    "decode_batch",
+    "encode_batch",
+    "import_extra",
+    "shown",
+]
 
 # kvpool layer kinds under the names vLLM's events use (``KVCacheSpecKind``).
 _WIRE_KIND = {"chunked_local": "chunked_local_attention", "mla": "mla_attention"}
@@ -184,8 +193,16 @@ class Encoder:
         self._encode: Callable[[object], bytes] = import_extra("msgspec").msgpack.Encoder().encode
 
     def __call__(self, events: Iterable[KVCacheEvent], ts: float, data_parallel_rank: int | None) -> bytes:
+        return self._encode(self.batch(events, ts, data_parallel_rank))
+
+    def batch(self, events: Iterable[KVCacheEvent], ts: float, data_parallel_rank: int | None) -> object:
+        """The batch as the msgspec struct :meth:`__call__` encodes (for a message that embeds a batch)."""
         wire, full = self._wire, self._full
-        return self._encode(wire.Batch(ts, [_wire_event(wire, e, full) for e in events], data_parallel_rank))
+        return wire.Batch(ts, [_wire_event(wire, e, full) for e in events], data_parallel_rank)
+
+    def encode(self, value: object) -> bytes:
+        """Any msgspec-encodable value (a batch from :meth:`batch` inside it) as msgpack bytes."""
+        return self._encode(value)
 
 
 def encode_batch(
@@ -202,7 +219,7 @@ def encode_batch(
 # -- decoding ---------------------------------------------------------------------------
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     """A short description of a decoded value: scalars in full (cut at 80 characters), containers by type and size.
 
     Never the ``repr`` of a container: a hostile payload can nest deeply enough
@@ -219,7 +236,7 @@ def _hash(value: object, where: str) -> BlockHash:
         return BlockHash(value)
     if type(value) is int and 0 <= value < 2**64:  # vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
         return BlockHash(value.to_bytes(8, "big"))
-    raise EventStreamError(f"{where}: a block hash must be bytes or a 64-bit integer, got {_shown(value)}")
+    raise EventStreamError(f"{where}: a block hash must be bytes or a 64-bit integer, got {shown(value)}")
 
 
 def _tagged_extra_keys(entry: object, lora_name: str | None, where: str) -> tuple[ExtraKey, ...] | None:
@@ -227,7 +244,7 @@ def _tagged_extra_keys(entry: object, lora_name: str | None, where: str) -> tupl
     if entry is None:
         return None
     if not isinstance(entry, list | tuple):
-        raise EventStreamError(f"{where}: extra keys must be a list or null, got {_shown(entry)}")
+        raise EventStreamError(f"{where}: extra keys must be a list or null, got {shown(entry)}")
     keys: list[ExtraKey] = []
     for i, key in enumerate(entry):
         if i == 0 and lora_name is not None and key == lora_name:
@@ -239,7 +256,7 @@ def _tagged_extra_keys(entry: object, lora_name: str | None, where: str) -> tupl
         elif isinstance(key, bytes):
             keys.append(("prompt_embeds", key.hex()))
         else:
-            raise EventStreamError(f"{where}: unknown extra key {_shown(key)}")
+            raise EventStreamError(f"{where}: unknown extra key {shown(key)}")
     return tuple(keys)
 
 
@@ -248,7 +265,7 @@ def _field(event: dict[Any, Any], name: str, kind: type | tuple[type, ...], wher
     if value is ...:
         raise EventStreamError(f"{where}: missing field {name!r}")
     if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise EventStreamError(f"{where}: field {name!r} has the wrong type: {_shown(value)}")
+        raise EventStreamError(f"{where}: field {name!r} has the wrong type: {shown(value)}")
     return value
 
 
@@ -261,12 +278,12 @@ def _token_ids(event: dict[Any, Any], where: str) -> tuple[int, ...]:
 
 def _event(event: object, where: str) -> KVCacheEvent:
     if not isinstance(event, dict):
-        raise EventStreamError(f"{where}: an event must be a tagged map, got {_shown(event)}")
+        raise EventStreamError(f"{where}: an event must be a tagged map, got {shown(event)}")
     tag = event.get("type")
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     if tag not in ("BlockStored", "BlockRemoved"):
-        raise EventStreamError(f"{where}: unknown event type {_shown(tag)}")
+        raise EventStreamError(f"{where}: unknown event type {shown(tag)}")
     hashes = tuple(_hash(h, where) for h in _field(event, "block_hashes", list, where) or ())
     medium = _field(event, "medium", str, where) or MEDIUM_GPU
     group = _field(event, "group_idx", int, where, None) or 0
@@ -306,19 +323,31 @@ def decode_batch(payload: bytes) -> EventBatch:
     :attr:`EventContent.HASHES`) is read as any other. Raises
     :class:`EventStreamError`, and nothing else, on any other input.
     """
+    return batch_of(decode_msgpack(payload, "event batch"))
+
+
+def decode_msgpack(payload: object, what: str) -> object:
+    """``payload`` decoded as msgpack into plain values; :class:`EventStreamError` naming ``what`` when it is not."""
     msgspec = import_extra("msgspec")
     if not isinstance(payload, bytes | bytearray | memoryview):
-        raise EventStreamError(f"an event batch is bytes, got {type(payload).__name__}")
+        raise EventStreamError(f"an {what} is bytes, got {type(payload).__name__}")
     try:
-        raw = msgspec.msgpack.decode(payload)
+        return msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
-        raise EventStreamError(f"not a msgpack event batch: {exc}") from None
+        raise EventStreamError(f"not a msgpack {what}: {exc}") from None
     except RecursionError:
-        raise EventStreamError("not an event batch: its msgpack nests deeper than any batch does") from None
+        raise EventStreamError(f"not an {what}: its msgpack nests deeper than any batch does") from None
+
+
+def batch_of(raw: object) -> EventBatch:
+    """A decoded msgpack value (``[ts, events, data_parallel_rank]``) checked as an event batch, as kvpool's.
+
+    Raises :class:`EventStreamError`, and nothing else, when it is not one.
+    """
     if not isinstance(raw, list) or len(raw) not in (2, 3) or not isinstance(raw[1], list):
-        raise EventStreamError(f"an event batch is an array [ts, events, data_parallel_rank], got {_shown(raw)}")
+        raise EventStreamError(f"an event batch is an array [ts, events, data_parallel_rank], got {shown(raw)}")
     ts, events = raw[0], raw[1]
     rank = raw[2] if len(raw) == 3 else None
     if not isinstance(ts, int | float) or isinstance(ts, bool) or (rank is not None and type(rank) is not int):
-        raise EventStreamError(f"bad batch header: ts={_shown(ts)}, data_parallel_rank={_shown(rank)}")
+        raise EventStreamError(f"bad batch header: ts={shown(ts)}, data_parallel_rank={shown(rank)}")
     return EventBatch(float(ts), tuple(_event(e, f"event {i}") for i, e in enumerate(events)), rank)

@@ -12,7 +12,11 @@ replay socket). A feed adds what a router needs on top:
   buffer (:class:`LostBatches`) or a sequence that starts over
   (:class:`PublisherRestarted`, which also follows the catch-up when live batches
   published during it arrive after it). Cleared entries err towards misses, never
-  towards claims, and the batches that follow rebuild them;
+  towards claims, and the batches that follow rebuild them. A replica that
+  advertises a snapshot (``GET /kv-events/snapshot``) is loaded from it instead,
+  after such a loss and at a start whose replay buffer no longer reaches back to
+  batch 0 (:mod:`kvpool.router.snapshot_loader`: the snapshot at ``S``, then only
+  batches after ``S``);
 * any other fault of the stream (a message that does not decode, a wrong number of
   frames, nesting too deep, a socket error) is counted in :attr:`EventFeed.errors` and
   logged in one line; the feed then clears the replica's entries (what was read with
@@ -38,6 +42,7 @@ from kvpool.errors import ConfigError
 from kvpool.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.router.index import WHOLE, BlockIndex, Group
 from kvpool.router.replicas import EventsInfo
+from kvpool.router.snapshot_loader import LoadedSnapshot, SnapshotLoader
 
 if TYPE_CHECKING:
     from kvpool.kv_events import KVEventSubscriber, Received
@@ -98,9 +103,16 @@ def apply_events(
 
 
 class EventFeed:
-    """Follows one replica's events until :meth:`stop`; its figures say how the stream went."""
+    """Follows one replica's events until :meth:`stop`; its figures say how the stream went.
 
-    def __init__(self, replica: str, info: EventsInfo, index: BlockIndex) -> None:
+    ``snapshot``: fetches the replica's snapshot body (blocking, on the feed's
+    thread; :func:`~kvpool.router.snapshot_loader.http_snapshot`); None: the
+    replica has none, and a lost stream leaves its entries cleared.
+    """
+
+    def __init__(
+        self, replica: str, info: EventsInfo, index: BlockIndex, *, snapshot: Callable[[], bytes] | None = None
+    ) -> None:
         self.replica = replica
         self.info = info
         self.index = index
@@ -113,6 +125,9 @@ class EventFeed:
         self.last_applied: float | None = None  # time.time() of the last batch applied
         self._groups: dict[int, Group] = {}
         self.resets = 0  # times the replica's entries were cleared for a stream fault
+        self.snapshots = 0  # snapshots loaded (after a loss the replay buffer could not cover)
+        self.snapshot_blocks = 0  # blocks the last snapshot loaded claimed
+        self._loader = SnapshotLoader(replica, snapshot)
         self.errors = 0  # faults of the stream itself (bad messages, socket errors); each one starts it over
         self.last_error: str | None = None
         self.on_applied: Callable[[], None] | None = None  # tests wait on it
@@ -135,6 +150,11 @@ class EventFeed:
         """Whether the feed's thread still runs (it ends only after :meth:`stop`)."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def snapshot_errors(self) -> int:
+        """Snapshots that could not be fetched, decoded or joined to the stream (the entries stayed cleared)."""
+        return self._loader.errors
+
     def figures(self) -> dict[str, object]:
         """The stream's figures, as the router's verbose health shows them."""
         return {
@@ -147,6 +167,10 @@ class EventFeed:
             "lag_s": round(self.lag, 4),
             "errors": self.errors,
             "last_error": self.last_error,
+            "snapshots": self.snapshots,
+            "snapshot_blocks": self.snapshot_blocks,
+            "snapshot_errors": self.snapshot_errors,
+            "last_snapshot_error": self._loader.last_error,
         }
 
     def _follow(self) -> None:
@@ -199,25 +223,25 @@ class EventFeed:
         from kvpool.kv_events import EventStreamError, SequencedBatch
 
         try:
-            buffered: Sequence[Received] = subscriber.replay(0)
+            buffered: list[SequencedBatch] = subscriber.replay(0)
         except EventStreamError as exc:
             log.warning("%s: no catch-up from the replay buffer: %s", self.replica, exc)
             buffered = []
         if buffered:
-            last = buffered[-1]
-            assert isinstance(last, SequencedBatch)
-            subscriber.last_seq = last.seq
-            self._hand_over(buffered)
+            subscriber.last_seq = buffered[-1].seq
+        caught_up = self._loader.start(subscriber, buffered)
+        if caught_up:
+            self._hand_over(caught_up)
         while not self._stopping.is_set():
             received = subscriber.receive(POLL_S)
             if received:
-                self._hand_over(received)
+                self._hand_over(self._loader.screen(subscriber, received))
 
-    def _hand_over(self, received: Sequence[Received]) -> None:
+    def _hand_over(self, received: Sequence[Received | LoadedSnapshot]) -> None:
         if self._loop is not None and not self._stopping.is_set():
             self._loop.call_soon_threadsafe(self._apply, received)
 
-    def _apply(self, received: Sequence[Received]) -> None:
+    def _apply(self, received: Sequence[Received | LoadedSnapshot]) -> None:
         """On the event loop: apply batches; clear the replica's entries where the stream broke."""
         from kvpool.kv_events import LostBatches, PublisherRestarted
 
@@ -233,6 +257,16 @@ class EventFeed:
                     self.restarts += 1
                 log.info("%s: KV event stream broke (%s): its index entries are rebuilt", self.replica, item)
                 self.index.clear(self.replica)
+            elif isinstance(item, LoadedSnapshot):
+                self.index.clear(self.replica)  # what the snapshot says, and nothing from before it
+                self.snapshot_blocks = apply_events(self.index, self.replica, item.snapshot.batch.events, self._groups)
+                self.snapshots += 1
+                log.info(
+                    "%s: snapshot after batch %d loaded: %d blocks",
+                    self.replica,
+                    item.snapshot.seq,
+                    self.snapshot_blocks,
+                )
             else:
                 self.stored += apply_events(self.index, self.replica, item.batch.events, self._groups)
                 self.batches += 1

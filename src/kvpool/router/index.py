@@ -48,7 +48,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import groupby
+from itertools import chain, groupby
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpool.errors import ConfigError
@@ -166,6 +166,8 @@ _BANK = 32
 _HOLDER_TYPE = "I"  # C's unsigned int: 4 bytes wherever CPython runs
 #: Dead entries a replica's claim log may carry beyond its live claims before it is compacted.
 _LOG_SLACK = 1024
+#: A store of at least this many blocks sizes the tables for them first (a snapshot, a long prompt's chain).
+_BULK = 1 << 14
 #: Entries the cap's eviction takes from the head of a replica's log at a time, to sort by their stamps.
 _FRONT = 1024
 
@@ -357,12 +359,15 @@ class MemoryIndex:
             k = keys[i]
         return s, i
 
-    def _grow(self, s: int) -> array[int]:
-        """Shard ``s`` re-inserted into a table sized for twice its live blocks (at least 8). O(its slots)."""
+    def _grow(self, s: int, coming: int = 0) -> array[int]:
+        """Shard ``s`` re-inserted into a table sized for twice its live blocks and ``coming`` more (at least 8).
+
+        O(its slots).
+        """
         old_keys, old_stamps = self._keys[s], self._stamps[s]
         old_holders = [bank[s] for bank in self._holders]
         size = 8
-        while size < 2 * (self._live[s] + 1):
+        while size < 2 * (self._live[s] + coming + 1):
             size *= 2
         keys, stamps = array("q", bytes(8 * size)), _words(size)
         holders = [_holder_words(size) for _ in old_holders]
@@ -382,6 +387,16 @@ class MemoryIndex:
             bank[s] = new
         self._used[s] = self._live[s]
         return keys
+
+    def _make_room(self, n: int) -> None:
+        """Grow, once, each shard that ``n`` new blocks (spread evenly, and a margin) would grow several times.
+
+        A snapshot's half million blocks would otherwise grow every table about ten times over.
+        """
+        coming = (n >> _SHARD_BITS) + (n >> (_SHARD_BITS + 2))
+        for s, keys in enumerate(self._keys):
+            if (self._used[s] + coming) * 5 > len(keys) * 4:
+                self._grow(s, coming)
 
     def _let_go(self, s: int, i: int) -> None:
         """Slot ``i`` of shard ``s`` no longer holds a block when no replica holds it."""
@@ -428,10 +443,12 @@ class MemoryIndex:
         bit, bank, extra = r.bit, self._holders[r.bank], r.extra
         main_only = kind == 0 and not extra  # then no block held needs its media noted
         n = len(fps)
+        if n >= _BULK:
+            self._make_room(n)
         clock = self._clock
         self._clock += n
         added = 0
-        keys_of, masks, stamps_of = self._keys, self._masks, self._stamps
+        keys_of, masks, stamps_of, live = self._keys, self._masks, self._stamps, self._live
         stamp = clock
         log, log_stamps = r.log, r.log_stamps
         for fp in reversed(fps):  # a chain's root is the newest claim of the batch: dropped last
@@ -441,12 +458,20 @@ class MemoryIndex:
             m = masks[s]
             i = (fp >> _SHARD_BITS) & m
             k = keys[i]
-            if k != fp:  # not in its first slot: probed on, and added when absent
+            if k != fp:  # not in its first slot: probed on, and added when absent (in the first slot let go)
+                gone = -1
                 while k != fp and k != _EMPTY:
+                    if k == _GONE and gone < 0:
+                        gone = i
                     i = (i + 1) & m
                     k = keys[i]
                 if k == _EMPTY:
-                    s, i = self._insert(fp)
+                    if gone >= 0:
+                        keys[gone] = fp
+                        live[s] += 1
+                        i = gone
+                    else:
+                        s, i = self._insert(fp)
             stamps_of[s][i] = stamp
             holders = bank[s]
             if holders[i] & bit:
@@ -589,13 +614,30 @@ class MemoryIndex:
         r = self._replicas.pop(replica, None)
         if r is None:
             return
-        bank = self._holders[r.bank]
-        for fp in [fp for _, fp in r.front[r.front_at :]] + r.log[r.head :].tolist():
-            found = self._find(fp)
-            if found is not None and bank[found[0]][found[1]] & r.bit:
-                s, i = found
-                bank[s][i] &= ~r.bit
-                self._let_go(s, i)
+        # _find and _let_go inlined: a snapshot's reload clears half a million claims at once
+        banks, bank, bit = self._holders, self._holders[r.bank], r.bit
+        alone = len(banks) == 1  # then no other bank can hold a slot this one lets go
+        keys_of, stamps_of, live = self._keys, self._stamps, self._live
+        for fp in chain((fp for _, fp in r.front[r.front_at :]), r.log[r.head :]):
+            s = fp & _SHARD_MASK
+            keys = keys_of[s]
+            m = len(keys) - 1
+            i = (fp >> _SHARD_BITS) & m
+            k = keys[i]
+            while k != fp and k != _EMPTY:
+                i = (i + 1) & m
+                k = keys[i]
+            if k != fp:
+                continue
+            holders = bank[s]
+            held = holders[i]
+            if held & bit:
+                held &= ~bit
+                holders[i] = held
+                if not held and (alone or not any(other[s][i] for other in banks)):
+                    keys[i] = _GONE
+                    stamps_of[s][i] = 0
+                    live[s] -= 1
         self._claims -= r.count
         self._free_ids.append(r.id)
 

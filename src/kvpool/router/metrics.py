@@ -21,6 +21,7 @@ Per replica (label ``replica``, its URL, credentials redacted):
 * ``kvpool_router_event_batches_total``, ``kvpool_router_event_blocks_stored_total``,
   ``kvpool_router_event_gaps_total``, ``kvpool_router_event_lost_batches_total``,
   ``kvpool_router_event_restarts_total``, ``kvpool_router_event_errors_total``,
+  ``kvpool_router_event_snapshots_total``, ``kvpool_router_event_snapshot_errors_total``,
   ``kvpool_router_event_lag_seconds`` (the newest live batch: applied minus published).
 
 And ``kvpool_router_no_replica_total`` (requests answered 503 with no replica up).
@@ -170,6 +171,8 @@ def render_metrics(router: MetricsSource) -> str:
         ("event_lost_batches_total", "counter", "Event batches lost in those breaks.", "lost"),
         ("event_restarts_total", "counter", "Times its event sequence started over.", "restarts"),
         ("event_errors_total", "counter", "Faults of its event stream (bad messages, sockets).", "errors"),
+        ("event_snapshots_total", "counter", "Snapshots of its pool loaded where replay could not cover.", "snapshots"),
+        ("event_snapshot_errors_total", "counter", "Snapshots that could not be loaded.", "snapshot_errors"),
         ("event_lag_seconds", "gauge", "The newest live batch: applied minus published.", "lag"),
     ):
         family(f"kvpool_router_{name}", kind, text, lambda r, f=figure: feed(r, f))  # type: ignore[misc]  # bound

@@ -54,6 +54,7 @@ from kvpool.router.feed import EventFeed
 from kvpool.router.index import BlockIndex
 from kvpool.router.metrics_rates import METRICS_SOURCE, MetricsSample, MetricsWindow
 from kvpool.router.replicas import EventsInfo, Hashing, Replica
+from kvpool.router.snapshot_loader import http_snapshot
 from kvpool.router.stats import HashVerdict
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ if TYPE_CHECKING:
 __all__ = ["Ejection", "ReplicaMonitor"]
 
 log = logging.getLogger("kvpool.route")
+
+#: The least seconds a snapshot fetch may take (a large pool's body is tens of megabytes).
+SNAPSHOT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -329,9 +333,18 @@ class ReplicaMonitor:
         await self.read_rates(replica)
         if replica.events is not None:
             self.index.limit(replica.url, replica.events.num_blocks)
-            feed = EventFeed(replica.url, replica.events, self.index)
+            feed = self._feed(replica, replica.events)
             self.feeds[replica.url] = feed
             feed.start(asyncio.get_running_loop())
+
+    def _feed(self, replica: Replica, events: EventsInfo) -> EventFeed:
+        """A feed of ``replica``'s events, loading its snapshot (asked with the admin key) where it has one."""
+        snapshot = None
+        if events.snapshot is not None:
+            snapshot = http_snapshot(
+                replica.base + events.snapshot, self._operator, max(self.timeout, SNAPSHOT_TIMEOUT_S)
+            )
+        return EventFeed(replica.url, events, self.index, snapshot=snapshot)
 
     def resync(self, urls: set[str]) -> None:
         """Start these replicas' event feeds over (their index entries were cleared): each catches up again."""
@@ -339,7 +352,7 @@ class ReplicaMonitor:
             feed = self.feeds.get(replica.url)
             if replica.url in urls and feed is not None and replica.events is not None:
                 feed.stop()
-                self.feeds[replica.url] = fresh = EventFeed(replica.url, replica.events, self.index)
+                self.feeds[replica.url] = fresh = self._feed(replica, replica.events)
                 fresh.start(asyncio.get_running_loop())
 
     def suspect(self, replica: Replica, error: Exception) -> None:

@@ -205,6 +205,7 @@ class EventsInfo:
     hash_form: HashForm = HashForm.BYTES
     configured: bool = False  # described on the router's command line, not read from GET /kv-events
     curve: CurveClient | None = None  # the router's CURVE keys and the replica's public key
+    snapshot: str | None = None  # the path of its snapshot (GET /kv-events/snapshot) when it has one
 
     @classmethod
     def from_json(cls, body: object, replica_url: str, trust: CurveTrust | None = None) -> EventsInfo:
@@ -234,6 +235,7 @@ class EventsInfo:
             block_size=block_size,
             num_blocks=capacity if type(capacity := body.get("num_blocks")) is int and capacity > 0 else None,
             curve=_curve(body.get("curve_public_key"), replica_url, trust),
+            snapshot=path if isinstance(path := body.get("snapshot"), str) and path.startswith("/") else None,
         )
 
     @property

@@ -4,7 +4,10 @@
 :class:`~kvpool.kv_events.KVEventPublisher` as ``events=`` and wires it with
 :func:`event_wiring`: after every engine step the pool's new events go out as
 one batch, and ``GET /kv-events`` tells a router where they are and how the
-replica hashes its blocks. Any program that builds the app gets the same
+replica hashes its blocks. ``GET /kv-events/snapshot`` answers what the pool
+caches, taken on the engine thread between steps
+(:mod:`kvpool.kv_events.snapshot`), for a router that missed more batches than
+the replay buffer holds. Any program that builds the app gets the same
 events as ``kvpool serve --kv-events-endpoint``.
 """
 
@@ -32,12 +35,17 @@ class EventWiring:
         hook: the step hook (run on the engine thread after every step):
             sends the events recorded since the last step as one batch.
         describe: the ``GET /kv-events`` body (a JSON-able mapping).
+        snapshot: run on the engine thread between steps: publishes what the
+            pool recorded since the last batch, then answers the snapshot
+            message (:func:`~kvpool.kv_events.snapshot.encode_snapshot`) taken
+            after that batch.
         close: sends what is queued and closes the publisher's sockets.
     """
 
     hook: Callable[[ServedEngine, Sequence[RequestDelta]], None]
     describe: Callable[[], object]
     close: Callable[[], None]
+    snapshot: Callable[[ServedEngine], bytes]
 
 
 def event_wiring(engine: ServedEngine, publisher: KVEventPublisher) -> EventWiring:
@@ -50,6 +58,7 @@ def event_wiring(engine: ServedEngine, publisher: KVEventPublisher) -> EventWiri
     left out of the description then.
     """
     from kvpool.kv_events import KVEventPublisher, describe_events
+    from kvpool.kv_events.snapshot import SNAPSHOT_PATH, encode_snapshot
 
     if not isinstance(publisher, KVEventPublisher):
         raise ConfigError(f"events must be a KVEventPublisher, got {publisher!r}")
@@ -67,6 +76,7 @@ def event_wiring(engine: ServedEngine, publisher: KVEventPublisher) -> EventWiri
         content=publisher.content,
         curve_public_key=publisher.curve_public_key,
         num_blocks=engine.num_blocks if engine.kv_tiers is None else None,
+        snapshot=SNAPSHOT_PATH,
     )
 
     def publish(engine: ServedEngine, deltas: Sequence[RequestDelta]) -> None:
@@ -74,4 +84,9 @@ def event_wiring(engine: ServedEngine, publisher: KVEventPublisher) -> EventWiri
         if taken:
             publisher.publish(taken)
 
-    return EventWiring(hook=publish, describe=lambda: body, close=publisher.close)
+    def snapshot(engine: ServedEngine) -> bytes:
+        publish(engine, ())  # the events since the last step: the snapshot follows them
+        events = engine.manager.snapshot_events()
+        return encode_snapshot(events, publisher.next_seq - 1, data_parallel_rank=publisher.data_parallel_rank)
+
+    return EventWiring(hook=publish, describe=lambda: body, close=publisher.close, snapshot=snapshot)

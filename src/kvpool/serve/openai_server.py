@@ -90,6 +90,7 @@ def build_app(
         Route("/health", _answers(operator.health), methods=["GET"]),
         Route("/metrics", _answers(operator.metrics), methods=["GET"]),
         Route("/kv-events", _answers(operator.kv_events), methods=["GET"]),
+        Route("/kv-events/snapshot", _answers(operator.kv_events_snapshot), methods=["GET"]),
         Route("/rates", _answers(operator.rates), methods=["GET"]),
         Route("/tokenize", _answers(model.tokenize), methods=["POST"]),
         Route("/detokenize", _answers(model.detokenize), methods=["POST"]),
@@ -116,7 +117,8 @@ def _with_events(
             "the publisher describes its own events"
         )
     wiring = event_wiring(engine, events)
-    return dataclasses.replace(config, kv_events=wiring.describe), (*hooks, wiring.hook), wiring.close
+    config = dataclasses.replace(config, kv_events=wiring.describe, kv_events_snapshot=wiring.snapshot)
+    return config, (*hooks, wiring.hook), wiring.close
 
 
 def _answers(handler: _Handler) -> _Handler:

@@ -92,6 +92,20 @@ class OperatorRoutes:
             return Response(body, media_type="application/json")
         return JSONResponse(body)
 
+    async def kv_events_snapshot(self, request: Request) -> Response:
+        """What the pool caches, taken on the engine thread between steps, after the last batch published."""
+        from starlette.responses import Response
+
+        snapshot = self.state.config.kv_events_snapshot
+        if snapshot is None:
+            raise APIError(404, "this server has no KV event snapshot (it publishes no KV events)", code="not_found")
+        self.state.require_operator(request)
+        try:
+            body = await self.state.loop.call(snapshot)
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), type="server_error", code="unavailable") from None
+        return Response(body, media_type="application/vnd.msgpack")
+
     async def rates(self, request: Request) -> Response:
         """The engine's :class:`~kvpool.replica_rates.ReplicaRates` as JSON, or ``{"source": "none yet"}``
         (200 too) while it cannot say (a real engine before its first prefill); 503 once the engine stopped."""

@@ -55,6 +55,9 @@ class ServeConfig:
         metrics_prefix: the metric names' prefix (``vllm:``, vLLM's; ``kvpool:`` for names of kvpool's own).
         kv_events: returns the ``GET /kv-events`` body (a JSON-able value);
             None answers that route with 404.
+        kv_events_snapshot: run on the engine thread between steps, the
+            ``GET /kv-events/snapshot`` body (msgpack, see
+            :mod:`kvpool.kv_events.snapshot`); None answers that route with 404.
         log_requests: log a line per request when admitted and when finished.
         stats_interval: seconds between stats lines in the log (throughput,
             running/waiting, KV usage, prefix hit rate); None logs none.
@@ -70,6 +73,7 @@ class ServeConfig:
     retry_after: int = 1
     metrics_prefix: str = DEFAULT_PREFIX
     kv_events: Callable[[], object] | None = None
+    kv_events_snapshot: Callable[[ServedEngine], bytes] | None = None
     log_requests: bool = False
     stats_interval: float | None = 10.0
 
