@@ -12,9 +12,11 @@ from __future__ import annotations
 from itertools import groupby
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvpool.errors import ConfigError
 from kvpool.router.index import ExternalHash, Group, HeldMedia, Medium, MemoryIndex
 
 REPLICAS = [f"http://r{i}:1" for i in range(5)]
@@ -39,7 +41,7 @@ class Exact(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = MemoryIndex()
+        self.index = MemoryIndex(sweep_step=2)  # cleared replicas' bits linger over several steps
         self.model: dict[str, dict[ExternalHash, set[tuple[Medium, int]]]] = {}
 
     @rule(replica=st.sampled_from(REPLICAS), chain=chains, medium=st.sampled_from(MEDIA))
@@ -83,7 +85,7 @@ class Capped(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = MemoryIndex(max_blocks=14, max_blocks_per_replica=6)
+        self.index = MemoryIndex(max_blocks=14, max_blocks_per_replica=6, sweep_step=1)
         self.model: dict[str, set[ExternalHash]] = {}
 
     @rule(replica=st.sampled_from(REPLICAS), chain=chains)
@@ -134,7 +136,7 @@ def test_many_replicas_use_several_holder_words() -> None:
         index.store(name, shared[: 1 + n % 4])
     assert index.match(shared, names) == [1 + n % 4 for n in range(150)]
     index.clear(names[70])
-    index.store("http://late:1", shared)  # takes the cleared replica's bit
+    index.store("http://late:1", shared)  # a new bit (the cleared one is freed once swept)
     assert index.match(shared, [names[70], "http://late:1", names[71]]) == [0, 4, 4]
     index.check()
 
@@ -175,3 +177,45 @@ def test_a_used_prefix_outlives_newer_claims_past_one_sorted_front() -> None:
     assert index.match(old[1500:], ["a"]) == [0]  # the least recently used went first
     assert index.figures()["dropped"] == 1500
     index.check()
+
+
+def test_a_clear_answers_at_once_and_its_bits_are_swept_a_step_at_a_time() -> None:
+    index = MemoryIndex(sweep_step=10)
+    held = [i.to_bytes(8, "big") for i in range(35)]
+    index.store("a", held)
+    index.store("b", held[:5])
+    index.clear("a")
+    assert index.match(held, ["a", "b"]) == [0, 5]  # answered as gone before any sweep
+    assert index.num_blocks("a") == 0
+    assert index.figures()["claims_to_sweep"] == 35
+    index.store("a", held[:3])  # a new bit for "a": the retired one still has 35 set
+    assert index.match(held, ["a", "b"]) == [3, 5]
+    assert index.figures()["claims_to_sweep"] == 25  # one step of 10
+    index.check()
+    for _ in range(3):
+        index.remove("c", [])  # a remove of an unknown replica sweeps nothing: it changes nothing
+        index.store("b", [])
+    assert index.figures()["claims_to_sweep"] == 0
+    assert index.figures()["blocks"] == 5  # the blocks only "a" held are let go; "a"'s 3 are among b's 5
+    index.check()
+    index.store("d", held[30:])  # takes the swept bit
+    assert index.match(held[30:], ["a", "b", "d"]) == [0, 0, 5]
+    index.check()
+
+
+def test_the_global_cap_sweeps_retired_claims_before_dropping_a_live_one() -> None:
+    index = MemoryIndex(max_blocks=10, sweep_step=1)
+    index.store("a", [i.to_bytes(8, "big") for i in range(8)])
+    index.clear("a")
+    fresh = [b"f" + i.to_bytes(8, "big") for i in range(8)]
+    index.store("b", fresh)  # 8 live + 8 retired past 10: the retired ones go, all at once
+    assert index.match(fresh, ["b"]) == [8]
+    assert index.figures()["dropped"] == 0
+    assert index.figures()["claims_to_sweep"] == 0
+    assert index.figures()["blocks"] == 8
+    index.check()
+
+
+def test_a_sweep_step_below_one_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="sweep_step must be an integer >= 1, got 0"):
+        MemoryIndex(sweep_step=0)

@@ -24,7 +24,8 @@ Operations and their cost (``k`` hashes in the call, ``r`` replicas):
 
 * :meth:`store` / :meth:`remove`: O(k) (amortized: a store past a cap drops claims, O(1) each).
 * :meth:`clear`: a replica's cache was reset or its events can no longer be
-  trusted; O(blocks it held).
+  trusted; O(1) in memory, its claims swept a bounded step at a time by later calls
+  (O(blocks it held) in all); O(blocks it held) in Redis.
 * :meth:`match`: O(matched blocks + replicas) in memory (one probe and one AND a block); one
   pipelined round trip in Redis.
 * :meth:`match_media`: :meth:`match`, and the media holding each matched block, in runs
@@ -46,6 +47,7 @@ each); the Redis one lets several routers share one index (docs/routing.md).
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, groupby
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_BLOCKS",
     "MAX_BLOCKS_PER_REPLICA",
+    "SWEEP_STEP",
     "BlockIndex",
     "Group",
     "HeldMedia",
@@ -71,6 +74,8 @@ __all__ = [
 MAX_BLOCKS_PER_REPLICA = 2**19
 #: Claims all replicas together may have in the in-memory index: 32 replicas at their cap (1 GiB at most).
 MAX_BLOCKS = 2**24
+#: Retired claims each store or remove sweeps after a :meth:`MemoryIndex.clear`: a few milliseconds at most.
+SWEEP_STEP = 4096
 
 #: A block hash as replicas publish it: digest bytes (kvpool, vLLM's sha256 variants) or an int.
 ExternalHash = bytes | int
@@ -279,7 +284,8 @@ class MemoryIndex:
     Blocks held in a second medium or group add a dict entry each (:attr:`_ReplicaClaims.extra`).
 
     ``max_blocks_per_replica`` / ``max_blocks``: the caps (see the module's docstring);
-    :meth:`limit` lowers one replica's cap to what it says it can hold.
+    :meth:`limit` lowers one replica's cap to what it says it can hold. ``sweep_step``: the
+    claims of cleared replicas each later store or remove unsets (:meth:`clear`).
     """
 
     __slots__ = (
@@ -291,16 +297,29 @@ class MemoryIndex:
         "_live",
         "_replicas",
         "_free_ids",
+        "_retired",
+        "_stale",
         "_limits",
         "_claims",
         "_clock",
         "max_blocks",
         "max_blocks_per_replica",
+        "sweep_step",
         "dropped",
     )
 
-    def __init__(self, *, max_blocks: int = MAX_BLOCKS, max_blocks_per_replica: int = MAX_BLOCKS_PER_REPLICA) -> None:
-        for name, value in (("max_blocks", max_blocks), ("max_blocks_per_replica", max_blocks_per_replica)):
+    def __init__(
+        self,
+        *,
+        max_blocks: int = MAX_BLOCKS,
+        max_blocks_per_replica: int = MAX_BLOCKS_PER_REPLICA,
+        sweep_step: int = SWEEP_STEP,
+    ) -> None:
+        for name, value in (
+            ("max_blocks", max_blocks),
+            ("max_blocks_per_replica", max_blocks_per_replica),
+            ("sweep_step", sweep_step),
+        ):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         shards = 1 << _SHARD_BITS
@@ -311,12 +330,15 @@ class MemoryIndex:
         self._used = [0] * shards  # slots not empty (live or let go)
         self._live = [0] * shards  # slots holding a block
         self._replicas: dict[str, _ReplicaClaims] = {}
-        self._free_ids: list[int] = []  # ids of replicas cleared, for the next new one
+        self._free_ids: list[int] = []  # ids of replicas cleared and swept, for the next new one
+        self._retired: deque[_ReplicaClaims] = deque()  # replicas cleared whose holder bits are not all swept
+        self._stale = 0  # holder bits of retired replicas still set
         self._limits: dict[str, int] = {}  # replicas that said how many blocks they hold at most
         self._claims = 0  # (replica, block) pairs held, over all replicas
         self._clock = 0
         self.max_blocks = max_blocks
         self.max_blocks_per_replica = max_blocks_per_replica
+        self.sweep_step = sweep_step
         self.dropped = 0
 
     # -- the tables ----------------------------------------------------------------------------
@@ -412,7 +434,7 @@ class MemoryIndex:
         if self._free_ids:
             replica_id = self._free_ids.pop()
         else:
-            replica_id = len(self._replicas)
+            replica_id = len(self._replicas) + len(self._retired)  # ids 0 .. n-1 are live or retired
         joined = self._replicas[replica] = _ReplicaClaims(replica_id)
         while len(self._holders) <= joined.bank:
             self._holders.append([_holder_words(len(keys)) for keys in self._keys])
@@ -447,18 +469,18 @@ class MemoryIndex:
             self._make_room(n)
         clock = self._clock
         self._clock += n
-        added = 0
         keys_of, masks, stamps_of, live = self._keys, self._masks, self._stamps, self._live
-        stamp = clock
         log, log_stamps = r.log, r.log_stamps
-        for fp in reversed(fps):  # a chain's root is the newest claim of the batch: dropped last
-            stamp += 1
+        before = len(log)
+        claim, claim_stamp = log.append, log_stamps.append
+        # a chain's root is the newest claim of the batch: dropped last
+        for stamp, fp in enumerate(reversed(fps), clock + 1):
             s = fp & _SHARD_MASK
             keys = keys_of[s]
             m = masks[s]
             i = (fp >> _SHARD_BITS) & m
-            k = keys[i]
-            if k != fp:  # not in its first slot: probed on, and added when absent (in the first slot let go)
+            if keys[i] != fp:  # not in its first slot: probed on, and added when absent (in the first slot let go)
+                k = keys[i]
                 gone = -1
                 while k != fp and k != _EMPTY:
                     if k == _GONE and gone < 0:
@@ -474,21 +496,24 @@ class MemoryIndex:
                         s, i = self._insert(fp)
             stamps_of[s][i] = stamp
             holders = bank[s]
-            if holders[i] & bit:
+            held = holders[i]
+            if held & bit:
                 if not main_only:
                     mask = extra.get(fp, 1) | kind_bit
                     if mask != 1:
                         extra[fp] = mask
             else:
-                holders[i] |= bit
+                holders[i] = held | bit
                 if kind:
                     extra[fp] = kind_bit
-                log.append(fp)
-                log_stamps.append(stamp)
-                added += 1
+                claim(fp)
+                claim_stamp(stamp)
+        added = len(log) - before
         r.count += added
         self._claims += added
         self._drop_oldest(r, r.count - self._cap(replica))
+        if self._retired:  # a retired replica's bits hold memory too: swept before any live claim is dropped
+            self.sweep(None if self._claims + self._stale > self.max_blocks else self.sweep_step)
         while self._claims > self.max_blocks:  # the global cap takes from the replica with the most claims
             sizes = sorted(((held.count, name) for name, held in self._replicas.items()), reverse=True)
             (most, largest), runner_up = sizes[0], sizes[1][0] if len(sizes) > 1 else 0
@@ -609,37 +634,77 @@ class MemoryIndex:
             else:
                 r.extra[fp] = mask
         self._compact(r)
+        if self._retired:
+            self.sweep(self.sweep_step)
 
     def clear(self, replica: str) -> None:
+        """Forget ``replica``'s claims at once: O(1) here, its holder bits swept later (:meth:`sweep`).
+
+        The replica's holder bit is retired with it: nothing reads a retired bit (a lookup
+        or a new claim goes by the bits of replicas in the index), so the index answers as
+        though every claim were gone. Each later :meth:`store` and :meth:`remove` sweeps up
+        to ``sweep_step`` (:data:`SWEEP_STEP`) of the retired claims, letting go the slots no one else holds;
+        the bit is given to a new replica once all of them are swept. A snapshot's reload
+        clears half a million claims and stores as many: sweeping them first would double it.
+        """
         r = self._replicas.pop(replica, None)
         if r is None:
             return
-        # _find and _let_go inlined: a snapshot's reload clears half a million claims at once
-        banks, bank, bit = self._holders, self._holders[r.bank], r.bit
+        self._claims -= r.count
+        if not r.count:
+            self._free_ids.append(r.id)
+            return
+        pending = array("q", (fp for _, fp in r.front[r.front_at :]))  # the sweep's list: every entry it may hold
+        pending.extend(r.log[r.head :] if r.head else r.log)
+        r.log, r.log_stamps, r.head, r.front, r.front_at, r.extra = pending, array("Q"), 0, [], 0, {}
+        self._retired.append(r)
+        self._stale += r.count
+
+    def sweep(self, budget: int | None = None) -> int:
+        """Unset up to ``budget`` entries' retired holder bits (None: all), oldest retirement first.
+
+        Returns the retired claims still set. O(budget).
+        """
+        left = sum(len(r.log) - r.head for r in self._retired) if budget is None else budget
+        banks = self._holders
         alone = len(banks) == 1  # then no other bank can hold a slot this one lets go
         keys_of, stamps_of, live = self._keys, self._stamps, self._live
-        for fp in chain((fp for _, fp in r.front[r.front_at :]), r.log[r.head :]):
-            s = fp & _SHARD_MASK
-            keys = keys_of[s]
-            m = len(keys) - 1
-            i = (fp >> _SHARD_BITS) & m
-            k = keys[i]
-            while k != fp and k != _EMPTY:
-                i = (i + 1) & m
+        while self._retired and left > 0:
+            r = self._retired[0]
+            bank, bit, log = banks[r.bank], r.bit, r.log
+            end = min(len(log), r.head + left)
+            unset = 0
+            for fp in log[r.head : end]:  # _find and _let_go inlined
+                s = fp & _SHARD_MASK
+                keys = keys_of[s]
+                m = len(keys) - 1
+                i = (fp >> _SHARD_BITS) & m
                 k = keys[i]
-            if k != fp:
-                continue
-            holders = bank[s]
-            held = holders[i]
-            if held & bit:
-                held &= ~bit
-                holders[i] = held
-                if not held and (alone or not any(other[s][i] for other in banks)):
-                    keys[i] = _GONE
-                    stamps_of[s][i] = 0
-                    live[s] -= 1
-        self._claims -= r.count
-        self._free_ids.append(r.id)
+                while k != fp and k != _EMPTY:
+                    i = (i + 1) & m
+                    k = keys[i]
+                if k != fp:
+                    continue
+                holders = bank[s]
+                held = holders[i]
+                if held & bit:
+                    unset += 1
+                    held &= ~bit
+                    holders[i] = held
+                    if not held and (alone or not any(other[s][i] for other in banks)):
+                        keys[i] = _GONE
+                        stamps_of[s][i] = 0
+                        live[s] -= 1
+            left -= end - r.head
+            r.head = end
+            r.count -= unset
+            self._stale -= unset
+            if end == len(log):
+                if r.count:
+                    raise AssertionError(f"a bug: {r.count} retired claims of replica id {r.id} not in its log")
+                self._retired.popleft()
+                self._free_ids.append(r.id)
+        return self._stale
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -756,6 +821,7 @@ class MemoryIndex:
         return {
             "kind": "memory",
             "claims": self._claims,
+            "claims_to_sweep": self._stale,
             "blocks": sum(self._live),
             "dropped": self.dropped,
             "max_blocks": self.max_blocks,
@@ -766,7 +832,7 @@ class MemoryIndex:
     def array_bytes(self) -> int:
         """Bytes of the index's tables and claim logs (not counting the per-replica dicts of second media)."""
         slots = sum(len(keys) for keys in self._keys)
-        logs = sum(len(r.log) for r in self._replicas.values())
+        logs = sum(len(r.log) for r in chain(self._replicas.values(), self._retired))
         return 8 * slots * (2 + len(self._holders)) + 16 * logs
 
     def num_blocks(self, replica: str) -> int:
@@ -776,8 +842,11 @@ class MemoryIndex:
     def check(self) -> None:
         """Raise AssertionError (a bug) if the tables, the holder bits, the logs and the counts disagree. O(size)."""
         ids = {r.id: (name, r) for name, r in self._replicas.items()}
-        assert len(ids) == len(self._replicas), "two replicas share an id"
-        held: dict[str, set[int]] = {name: set() for name in self._replicas}
+        ids.update((r.id, (f"retired replica id {r.id}", r)) for r in self._retired)
+        assert len(ids) == len(self._replicas) + len(self._retired), "two replicas share an id"
+        assert not set(ids) & set(self._free_ids), "a free replica id in use"
+        assert set(ids) | set(self._free_ids) == set(range(len(ids) + len(self._free_ids))), "replica ids lost"
+        held: dict[str, set[int]] = {name: set() for name, _ in ids.values()}
         for s, keys in enumerate(self._keys):
             live = used = 0
             for i, fp in enumerate(keys):
@@ -805,6 +874,12 @@ class MemoryIndex:
             assert used * 5 <= len(keys) * 4, f"shard {s}: fuller than 80%"
             assert self._masks[s] == len(keys) - 1, f"shard {s}: its mask is not its size less one"
         assert sum(r.count for r in self._replicas.values()) == self._claims, "claims miscounted"
+        assert sum(r.count for r in self._retired) == self._stale, "retired claims miscounted"
+        for r in self._retired:
+            swept = f"retired replica id {r.id}"
+            still = held.pop(swept)
+            assert r.count == len(still), f"{swept}: {r.count} claims counted, {len(still)} bits still set"
+            assert still <= set(r.log[r.head :]), f"{swept}: a bit still set that its sweep has passed"
         for name, r in self._replicas.items():
             assert r.count == len(held[name]), f"{name}: {r.count} claims counted, {len(held[name])} held"
             logged = set(r.log[r.head :]) | {fp for _, fp in r.front[r.front_at :]}
@@ -812,7 +887,7 @@ class MemoryIndex:
             assert set(r.extra) <= held[name], f"{name}: media of a block it does not hold"
             assert all(mask > 1 for mask in r.extra.values()), f"{name}: a redundant media entry"
             assert r.count <= self._cap(name), f"{name}: over its cap"
-        assert self._claims <= self.max_blocks, "over the global cap"
+        assert self._claims + self._stale <= self.max_blocks, "over the global cap (retired claims counted)"
 
 
 # KEYS: the prompt's block keys, in order; ARGV: replica names. Returns the matched depth per replica.
