@@ -184,7 +184,7 @@ def _key_text_or_none(name: str, value: object) -> str | None:
     return value
 
 
-def _text_key(tag: bytes, text: str) -> bytes:
+def text_key(tag: bytes, text: str) -> bytes:
     raw = text.encode("utf-8")
     return tag + struct.pack("<I", len(raw)) + raw
 
@@ -524,7 +524,7 @@ def extra_key_bytes(
             break
         if item.offset + item.length > start:
             rel = item.offset - start
-            parts.append(_text_key(_TAG_MM, item.identifier) + struct.pack("<q", rel))
+            parts.append(text_key(_TAG_MM, item.identifier) + struct.pack("<q", rel))
     if start == 0:
         parts.append(salt_key)
     return b"".join(parts)
@@ -552,11 +552,11 @@ def extra_keys_readable(
 
 
 def lora_key(lora_name: str | None) -> bytes:
-    return b"" if lora_name is None else _text_key(_TAG_LORA, lora_name)
+    return b"" if lora_name is None else text_key(_TAG_LORA, lora_name)
 
 
 def salt_key(cache_salt: str | None) -> bytes:
-    return b"" if cache_salt is None else _text_key(_TAG_SALT, cache_salt)
+    return b"" if cache_salt is None else text_key(_TAG_SALT, cache_salt)
 
 
 TOKEN_TYPECODE = _TOKEN_TYPECODE

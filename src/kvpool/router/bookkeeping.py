@@ -12,10 +12,10 @@
   reports, and whether the replica's events ever name the blocks of the prompts sent to it
   (said once, loudly, when they do not).
 
-Where routers share a Redis index, the first two are also this router's share of the load
+Where routers share a Redis index, the first three are also this router's share of the load
 board (:mod:`kvpool.router.load_board`): :meth:`Bookkeeping.choose` ranks with every
-router's loads and reserves its choice there at once, and each change here writes this
-router's new counts.
+router's loads and blocks computing and reserves its choice there at once, and each change
+here writes this router's new counts.
 
 Everything here changes on the router's event loop only, so nothing locks.
 """
@@ -68,9 +68,13 @@ class Bookkeeping:
 
         When another router reserved in between, ranked again on the loads now (:data:`CLAIM_TRIES` times at most).
         """
-        seen = self.board.totals([r.url for r in self.ranker.replicas if r.up])
+        up = [r for r in self.ranker.replicas if r.up]
+        prompts = {} if keys is NO_KEYS else {r.url: b for r in up if (b := self.ranker.computing_blocks(r, keys))}
+        survey = self.board.survey([r.url for r in up], prompts)
+        # every router's blocks computing at each replica: read once, not again on a retry
+        seen, shared = (None, None) if survey is None else survey
         for _ in range(CLAIM_TRIES):
-            ranked = self.ranker.rank(keys, seen)
+            ranked = self.ranker.rank(keys, seen, shared)
             if not ranked or seen is None:
                 return ranked
             replica, cached = ranked[0]
@@ -183,8 +187,12 @@ class Bookkeeping:
         blocks = self.ranker.computing_blocks(replica, keys)
         if blocks:
             computing = self.computing.setdefault(replica.url, {})
+            new = []
             for h in blocks:
-                computing[h] = computing.get(h, 0) + 1
+                n = computing[h] = computing.get(h, 0) + 1
+                if n == 1:
+                    new.append(h)
+            self.board.write_computing(replica.url, new, held=True)
 
     def settled(self, replica: Replica, keys: PromptKeys) -> None:
         """A request :meth:`routed` to ``replica`` ended (answered, failed or cut): its blocks are no longer computing."""
@@ -192,12 +200,14 @@ class Bookkeeping:
         computing = self.computing.get(replica.url)
         if not blocks or computing is None:
             return
+        done = []
         for h in blocks:
             left = computing.get(h, 0) - 1
             if left > 0:
                 computing[h] = left
-            else:
-                computing.pop(h, None)
+            elif computing.pop(h, None) is not None:
+                done.append(h)
+        self.board.write_computing(replica.url, done, held=False)
 
     # -- predictions -----------------------------------------------------------------------------
 

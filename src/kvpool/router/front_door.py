@@ -128,7 +128,7 @@ class Router:
         self.ranker = Ranker(options, self.replicas, self.monitor, self.index, self.approx, computing)
         self.bookkeeping = Bookkeeping(self.ranker, self.monitor, self.index, self.approx, computing)
         # routers on one Redis index share their loads too: each choice reserves on every router's board
-        self.bookkeeping.board = board_for(self.index, self.bookkeeping.all_counts)
+        self.bookkeeping.board = board_for(self.index, self.bookkeeping.all_counts, computing)
         self._lease: asyncio.Task[None] | None = None
         self.relay = Relay(options, self.replicas, self.ranker, self.bookkeeping, self.monitor)
         self._loading: asyncio.Future[None] | None = None

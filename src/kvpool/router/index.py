@@ -68,6 +68,7 @@ __all__ = [
     "MemoryIndex",
     "RedisIndex",
     "index_from_url",
+    "text_key",
 ]
 
 #: Claims one replica may have in the in-memory index (vLLM's pool on a large GPU; about 30 MiB of index).
@@ -145,7 +146,7 @@ class BlockIndex(Protocol):
         """What the router's verbose health shows of the index."""
 
 
-def _text_key(h: ExternalHash) -> bytes:
+def text_key(h: ExternalHash) -> bytes:
     """:func:`_key` in printable ASCII, for Redis: ``b`` and the bytes in lowercase hex, or ``i`` and the int."""
     if isinstance(h, bytes):
         return b"b" + h.hex().encode()
@@ -991,7 +992,7 @@ class RedisIndex:
         return f"{replica}|{name if group.id == 0 else f'{name}#{group.id}'}".encode()
 
     def store(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
-        keys = [_text_key(h) for h in hashes]
+        keys = [text_key(h) for h in hashes]
         if not keys:
             return
         member = self._member(replica, medium, group)
@@ -1003,7 +1004,7 @@ class RedisIndex:
         pipe.execute()
 
     def remove(self, replica: str, hashes: Iterable[ExternalHash], medium: Medium = None, group: Group = WHOLE) -> None:
-        keys = [_text_key(h) for h in hashes]
+        keys = [text_key(h) for h in hashes]
         if not keys:
             return
         member = self._member(replica, medium, group)
@@ -1029,7 +1030,7 @@ class RedisIndex:
             return [0] * len(replicas)
         # One script call walks the chain on the server and stops at the first block no
         # replica still in the run holds: one round trip, a reply of one number per replica.
-        keys = [self._block(_text_key(h)) for h in hashes]
+        keys = [self._block(text_key(h)) for h in hashes]
         found: list[Any] = self._match(keys=keys, args=list(replicas))
         return [int(n) for n in found]
 
@@ -1037,7 +1038,7 @@ class RedisIndex:
         if not hashes or not replicas:
             return [() for _ in replicas]
         # the walk of match, in one script call as well, each replica's runs of media built on the server
-        keys = [self._block(_text_key(h)) for h in hashes]
+        keys = [self._block(text_key(h)) for h in hashes]
         found: list[Any] = self._match_media(keys=keys, args=list(replicas))
         return [
             tuple(

@@ -10,7 +10,17 @@ deltas): a write lost to an outage is mended by the next one, and the board's fi
 a replica is the sum over the routers whose keys are alive. Keys (``P`` the prefix)::
 
     P:board             SET of router keys that have written
-    P:board:<router>    HASH  i:<replica> -> requests in flight, p:<replica> -> prefill pending
+    P:board:<router>    HASH  i:<replica> -> requests in flight, p:<replica> -> prefill pending,
+                              c:<replica>|<block> -> 1 while any of its requests there computes it
+
+The ``c:`` fields are precise mode's blocks being computed (requests in flight whose
+events are not out yet): one router's own requests already count as holding them, and
+the board makes every router count every router's, so a burst over several routers
+spreads as one router's would. Only a block's presence is written (when the first of the
+router's requests there takes it, deleted when the last one ends): a burst on one shared
+prefix writes each request's own blocks only. Because a block hash covers its whole
+prefix, the blocks of a prompt computing at a replica are always a leading run of it, and
+:meth:`LoadBoard.computing` finds its length by bisection: O(log blocks) probes a replica.
 
 A router's key expires ``ttl_s`` after its last write or :meth:`LoadBoard.refresh`, so a
 router that dies takes its reservations with it; the reading script drops expired keys
@@ -35,13 +45,29 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
+
+from kvpool.router.index import text_key
 
 if TYPE_CHECKING:
     from redis import Redis
 
-__all__ = ["CLAIM_TRIES", "BoardTotals", "LoadBoard", "NoBoard", "OwnCounts", "SharedBoard", "board_for", "keep_lease"]
+    from kvpool.hashing import BlockHash
+    from kvpool.router.index import ExternalHash
+
+__all__ = [
+    "CLAIM_TRIES",
+    "BoardTotals",
+    "ComputingDepths",
+    "LoadBoard",
+    "NoBoard",
+    "OwnComputing",
+    "OwnCounts",
+    "SharedBoard",
+    "board_for",
+    "keep_lease",
+]
 
 log = logging.getLogger("kvpool.route")
 
@@ -53,11 +79,14 @@ BoardTotals = dict[str, tuple[int, int]]
 
 #: This router's own counts, as :data:`BoardTotals`: what its board key should hold.
 OwnCounts = Callable[[], Mapping[str, tuple[int, int]]]
+#: Per replica URL: its blocks being computed, each with this router's requests there holding it.
+OwnComputing = Mapping[str, Mapping["BlockHash", int]]
+#: Per replica URL: the leading blocks of the prompt asked about that some router's requests are computing there.
+ComputingDepths = dict[str, int]
 
 # Sums the live routers' counts for ARGV's replicas (from ``first``), dropping expired routers' keys.
 _SUM = """
-local function totals(first)
-  local n = (#ARGV - first + 1)
+local function totals(first, n)
   local sums = {}
   for j = 1, 2 * n do sums[j] = 0 end
   for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -77,7 +106,7 @@ end
 """
 
 # KEYS: set; ARGV: replica URLs. Answers in flight and pending, in pairs.
-_TOTALS_SCRIPT = _SUM + "return totals(1)"
+_TOTALS_SCRIPT = _SUM + "return totals(1, #ARGV)"
 
 # KEYS: set, own key; ARGV: ttl ms, field/value count m, m pairs, then the seen totals (2 per URL), then the URLs.
 _CLAIM_SCRIPT = (
@@ -86,7 +115,7 @@ _CLAIM_SCRIPT = (
 local m = tonumber(ARGV[2])
 local n = (#ARGV - 2 - 2 * m) / 3
 local first = 3 + 2 * m + 2 * n
-local now = totals(first)
+local now = totals(first, n)
 for j = 1, 2 * n do
   if now[j] ~= tonumber(ARGV[2 + 2 * m + j]) then return {0, now} end
 end
@@ -97,15 +126,65 @@ return {1, {}}
 """
 )
 
-# KEYS: set, own key; ARGV: ttl ms, then field/value pairs (none: only the lease is renewed).
+# KEYS: set, own key; ARGV: ttl ms, whole (1: the key is rewritten from nothing), then field/value pairs
+# (a value 0 deletes its field; none: only the lease is renewed).
 _WRITE_SCRIPT = """
-for j = 2, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[j], ARGV[j + 1]) end
+if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) end
+for j = 3, #ARGV, 2 do
+  if ARGV[j + 1] == '0' then redis.call('HDEL', KEYS[2], ARGV[j]) else redis.call('HSET', KEYS[2], ARGV[j], ARGV[j + 1]) end
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('SADD', KEYS[1], KEYS[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[1])
 end
 return 1
 """
+
+# From ARGV[first]: the number of prompts, each as one argument (its block keys, each ended by a newline),
+# then (URL, prompt number) pairs to the end. Answers, per pair, the leading blocks of its prompt some live
+# router's requests compute there.
+_DEPTHS = """
+local function computing(first)
+  local routers = {}
+  for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    if redis.call('EXISTS', key) == 1 then routers[#routers + 1] = key end
+  end
+  local prompts, at = {}, first + 1
+  for p = 1, tonumber(ARGV[first]) do
+    local blocks = {}
+    for key in string.gmatch(ARGV[at], '([^\\n]*)\\n') do blocks[#blocks + 1] = key end
+    prompts[p] = blocks
+    at = at + 1
+  end
+  local depths = {}
+  while at < #ARGV do
+    local url, prompt = ARGV[at], prompts[tonumber(ARGV[at + 1])]
+    local low, high = 0, #prompt  -- blocks 1..low are computing somewhere; blocks past high are not
+    while low < high do
+      local mid = math.floor((low + high + 1) / 2)
+      local field = 'c:' .. url .. '|' .. prompt[mid]
+      local found = false
+      for _, key in ipairs(routers) do
+        if redis.call('HEXISTS', key, field) == 1 then found = true; break end
+      end
+      if found then low = mid else high = mid - 1 end
+    end
+    depths[#depths + 1] = low
+    at = at + 2
+  end
+  return depths
+end
+"""
+
+# KEYS: set; ARGV: n, n replica URLs, then what ``computing`` reads. Answers {totals, depths}: one round trip.
+_SURVEY_SCRIPT = (
+    _SUM
+    + _DEPTHS
+    + """
+local n = tonumber(ARGV[1])
+return {totals(2, n), computing(n + 2)}
+"""
+)
 
 
 class LoadBoard(Protocol):
@@ -121,6 +200,17 @@ class LoadBoard(Protocol):
 
     def write(self, url: str, counts: tuple[int, int]) -> None:
         """This router's counts at ``url`` are now ``counts``."""
+        ...
+
+    def survey(
+        self, urls: Sequence[str], prompts: Mapping[str, Sequence[ExternalHash]]
+    ) -> tuple[BoardTotals, ComputingDepths] | None:
+        """:meth:`totals` at ``urls`` and, per URL of ``prompts``, the leading blocks of its prompt that any
+        router's requests are computing there, in one round trip; None: use this router's own."""
+        ...
+
+    def write_computing(self, url: str, blocks: Sequence[BlockHash], *, held: bool) -> None:
+        """``blocks`` are now computed at ``url`` by some of this router's requests (``held``), or by none."""
         ...
 
     def refresh(self) -> None:
@@ -142,6 +232,14 @@ class NoBoard:
     def write(self, url: str, counts: tuple[int, int]) -> None:
         pass
 
+    def survey(
+        self, urls: Sequence[str], prompts: Mapping[str, Sequence[ExternalHash]]
+    ) -> tuple[BoardTotals, ComputingDepths] | None:
+        return None
+
+    def write_computing(self, url: str, blocks: Sequence[BlockHash], *, held: bool) -> None:
+        pass
+
     def refresh(self) -> None:
         pass
 
@@ -153,8 +251,19 @@ def _fields(url: str, counts: tuple[int, int]) -> list[str | int]:
     return [f"i:{url}", counts[0], f"p:{url}", counts[1]]
 
 
+def _computing_fields(url: str, blocks: Iterable[BlockHash], held: bool = True) -> list[str | int]:
+    pairs: list[str | int] = []
+    value = int(held)
+    for h in blocks:
+        pairs += [f"c:{url}|{text_key(h).decode()}", value]
+    return pairs
+
+
 class SharedBoard:
     """The board in Redis (see the module); ``own`` answers this router's counts when the board must be rewritten.
+
+    ``own_computing``: this router's blocks being computed (its bookkeeping's own map, read
+    when the key is rewritten whole); None: it shares none.
 
     Every call is one script run: O(routers x candidates) on the server.
     """
@@ -164,6 +273,7 @@ class SharedBoard:
         client: Redis,
         own: OwnCounts,
         *,
+        own_computing: OwnComputing | None = None,
         prefix: str = "kvpool:route",
         router_id: str | None = None,
         ttl_s: float = 30.0,
@@ -177,6 +287,7 @@ class SharedBoard:
 
         self.errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self.own = own
+        self.own_computing = own_computing
         self.set_key = f"{prefix}:board"
         self.key = f"{prefix}:board:{router_id or uuid.uuid4().hex}"
         self.ttl_s = ttl_s
@@ -191,6 +302,7 @@ class SharedBoard:
         self._totals = client.register_script(_TOTALS_SCRIPT)
         self._claim = client.register_script(_CLAIM_SCRIPT)
         self._write = client.register_script(_WRITE_SCRIPT)
+        self._survey = client.register_script(_SURVEY_SCRIPT)
 
     @property
     def available(self) -> bool:
@@ -210,7 +322,7 @@ class SharedBoard:
             self.failures += 1
             return False
         try:  # this router's counts, whole: those written in the outage were lost
-            self._write(keys=[self.set_key, self.key], args=[self._ttl_ms, *self._own_pairs()])
+            self._write(keys=[self.set_key, self.key], args=[self._ttl_ms, 1, *self._own_pairs()])
         except self.errors as exc:
             self._fail(exc)
             return False
@@ -224,6 +336,8 @@ class SharedBoard:
         pairs: list[str | int] = []
         for url, counts in self.own().items():
             pairs += _fields(url, counts)
+        for url, blocks in (self.own_computing or {}).items():
+            pairs += _computing_fields(url, blocks)
         return pairs
 
     def _fail(self, exc: BaseException) -> None:
@@ -269,15 +383,42 @@ class SharedBoard:
     def write(self, url: str, counts: tuple[int, int]) -> None:
         self._run_write(_fields(url, counts))
 
+    def survey(
+        self, urls: Sequence[str], prompts: Mapping[str, Sequence[ExternalHash]]
+    ) -> tuple[BoardTotals, ComputingDepths] | None:
+        if not (urls or prompts) or not self._reachable():
+            return None
+        if self.own_computing is None:
+            prompts = {}  # this router shares no blocks computing: it asks for none either
+        numbers: dict[int, int] = {}  # id(prompt) -> its number: replicas of one hashing share one prompt
+        spec: list[bytes] = []
+        pairs: list[str | int] = []
+        for url, prompt in prompts.items():
+            if id(prompt) not in numbers:
+                numbers[id(prompt)] = len(numbers) + 1
+                spec.append(b"".join(text_key(h) + b"\n" for h in prompt))
+            pairs += [url, numbers[id(prompt)]]
+        try:
+            flat, depths = self._survey(keys=[self.set_key], args=[len(urls), *urls, len(numbers), *spec, *pairs])
+        except self.errors as exc:
+            self._fail(exc)
+            return None
+        totals = {url: (int(flat[2 * j]), int(flat[2 * j + 1])) for j, url in enumerate(urls)}
+        return totals, {url: int(d) for url, d in zip(prompts, depths)}
+
+    def write_computing(self, url: str, blocks: Sequence[BlockHash], *, held: bool) -> None:
+        if self.own_computing is not None and blocks:
+            self._run_write(_computing_fields(url, blocks, held))
+
     def refresh(self) -> None:
         """Renew the lease, and write all of this router's counts (a key that expired comes back whole)."""
-        self._run_write(self._own_pairs())
+        self._run_write(self._own_pairs(), whole=True)
 
-    def _run_write(self, pairs: list[str | int]) -> None:
+    def _run_write(self, pairs: list[str | int], *, whole: bool = False) -> None:
         if not self._reachable():
             return
         try:
-            self._write(keys=[self.set_key, self.key], args=[self._ttl_ms, *pairs])
+            self._write(keys=[self.set_key, self.key], args=[self._ttl_ms, int(whole), *pairs])
         except self.errors as exc:
             self._fail(exc)
 
@@ -292,14 +433,14 @@ class SharedBoard:
         }
 
 
-def board_for(index: object, own: OwnCounts) -> LoadBoard:
+def board_for(index: object, own: OwnCounts, own_computing: OwnComputing | None = None) -> LoadBoard:
     """The board the routers on ``index`` share: in its Redis, under its prefix, when it is a Redis index; else none."""
     from kvpool.router.index import RedisIndex
     from kvpool.router.index_guard import GuardedIndex
 
     inner = index.inner if isinstance(index, GuardedIndex) else index
     if isinstance(inner, RedisIndex):
-        return SharedBoard(inner.client, own, prefix=inner.prefix)
+        return SharedBoard(inner.client, own, own_computing=own_computing, prefix=inner.prefix)
     return NoBoard()
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.hashing import BlockHash, BlockHasher
 from kvpool.router.index import BlockIndex, HeldMedia
-from kvpool.router.load_board import BoardTotals
+from kvpool.router.load_board import BoardTotals, ComputingDepths
 from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompt_hashes import block_hashes
 from kvpool.router.replicas import Hashing, Replica
@@ -198,17 +198,20 @@ class Ranker:
         approx = block_hashes(self.approx_hasher, tokens, salt) if wants_approx else []
         return PromptKeys(tokens=len(tokens), hashes=hashes, approx=approx)
 
-    def rank(self, keys: PromptKeys, seen: BoardTotals | None = None) -> list[tuple[Replica, int]]:
+    def rank(
+        self, keys: PromptKeys, seen: BoardTotals | None = None, computing: ComputingDepths | None = None
+    ) -> list[tuple[Replica, int]]:
         """The replicas that are up, in the order to try them, each with the blocks of the prompt it holds.
 
         Best first by the rule; a replica marked down is not in the list. ``seen``: every
         router's loads (the load board's, per URL: in flight, prefill pending) in place of
-        this router's own.
+        this router's own; ``computing``: the prompt's leading blocks every router's requests
+        are computing at each URL (the board's), counted as held as this router's own are.
         """
         candidates = [r for r in self.replicas if r.up]
         ranked: list[tuple[Replica, int]] = []
         if candidates:
-            cached, tokens, sizes = self._cached(candidates, keys)
+            cached, tokens, sizes = self._cached(candidates, keys, computing or {})
             if seen is None:
                 loads, pending = [r.load for r in candidates], self.prefill_pending
             else:
@@ -240,7 +243,9 @@ class Ranker:
             held = [min(n, usable // size) * size if size else 0 for n, size in zip(cached, sizes)]
             self.regret.note(held[chosen], max(held))
 
-    def _cached(self, candidates: Sequence[Replica], keys: PromptKeys) -> tuple[list[int], list[int], list[int]]:
+    def _cached(
+        self, candidates: Sequence[Replica], keys: PromptKeys, shared: ComputingDepths
+    ) -> tuple[list[int], list[int], list[int]]:
         """Per candidate, the prompt's leading blocks it holds, the tokens they are credited with, and its block size.
 
         The block size is :meth:`block_size`'s; the hashings in use are asked once, not once per replica.
@@ -258,7 +263,8 @@ class Ranker:
             if group and prompt:
                 media = self.index.match_media(prompt, [candidates[i].url for i in group])
                 for i, matched in zip(group, media):
-                    held = matched + self._computing_after(candidates[i], prompt, sum(n for _, n in matched))
+                    url = candidates[i].url
+                    held = matched + self._computing_after(url, prompt, sum(n for _, n in matched), shared.get(url, 0))
                     cached[i] = sum(n for _, n in held)
                     tokens[i] = self.options.credit.credited_tokens(held, sizes[i])
         if keys.approx:
@@ -271,12 +277,16 @@ class Ranker:
                 tokens[i] = n * sizes[i]
         return cached, tokens, sizes
 
-    def _computing_after(self, replica: Replica, prompt: Sequence[BlockHash], held: int) -> HeldMedia:
-        """The prompt's blocks after the ``held`` ones that ``replica`` is computing now: in its pool once computed."""
-        computing = self.computing.get(replica.url)
+    def _computing_after(self, url: str, prompt: Sequence[BlockHash], held: int, shared: int) -> HeldMedia:
+        """The prompt's blocks after the ``held`` ones that replica ``url`` is computing now: in its pool once computed.
+
+        ``shared``: the prompt's leading blocks any router's requests are computing there (the load board's).
+        """
+        computing = self.computing.get(url)
         n = held
         while computing and n < len(prompt) and prompt[n] in computing:
             n += 1  # held, then being computed there now: its events are on their way
+        n = max(n, min(shared, len(prompt)))
         return ((_IN_POOL, n - held),) if n > held else ()
 
     def predicted_tokens(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
