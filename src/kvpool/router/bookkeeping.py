@@ -23,6 +23,7 @@ Everything here changes on the router's event loop only, so nothing locks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from kvpool.hashing import BlockHash
 from kvpool.router.index import BlockIndex
@@ -32,9 +33,26 @@ from kvpool.router.ranking import NO_KEYS, PromptKeys, Ranker
 from kvpool.router.replicas import Replica
 from kvpool.router.stats import HashVerdict
 
-__all__ = ["Bookkeeping"]
+__all__ = ["Bookkeeping", "count_computing"]
 
 log = logging.getLogger("kvpool.route")
+
+
+def count_computing(computing: dict[BlockHash, int], blocks: Sequence[BlockHash], step: int) -> list[BlockHash]:
+    """Add ``step`` (1: a request took them, -1: it ended) to the count of requests computing each block.
+
+    Returns the blocks whose count went from 0 (a block computing anew) or to 0 (no longer computed).
+    """
+    changed = []
+    for h in blocks:
+        n = computing.get(h, 0) + step
+        if n > 0:
+            computing[h] = n
+            if n == step:
+                changed.append(h)
+        elif computing.pop(h, None) is not None:
+            changed.append(h)
+    return changed
 
 
 class Bookkeeping:
@@ -186,13 +204,8 @@ class Bookkeeping:
             self.approx.store(replica.url, keys.approx)
         blocks = self.ranker.computing_blocks(replica, keys)
         if blocks:
-            computing = self.computing.setdefault(replica.url, {})
-            new = []
-            for h in blocks:
-                n = computing[h] = computing.get(h, 0) + 1
-                if n == 1:
-                    new.append(h)
-            self.board.write_computing(replica.url, new, held=True)
+            started = count_computing(self.computing.setdefault(replica.url, {}), blocks, 1)
+            self.board.write_computing(replica.url, started, held=True)
 
     def settled(self, replica: Replica, keys: PromptKeys) -> None:
         """A request :meth:`routed` to ``replica`` ended (answered, failed or cut): its blocks are no longer computing."""
@@ -200,14 +213,7 @@ class Bookkeeping:
         computing = self.computing.get(replica.url)
         if not blocks or computing is None:
             return
-        done = []
-        for h in blocks:
-            left = computing.get(h, 0) - 1
-            if left > 0:
-                computing[h] = left
-            elif computing.pop(h, None) is not None:
-                done.append(h)
-        self.board.write_computing(replica.url, done, held=False)
+        self.board.write_computing(replica.url, count_computing(computing, blocks, -1), held=False)
 
     # -- predictions -----------------------------------------------------------------------------
 

@@ -32,7 +32,16 @@ from kvpool.routing import DEFAULT_CHUNK_TOKENS, ExpectedTtft, PrefixMode, Routi
 if TYPE_CHECKING:
     from kvpool.openai_http.protocol import GenerationRequest
 
-__all__ = ["LOAD_COST_TOKENS", "NO_KEYS", "REGRET_BUCKETS", "PromptKeys", "Ranker", "RoutingRegret", "replica_figures"]
+__all__ = [
+    "LOAD_COST_TOKENS",
+    "NO_KEYS",
+    "REGRET_BUCKETS",
+    "PromptKeys",
+    "Ranker",
+    "RoutingRegret",
+    "computing_after",
+    "replica_figures",
+]
 
 #: The tokens of one "block" in the routing rule's exchange rate: ``load_cost`` such blocks
 #: cached are worth one request in flight, whatever block size the replicas use.
@@ -90,6 +99,21 @@ class RoutingRegret:
 
 #: The media of a block being computed in a replica's pool (its event, when it comes, names the pool).
 _IN_POOL: frozenset[str | None] = frozenset({None})
+
+
+def computing_after(
+    computing: Mapping[BlockHash, int] | None, prompt: Sequence[BlockHash], held: int, shared: int
+) -> HeldMedia:
+    """The prompt's blocks after the ``held`` ones that a replica is computing now: in its pool once computed.
+
+    ``computing``: this router's requests' blocks being computed there; ``shared``: the
+    prompt's leading blocks any router's requests are computing there (the load board's).
+    """
+    n = held
+    while computing and n < len(prompt) and prompt[n] in computing:
+        n += 1  # held, then being computed there now: its events are on their way
+    n = max(n, min(shared, len(prompt)))
+    return ((_IN_POOL, n - held),) if n > held else ()
 
 
 class Ranker:
@@ -264,7 +288,9 @@ class Ranker:
                 media = self.index.match_media(prompt, [candidates[i].url for i in group])
                 for i, matched in zip(group, media):
                     url = candidates[i].url
-                    held = matched + self._computing_after(url, prompt, sum(n for _, n in matched), shared.get(url, 0))
+                    held = matched + computing_after(
+                        self.computing.get(url), prompt, sum(n for _, n in matched), shared.get(url, 0)
+                    )
                     cached[i] = sum(n for _, n in held)
                     tokens[i] = self.options.credit.credited_tokens(held, sizes[i])
         if keys.approx:
@@ -276,18 +302,6 @@ class Ranker:
                 cached[i] = n
                 tokens[i] = n * sizes[i]
         return cached, tokens, sizes
-
-    def _computing_after(self, url: str, prompt: Sequence[BlockHash], held: int, shared: int) -> HeldMedia:
-        """The prompt's blocks after the ``held`` ones that replica ``url`` is computing now: in its pool once computed.
-
-        ``shared``: the prompt's leading blocks any router's requests are computing there (the load board's).
-        """
-        computing = self.computing.get(url)
-        n = held
-        while computing and n < len(prompt) and prompt[n] in computing:
-            n += 1  # held, then being computed there now: its events are on their way
-        n = max(n, min(shared, len(prompt)))
-        return ((_IN_POOL, n - held),) if n > held else ()
 
     def predicted_tokens(self, replica: Replica, keys: PromptKeys, cached_blocks: int) -> int:
         """The prompt tokens ``replica`` should serve from its cache: whole blocks, never the prompt's last token."""
