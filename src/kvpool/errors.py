@@ -43,6 +43,7 @@ class of the package, under its real base)::
      └── ExternalDataError            data from outside: malformed or untrusted
           ├── CorruptEntry            a KV tier entry (kvpool.tiers.entry); its kind says why
           ├── EventStreamError        a KV event message (kvpool.kv_events.wire)
+          ├── SnapshotUnavailable     a replica's snapshot not answered (kvpool.router.snapshot_loader)
           └── TraceError              a trace file or record (kvpool.sim.traces)
     RuntimeError
      ├── ServiceError                 the service: overloaded, stopped, or refusing
