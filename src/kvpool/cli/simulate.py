@@ -32,8 +32,10 @@ from kvpool.hashing import HashAlgo
 from kvpool.routing import Routing
 
 if TYPE_CHECKING:
+    from kvpool.sim.options import SimulateOptions
     from kvpool.sim.progress import Progress
     from kvpool.sim.simulator import SimulationResult
+    from kvpool.sim.sizing import SizingResult
     from kvpool.sim.study import CurveResult, StudyReport
 
 
@@ -429,10 +431,15 @@ def simulate(
     report = run_study(options, requests, _progress(show))
     label = f"{trace}: {len(requests):,} requests"
     output = _render(report, label, show)
+    plots = _Plots(options, label, output, show)
     if report.results:
-        _plots(report.results[options.rules[0]], plot_dir, plot_path, label, output, show)
+        plots.timeline(report.results[options.rules[0]], plot_dir, plot_path)
+        if plot_dir is not None and len(report.results) > 1:
+            plots.routing(report.results, plot_dir)
+    if report.sizing is not None and plot_dir is not None:
+        plots.sizing(report.sizing, plot_dir)
     if report.curve is not None:
-        output["curve"] = _render_curve(report.curve, plot_dir, label, show)
+        output["curve"] = _render_curve(report.curve, plot_dir, plots)
     if as_json:
         click.echo(json.dumps({"trace": trace, **output}, indent=2))
 
@@ -513,41 +520,89 @@ def _print_routing(results: dict[Routing, SimulationResult]) -> None:
         )
 
 
-def _plots(
-    result: SimulationResult,
-    plot_dir: Path | None,
-    plot_path: Path | None,
-    label: str,
-    output: dict[str, Any],
-    show: bool,
-) -> None:
-    from kvpool.sim.plots import plot_timeline
+class _Plots:
+    """The plots a study asked for (``--plot-dir``, ``--plot``), each titled with what was simulated."""
 
-    title = f"{label}, {counted(result.replicas, 'replica')}" if result.replicas > 1 else label
-    targets = [p for p in (plot_dir / "usage.png" if plot_dir is not None else None, plot_path) if p is not None]
-    for path in targets:
-        plot_timeline(result.usage_timeline, result.queue_timeline, result.ttft_points, path, title=title)
-    if targets:
-        output["usage_plot"] = str(targets[0])
-        if show:
-            click.echo(f"  timeline plot          {', '.join(str(p) for p in targets)}")
+    def __init__(self, options: SimulateOptions, label: str, output: dict[str, Any], show: bool) -> None:
+        self.options, self.label, self.output, self.show = options, label, output, show
+
+    def _wrote(self, key: str, what: str, paths: list[Path]) -> None:
+        self.output[key] = str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]
+        if self.show:
+            click.echo(f"  {what:<22} {', '.join(str(p) for p in paths)}")
+
+    def timeline(self, result: SimulationResult, plot_dir: Path | None, plot_path: Path | None) -> None:
+        from kvpool.sim.plots import describe_run, plot_timeline
+
+        targets = [p for p in (plot_dir / "usage.png" if plot_dir is not None else None, plot_path) if p is not None]
+        title = f"{self.label}\n{describe_run(result.to_dict(), self.options.tier)}"
+        verdict = _load_line(result) if result.overloaded else None
+        for path in targets:
+            plot_timeline(
+                result.usage_timeline, result.queue_timeline, result.ttft_points, path, title=title, verdict=verdict
+            )
+        if targets:
+            self.output["usage_plot"] = str(targets[0])
+            if self.show:
+                click.echo(f"  timeline plot          {', '.join(str(p) for p in targets)}")
+
+    def routing(self, results: dict[Routing, SimulationResult], plot_dir: Path) -> None:
+        from kvpool.sim.plots import describe_run, plot_routing
+
+        first = next(iter(results.values())).to_dict()
+        title = f"Routing rules compared, {self.label}\n{describe_run({**first, 'routing': 'each rule'}, self.options.tier)}"
+        summaries = {rule.value: r.to_dict() for rule, r in results.items()}
+        self._wrote("routing_plot", "routing plot", [plot_routing(summaries, plot_dir / "routing.png", title=title)])
+
+    def sizing(self, sizing: dict[str, SizingResult], plot_dir: Path) -> None:
+        from kvpool.sim.plots import plot_sizing
+
+        first = next(iter(sizing.values()))
+        o = self.options
+        title = (
+            f"Fewest replicas meeting p{first.percentile:g} TTFT <= {first.slo_s:g} s, {self.label}\n"
+            f"pool {o.num_blocks - 1:,} blocks x {o.block_size} tokens per replica, policy {o.policy}, "
+            f"{'tiers ' + ', '.join(o.tier) if o.tier else 'no tier'}"
+        )
+        path = plot_sizing(
+            {rule: a.ttft_by_replicas for rule, a in sizing.items()},
+            {rule: a.replicas for rule, a in sizing.items()},
+            plot_dir / "sizing.png",
+            slo_s=first.slo_s,
+            percentile=first.percentile,
+            title=title,
+            overloaded={rule: a.overloaded_by_replicas for rule, a in sizing.items()},
+        )
+        self._wrote("sizing_plot", "sizing plot", [path])
+
+    def curve(self, curve: CurveResult, plot_dir: Path) -> Path:
+        from kvpool.sim.plots import plot_hit_rate_curve
+
+        o = self.options
+        known = o.model is not None or o.kv_bytes_per_token is not None
+        policies = ", ".join(curve.token_hit_rate)
+        title = f"Token hit rate against cache size, {self.label}\nsequential model, {o.block_size}-token blocks, {policies}"
+        return plot_hit_rate_curve(
+            list(curve.sizes),
+            curve.token_hit_rate,
+            plot_dir / "hit_rate_curve.png",
+            title=title,
+            block_size=o.block_size,
+            bytes_per_token=o.cost.kv_bytes_per_token if known else None,
+        )
 
 
-def _render_curve(curve: CurveResult, plot_dir: Path | None, label: str, show: bool) -> dict[str, Any]:
+def _render_curve(curve: CurveResult, plot_dir: Path | None, plots: _Plots) -> dict[str, Any]:
     rates = curve.token_hit_rate
-    if show:
-        click.echo("hit-rate curve (sequential model, token hit rate)")
+    if plots.show:
+        click.echo(f"hit-rate curve (sequential model, token hit rate, blocks of {plots.options.block_size} tokens)")
         click.echo("  " + f"{'blocks':>10}" + "".join(f"{name:>12}" for name in rates))
         for i, size in enumerate(curve.sizes):
             click.echo("  " + f"{size:>10,}" + "".join(f"{_percent(r[i]):>12}" for r in rates.values()))
     result = curve.to_dict()
     if plot_dir is not None:
-        from kvpool.sim.plots import plot_hit_rate_curve
-
-        path = plot_hit_rate_curve(
-            list(curve.sizes), rates, plot_dir / "hit_rate_curve.png", title=f"Hit rate vs cache size, {label}"
-        )
+        path = plots.curve(curve, plot_dir)
         result["plot"] = str(path)
-        if show:
+        if plots.show:
             click.echo(f"  curve plot             {path}")
     return result
