@@ -75,13 +75,13 @@ def _run(tmp_path, *args: str, requests: int = 30):
 
 def test_replicas_plot_the_timeline_of_the_first_rule_and_compare_the_rules(tmp_path, monkeypatch):
     titles: list[str] = []
-    real = plots.save
+    real = plots.close
 
-    def record(fig, path):
+    def record(fig):  # each chart is closed once written
         titles.append(fig.axes[0].get_title() or fig.get_suptitle())
-        return real(fig, path)
+        real(fig)
 
-    monkeypatch.setattr(plots, "save", record)
+    monkeypatch.setattr(plots, "close", record)
     data = _run(tmp_path, "--replicas", "2", "--routing", "round-robin", "--routing", "prefix", requests=20)
     assert (tmp_path / "usage.png").is_file() and data["routing_plot"] == str(tmp_path / "routing.png")
     timeline, routing = titles

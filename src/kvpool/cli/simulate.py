@@ -12,7 +12,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from kvpool.sim.options import SimulateOptions
     from kvpool.sim.progress import Progress
     from kvpool.sim.simulator import SimulationResult
-    from kvpool.sim.sizing import SizingResult
     from kvpool.sim.study import CurveResult, StudyReport
+    from kvpool.sim.study_charts import StudySetup
 
 
 def _plot_folder(plot_dir: Path, flag: str) -> None:
@@ -46,6 +46,14 @@ def _plot_folder(plot_dir: Path, flag: str) -> None:
         plot_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         fail("simulate", f"{flag} {str(plot_dir)!r} cannot be created: {exc.strerror or exc}")
+
+
+def _report_folder(report_dir: Path) -> None:
+    """The page's folder, made before any work: a file there, or a folder that cannot be made, fails fast."""
+    from kvpool.sim.report import prepare_report_dir
+
+    require_extra("simulate", "sim", "matplotlib")
+    prepare_report_dir(report_dir)  # a ConfigError: one line naming the path, exit status 2
 
 
 class Duration(FiniteFloatRange):
@@ -324,6 +332,13 @@ def _progress(show: bool) -> Progress:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the timeline (KV usage, requests waiting, time to first token) to this PNG.",
 )
+@click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(path_type=Path),
+    help="Write one HTML page of the study to DIR/index.html (charts inline, readable offline), each chart's data "
+    "beside it as CSV and JSON.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @reports_errors("simulate")
 def simulate(
@@ -361,6 +376,7 @@ def simulate(
     window_aware_saves: bool,
     plot_dir: Path | None,
     plot_path: Path | None,
+    report_dir: Path | None,
     as_json: bool,
 ) -> None:
     """Replay TRACE (a trace file, or synthetic:KIND) through kvpool's manager and scheduler.
@@ -386,6 +402,8 @@ def simulate(
         _plot_folder(plot_dir, "--plot-dir")
     if plot_path is not None:
         _plot_folder(plot_path.parent, "--plot")
+    if report_dir is not None:
+        _report_folder(report_dir)
     options = SimulateOptions(
         trace=trace,
         kv_blocks=kv_blocks,
@@ -431,15 +449,10 @@ def simulate(
     report = run_study(options, requests, _progress(show))
     label = f"{trace}: {len(requests):,} requests"
     output = _render(report, label, show)
-    plots = _Plots(options, label, output, show)
-    if report.results:
-        plots.timeline(report.results[options.rules[0]], plot_dir, plot_path)
-        if plot_dir is not None and len(report.results) > 1:
-            plots.routing(report.results, plot_dir)
-    if report.sizing is not None and plot_dir is not None:
-        plots.sizing(report.sizing, plot_dir)
     if report.curve is not None:
-        output["curve"] = _render_curve(report.curve, plot_dir, plots)
+        output["curve"] = _render_curve(report.curve, options.block_size, show)
+    if plot_dir is not None or plot_path is not None or report_dir is not None:
+        _draw(report, options, label, output, Drawn(plot_dir, plot_path, report_dir), show)
     if as_json:
         click.echo(json.dumps({"trace": trace, **output}, indent=2))
 
@@ -520,89 +533,71 @@ def _print_routing(results: dict[Routing, SimulationResult]) -> None:
         )
 
 
-class _Plots:
-    """The plots a study asked for (``--plot-dir``, ``--plot``), each titled with what was simulated."""
+@dataclass(frozen=True)
+class Drawn:
+    """Where the charts go: PNGs to a folder (``--plot-dir``), the timeline to a file (``--plot``), a page."""
 
-    def __init__(self, options: SimulateOptions, label: str, output: dict[str, Any], show: bool) -> None:
-        self.options, self.label, self.output, self.show = options, label, output, show
-
-    def _wrote(self, key: str, what: str, paths: list[Path]) -> None:
-        self.output[key] = str(paths[0]) if len(paths) == 1 else [str(p) for p in paths]
-        if self.show:
-            click.echo(f"  {what:<22} {', '.join(str(p) for p in paths)}")
-
-    def timeline(self, result: SimulationResult, plot_dir: Path | None, plot_path: Path | None) -> None:
-        from kvpool.sim.plots import describe_run, plot_timeline
-
-        targets = [p for p in (plot_dir / "usage.png" if plot_dir is not None else None, plot_path) if p is not None]
-        title = f"{self.label}\n{describe_run(result.to_dict(), self.options.tier)}"
-        verdict = _load_line(result) if result.overloaded else None
-        for path in targets:
-            plot_timeline(
-                result.usage_timeline, result.queue_timeline, result.ttft_points, path, title=title, verdict=verdict
-            )
-        if targets:
-            self.output["usage_plot"] = str(targets[0])
-            if self.show:
-                click.echo(f"  timeline plot          {', '.join(str(p) for p in targets)}")
-
-    def routing(self, results: dict[Routing, SimulationResult], plot_dir: Path) -> None:
-        from kvpool.sim.plots import describe_run, plot_routing
-
-        first = next(iter(results.values())).to_dict()
-        title = f"Routing rules compared, {self.label}\n{describe_run({**first, 'routing': 'each rule'}, self.options.tier)}"
-        summaries = {rule.value: r.to_dict() for rule, r in results.items()}
-        self._wrote("routing_plot", "routing plot", [plot_routing(summaries, plot_dir / "routing.png", title=title)])
-
-    def sizing(self, sizing: dict[str, SizingResult], plot_dir: Path) -> None:
-        from kvpool.sim.plots import plot_sizing
-
-        first = next(iter(sizing.values()))
-        o = self.options
-        title = (
-            f"Fewest replicas meeting p{first.percentile:g} TTFT <= {first.slo_s:g} s, {self.label}\n"
-            f"pool {o.num_blocks - 1:,} blocks x {o.block_size} tokens per replica, policy {o.policy}, "
-            f"{'tiers ' + ', '.join(o.tier) if o.tier else 'no tier'}"
-        )
-        path = plot_sizing(
-            {rule: a.ttft_by_replicas for rule, a in sizing.items()},
-            {rule: a.replicas for rule, a in sizing.items()},
-            plot_dir / "sizing.png",
-            slo_s=first.slo_s,
-            percentile=first.percentile,
-            title=title,
-            overloaded={rule: a.overloaded_by_replicas for rule, a in sizing.items()},
-        )
-        self._wrote("sizing_plot", "sizing plot", [path])
-
-    def curve(self, curve: CurveResult, plot_dir: Path) -> Path:
-        from kvpool.sim.plots import plot_hit_rate_curve
-
-        o = self.options
-        known = o.model is not None or o.kv_bytes_per_token is not None
-        policies = ", ".join(curve.token_hit_rate)
-        title = f"Token hit rate against cache size, {self.label}\nsequential model, {o.block_size}-token blocks, {policies}"
-        return plot_hit_rate_curve(
-            list(curve.sizes),
-            curve.token_hit_rate,
-            plot_dir / "hit_rate_curve.png",
-            title=title,
-            block_size=o.block_size,
-            bytes_per_token=o.cost.kv_bytes_per_token if known else None,
-        )
+    plot_dir: Path | None
+    plot_path: Path | None
+    report_dir: Path | None
 
 
-def _render_curve(curve: CurveResult, plot_dir: Path | None, plots: _Plots) -> dict[str, Any]:
+def _setup(report: StudyReport, options: SimulateOptions, label: str) -> StudySetup:
+    from kvpool.sim.study_charts import StudySetup
+
+    first = report.results[options.rules[0]] if report.results else None
+    known = options.model is not None or options.kv_bytes_per_token is not None
+    return StudySetup(
+        label=label,
+        block_size=options.block_size,
+        pool_blocks=max(options.num_blocks - 1, 0),
+        policy=options.policy,
+        tiers=options.tier,
+        bytes_per_token=options.cost.kv_bytes_per_token if known else None,
+        verdict=_load_line(first) if first is not None and first.overloaded else None,
+        ttft_points=first.ttft_points if first is not None else (),
+    )
+
+
+def _draw(
+    report: StudyReport, options: SimulateOptions, label: str, output: dict[str, Any], drawn: Drawn, show: bool
+) -> None:
+    """Each chart of the study as PNG (``--plot-dir``, ``--plot``) and all of them on one page (``--report``)."""
+    from kvpool.sim import plots
+    from kvpool.sim.report import write_report
+    from kvpool.sim.study_charts import study_sections
+
+    sections = study_sections(output, _setup(report, options, label))
+    written: list[tuple[str, Path]] = []
+    for chart in (c for section in sections for c in section.charts):
+        if drawn.plot_dir is not None:
+            written.append((chart.name, drawn.plot_dir / f"{chart.name}.png"))
+            chart.figure.savefig(written[-1][1])
+        if drawn.plot_path is not None and chart.name == "usage":
+            written.append((chart.name, drawn.plot_path))
+            chart.figure.savefig(drawn.plot_path)
+        if drawn.report_dir is None:
+            plots.close(chart.figure)
+    for name, key in (("usage", "usage_plot"), ("routing", "routing_plot"), ("sizing", "sizing_plot")):
+        paths = [str(p) for n, p in written if n == name]
+        if paths:
+            output[key] = paths[0]
+    if "curve" in output and any(n == "hit_rate_curve" for n, _ in written):
+        output["curve"]["plot"] = next(str(p) for n, p in written if n == "hit_rate_curve")
+    if drawn.report_dir is not None:
+        page = write_report(drawn.report_dir, title=f"kvpool simulate {label}", sections=sections)
+        output["report"] = str(page)
+        written.append(("report", page))
+    if show:
+        for name, path in written:
+            click.echo(f"  {name + ' plot' if name != 'report' else 'report':<22} {path}")
+
+
+def _render_curve(curve: CurveResult, block_size: int, show: bool) -> dict[str, Any]:
     rates = curve.token_hit_rate
-    if plots.show:
-        click.echo(f"hit-rate curve (sequential model, token hit rate, blocks of {plots.options.block_size} tokens)")
+    if show:
+        click.echo(f"hit-rate curve (sequential model, token hit rate, blocks of {block_size} tokens)")
         click.echo("  " + f"{'blocks':>10}" + "".join(f"{name:>12}" for name in rates))
         for i, size in enumerate(curve.sizes):
             click.echo("  " + f"{size:>10,}" + "".join(f"{_percent(r[i]):>12}" for r in rates.values()))
-    result = curve.to_dict()
-    if plot_dir is not None:
-        path = plots.curve(curve, plot_dir)
-        result["plot"] = str(path)
-        if plots.show:
-            click.echo(f"  curve plot             {path}")
-    return result
+    return curve.to_dict()

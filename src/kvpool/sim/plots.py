@@ -16,6 +16,7 @@ non-interactive Agg backend, so plotting works on machines with no screen.
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,8 +25,10 @@ from typing import Any
 __all__ = [
     "GIB",
     "LINE_STYLES",
+    "close",
     "describe_run",
     "hit_rate_curve_figure",
+    "lines_figure",
     "plot_hit_rate_curve",
     "plot_routing",
     "plot_sizing",
@@ -33,6 +36,7 @@ __all__ = [
     "routing_figure",
     "save",
     "sizing_figure",
+    "svg_text",
     "timeline_figure",
 ]
 
@@ -83,9 +87,8 @@ def describe_run(summary: Mapping[str, Any], tiers: Sequence[str] = ()) -> str:
 
 def save(fig: Any, path: Path) -> Path:
     """Write ``fig`` to ``path`` (its suffix picks the format: .png, .svg) and close it."""
-    plt = _pyplot()
     fig.savefig(path, metadata={"Date": None} if path.suffix == ".svg" else None)
-    plt.close(fig)
+    close(fig)
     return path
 
 
@@ -101,14 +104,26 @@ def _same_as(curves: Mapping[str, Sequence[float]]) -> dict[str, str]:
     return same
 
 
+def _number(value: float) -> str:
+    """A tick's number as people write it: ``1,000``, ``20,000``, ``0.5``."""
+    return f"{value:,.0f}" if abs(value) >= 1 and float(value).is_integer() else f"{value:.3g}"
+
+
+def _minor_label(value: float) -> str:
+    """A minor tick's label on a log axis: only at 2 and 5 times a power of ten, so labels never crowd."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value))
+    return _number(value) if round(mantissa, 6) in (2.0, 5.0) else ""
+
+
 def _plain_ticks(*axes: Any) -> None:
     """Tick labels as plain numbers (``40``, ``0.5``, ``8``), not powers, on log-scaled axes too."""
     from matplotlib.ticker import FuncFormatter
 
-    plain = FuncFormatter(lambda v, _: f"{v:,.3g}")
     for axis in axes:
-        axis.set_major_formatter(plain)
-        axis.set_minor_formatter(plain)
+        axis.set_major_formatter(FuncFormatter(lambda v, _: _number(v)))
+        axis.set_minor_formatter(FuncFormatter(lambda v, _: _minor_label(v)))
 
 
 def _size_axes(ax: Any, block_size: int, bytes_per_token: int | None) -> None:
@@ -221,11 +236,12 @@ def plot_timeline(
     return save(timeline_figure(usage, queue, ttft, title=title, verdict=verdict), path)
 
 
-def routing_figure(rules: Mapping[str, Mapping[str, Any]], *, title: str) -> Any:
+def routing_figure(rules: Mapping[str, Mapping[str, Any]], *, title: str, xlabel: str = "routing rule") -> Any:
     """Routing rules side by side: token hit rate, and TTFT p50 / p90 / p99, one group of bars per rule.
 
     ``rules`` maps each rule to its replay's summary (:meth:`SimulationResult.to_dict`'s keys);
-    an overloaded replay's name is marked ``(overloaded)``.
+    an overloaded replay's name is marked ``(overloaded)``. Any other choice compares the same way
+    (tier set-ups, say), named by ``xlabel``.
     """
     plt = _pyplot()
     fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(10, 4.6), dpi=120, layout="constrained")
@@ -247,9 +263,40 @@ def routing_figure(rules: Mapping[str, Mapping[str, Any]], *, title: str) -> Any
     ax_ttft.legend(title="percentile")
     for ax in (ax_hit, ax_ttft):
         ax.set_xticks(list(positions), names, fontsize=8)
-        ax.set_xlabel("routing rule")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(_title(title, 110), fontsize=10)
+    return fig
+
+
+def lines_figure(
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = False,
+    objective: tuple[float, str] | None = None,
+) -> Any:
+    """One line per series (each its own marker and style), ``objective`` (value, label) as a red line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=120, layout="constrained")
+    styles = iter(LINE_STYLES * (1 + len(series) // len(LINE_STYLES)))
+    same = _same_as({name: [y for _, y in points] for name, points in series.items()})
+    for name, points in series.items():
+        marker, ls, size = next(styles)
+        label = f"{name} (same as {same[name]})" if name in same else name
+        ax.plot([x for x, _ in points], [y for _, y in points], marker=marker, ls=ls, ms=size, mfc="none", label=label)
+    if objective is not None:
+        ax.axhline(objective[0], color=_SLO_COLOR, lw=1.5, label=objective[1])
+    if logx:
+        ax.set_xscale("log")
+        _plain_ticks(ax.xaxis)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title(_title(title), fontsize=10)
     return fig
 
 
@@ -313,3 +360,23 @@ def plot_sizing(
         ttft_by_replicas, fewest, slo_s=slo_s, percentile=percentile, title=title, overloaded=overloaded
     )
     return save(fig, path)
+
+
+def svg_text(fig: Any) -> str:
+    """``fig`` as an ``<svg>`` element (text kept as text, no date, stable IDs), for a page to inline; closes it."""
+    import io
+
+    import matplotlib
+
+    plt = _pyplot()
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "kvpool"}):
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    text = buffer.getvalue()
+    return text[text.index("<svg") :]
+
+
+def close(fig: Any) -> None:
+    """Release ``fig``'s memory (after its last save)."""
+    _pyplot().close(fig)
