@@ -85,3 +85,25 @@ def test_the_check_hears_console_errors_and_missing_files(browser, tmp_path):
     _, errors = browser.open(page.as_uri())
     assert any("ERR_FILE_NOT_FOUND" in e for e in errors) and "console: boom" in errors
     assert any(e.startswith("exception: ReferenceError") for e in errors)
+
+
+def test_the_documented_report_and_screenshot_commands_run(browser, tmp_path, monkeypatch):
+    """docs/simulator.md's two commands, as pasted: the report, then chromium's screenshot of it."""
+    import re
+    import shlex
+    import subprocess
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "simulator.md").read_text()
+    (block,) = re.findall(r"test_report_render\.py -->\n```sh\n(.*?)^```", text, re.M | re.S)
+    report_line, screenshot_line = block.splitlines()
+    monkeypatch.chdir(tmp_path)
+    args = shlex.split(report_line)
+    assert args[:2] == ["kvpool", "simulate"]
+    result = CliRunner().invoke(cli, args[1:])
+    assert result.exit_code == 0, result.output
+    assert check_rendered(browser, tmp_path / "report") == ["usage", "routing", "hit_rate_curve"]
+    screenshot = shlex.split(screenshot_line)
+    assert screenshot[0] == "chromium"
+    profile = f"--user-data-dir={tmp_path / 'profile'}"
+    subprocess.run([chromium_binary(), profile, *screenshot[1:]], check=True, capture_output=True, timeout=120)
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

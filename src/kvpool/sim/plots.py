@@ -260,7 +260,9 @@ def routing_figure(rules: Mapping[str, Mapping[str, Any]], *, title: str, xlabel
             edgecolor="black",
         )
     ax_ttft.set_ylabel("time to first token (s)")
-    ax_ttft.legend(title="percentile")
+    tallest = max((s.get("ttft_p99_s", 0.0) for s in rules.values()), default=0.0)
+    ax_ttft.set_ylim(0, tallest * 1.35 or 1.0)  # headroom: the legend never covers a bar
+    ax_ttft.legend(title="percentile", loc="upper left", ncols=3)
     for ax in (ax_hit, ax_ttft):
         ax.set_xticks(list(positions), names, fontsize=8)
         ax.set_xlabel(xlabel)
