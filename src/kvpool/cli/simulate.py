@@ -12,7 +12,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +32,9 @@ from kvpool.hashing import HashAlgo
 from kvpool.routing import Routing
 
 if TYPE_CHECKING:
-    from kvpool.sim.options import SimulateOptions
     from kvpool.sim.progress import Progress
     from kvpool.sim.simulator import SimulationResult
     from kvpool.sim.study import CurveResult, StudyReport
-    from kvpool.sim.study_charts import StudySetup
 
 
 def _plot_folder(plot_dir: Path, flag: str) -> None:
@@ -452,7 +450,11 @@ def simulate(
     if report.curve is not None:
         output["curve"] = _render_curve(report.curve, options.block_size, show)
     if plot_dir is not None or plot_path is not None or report_dir is not None:
-        _draw(report, options, label, output, Drawn(plot_dir, plot_path, report_dir), show)
+        from kvpool.cli.simulate_charts import Drawn, draw
+
+        first = report.results[options.rules[0]] if report.results else None
+        verdict = _load_line(first) if first is not None and first.overloaded else None
+        draw(report, options, label, output, Drawn(plot_dir, plot_path, report_dir, verdict), show)
     if as_json:
         click.echo(json.dumps({"trace": trace, **output}, indent=2))
 
@@ -531,66 +533,6 @@ def _print_routing(results: dict[Routing, SimulationResult]) -> None:
             f"prefill tokens computed x{prefix.prefill_tokens_computed / max(rr.prefill_tokens_computed, 1):.3f}, "
             f"TTFT p50 x{prefix.ttft_p50_s / rr.ttft_p50_s if rr.ttft_p50_s else float('nan'):.3f}"
         )
-
-
-@dataclass(frozen=True)
-class Drawn:
-    """Where the charts go: PNGs to a folder (``--plot-dir``), the timeline to a file (``--plot``), a page."""
-
-    plot_dir: Path | None
-    plot_path: Path | None
-    report_dir: Path | None
-
-
-def _setup(report: StudyReport, options: SimulateOptions, label: str) -> StudySetup:
-    from kvpool.sim.study_charts import StudySetup
-
-    first = report.results[options.rules[0]] if report.results else None
-    known = options.model is not None or options.kv_bytes_per_token is not None
-    return StudySetup(
-        label=label,
-        block_size=options.block_size,
-        pool_blocks=max(options.num_blocks - 1, 0),
-        policy=options.policy,
-        tiers=options.tier,
-        bytes_per_token=options.cost.kv_bytes_per_token if known else None,
-        verdict=_load_line(first) if first is not None and first.overloaded else None,
-        ttft_points=first.ttft_points if first is not None else (),
-    )
-
-
-def _draw(
-    report: StudyReport, options: SimulateOptions, label: str, output: dict[str, Any], drawn: Drawn, show: bool
-) -> None:
-    """Each chart of the study as PNG (``--plot-dir``, ``--plot``) and all of them on one page (``--report``)."""
-    from kvpool.sim import plots
-    from kvpool.sim.report import write_report
-    from kvpool.sim.study_charts import study_sections
-
-    sections = study_sections(output, _setup(report, options, label))
-    written: list[tuple[str, Path]] = []
-    for chart in (c for section in sections for c in section.charts):
-        if drawn.plot_dir is not None:
-            written.append((chart.name, drawn.plot_dir / f"{chart.name}.png"))
-            chart.figure.savefig(written[-1][1])
-        if drawn.plot_path is not None and chart.name == "usage":
-            written.append((chart.name, drawn.plot_path))
-            chart.figure.savefig(drawn.plot_path)
-        if drawn.report_dir is None:
-            plots.close(chart.figure)
-    for name, key in (("usage", "usage_plot"), ("routing", "routing_plot"), ("sizing", "sizing_plot")):
-        paths = [str(p) for n, p in written if n == name]
-        if paths:
-            output[key] = paths[0]
-    if "curve" in output and any(n == "hit_rate_curve" for n, _ in written):
-        output["curve"]["plot"] = next(str(p) for n, p in written if n == "hit_rate_curve")
-    if drawn.report_dir is not None:
-        page = write_report(drawn.report_dir, title=f"kvpool simulate {label}", sections=sections)
-        output["report"] = str(page)
-        written.append(("report", page))
-    if show:
-        for name, path in written:
-            click.echo(f"  {name + ' plot' if name != 'report' else 'report':<22} {path}")
 
 
 def _render_curve(curve: CurveResult, block_size: int, show: bool) -> dict[str, Any]:
