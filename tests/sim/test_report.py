@@ -124,3 +124,22 @@ def test_sweep_records_give_the_cheapest_fleet_per_load_and_the_comparisons(tmp_
 def test_a_record_without_the_summary_is_refused_by_name():
     with pytest.raises(ConfigError, match="sweep record 1 has no 'num_blocks'"):
         sweep_sections([_record(), {"settings": {"replicas": 2}, "summary": {"policy": "lru"}}])
+
+
+def test_a_report_folder_that_cannot_be_made_is_refused_by_name(tmp_path):
+    (tmp_path / "taken").write_text("")
+    result = simulate("--report", str(tmp_path / "taken" / "below"))
+    assert result.exit_code == 2 and "cannot be created" in result.stderr
+    assert str(tmp_path / "taken" / "below") in result.stderr and "Traceback" not in result.output
+
+
+def test_records_that_are_not_json_objects_are_named_by_line(tmp_path):
+    lines = tmp_path / "records.jsonl"
+    lines.write_text(json.dumps(_record()) + "\n\n[1, 2]\n")
+    with pytest.raises(ConfigError, match=r"records\.jsonl:3 is not a JSON object"):
+        load_records(lines)
+    lines.write_text("{not json\n")
+    with pytest.raises(ConfigError, match=r"records\.jsonl:1 is not JSON"):
+        load_records(lines)
+    with pytest.raises(ConfigError, match="at least one record"):
+        sweep_sections([])
