@@ -143,3 +143,13 @@ def test_records_that_are_not_json_objects_are_named_by_line(tmp_path):
         load_records(lines)
     with pytest.raises(ConfigError, match="at least one record"):
         sweep_sections([])
+
+
+def test_an_overloaded_replay_says_so_on_the_page_and_on_its_timeline(tmp_path):
+    base = ["simulate", "synthetic:shared_prefix", "--requests", "40", "--kv-blocks", "2000"]
+    result = CliRunner().invoke(cli, [*base, "--prefill-us-per-token", "2000", "--report", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "index.html").read_text()
+    assert '<dd class="overloaded">OVERLOADED: ' in page
+    svg = page[page.index('data-chart="usage"') :]
+    assert ">OVERLOADED: " in svg  # drawn in the timeline's SVG, not only written beside it

@@ -99,6 +99,16 @@ def _load_line(result: SimulationResult) -> str:
     return rates
 
 
+def _queueing_line(result: SimulationResult) -> str | None:
+    """Why requests queue when the replay is not overloaded but they wait: the pool is full; else None."""
+    if result.overloaded or result.queue_p90_s <= 1.0 or result.peak_usage < 0.99:
+        return None
+    return (
+        f"requests wait for KV blocks, not compute: the pool filled up (peak usage "
+        f"{_percent(result.peak_usage)}, {result.preemptions:,} preemptions)"
+    )
+
+
 def _decisions_line(result: SimulationResult) -> str:
     """What the load-or-compute rule decided: requests each way, and the tier blocks computed instead of loaded."""
     ways = ", ".join(f"{n:,} {way}" for way, n in result.load_decisions.items() if n)
@@ -149,14 +159,9 @@ def _print_table(result: SimulationResult, label: str) -> None:
             )
         )
     rows.append(("load", _load_line(result)))
-    if not result.overloaded and result.queue_p90_s > 1.0 and result.peak_usage >= 0.99:
-        rows.append(
-            (
-                "queueing",
-                f"requests wait for KV blocks, not compute: the pool filled up (peak usage "
-                f"{_percent(result.peak_usage)}, {result.preemptions:,} preemptions)",
-            )
-        )
+    queueing = _queueing_line(result)
+    if queueing is not None:
+        rows.append(("queueing", queueing))
     click.echo(label)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -453,8 +458,10 @@ def simulate(
         from kvpool.cli.simulate_charts import Drawn, draw
 
         first = report.results[options.rules[0]] if report.results else None
-        verdict = _load_line(first) if first is not None and first.overloaded else None
-        draw(report, options, label, output, Drawn(plot_dir, plot_path, report_dir, verdict), show)
+        lines = [] if first is None else [("load", _load_line(first)), ("queueing", _queueing_line(first))]
+        load = tuple((k, v) for k, v in lines if v is not None)
+        overloaded = first is not None and first.overloaded
+        draw(report, options, label, output, Drawn(plot_dir, plot_path, report_dir, load, overloaded), show)
     if as_json:
         click.echo(json.dumps({"trace": trace, **output}, indent=2))
 

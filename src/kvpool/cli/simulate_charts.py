@@ -27,10 +27,11 @@ class Drawn:
     plot_dir: Path | None
     plot_path: Path | None
     report_dir: Path | None
-    verdict: str | None  # the first replay's OVERLOADED line, if it was
+    load: tuple[tuple[str, str], ...]  # the first replay's load line (and why requests queue), as the table says
+    overloaded: bool  # whether that replay was overloaded: its load line is then drawn on the timeline
 
 
-def _setup(report: StudyReport, options: SimulateOptions, label: str, verdict: str | None) -> StudySetup:
+def _setup(report: StudyReport, options: SimulateOptions, label: str, drawn: Drawn) -> StudySetup:
     from kvpool.sim.study_charts import StudySetup
 
     first = report.results[options.rules[0]] if report.results else None
@@ -42,7 +43,8 @@ def _setup(report: StudyReport, options: SimulateOptions, label: str, verdict: s
         policy=options.policy,
         tiers=options.tier,
         bytes_per_token=options.cost.kv_bytes_per_token if known else None,
-        verdict=verdict,
+        load=drawn.load,
+        overloaded=drawn.overloaded,
         ttft_points=first.ttft_points if first is not None else (),
     )
 
@@ -55,7 +57,7 @@ def draw(
     from kvpool.sim.report import write_report
     from kvpool.sim.study_charts import study_sections
 
-    sections = study_sections(output, _setup(report, options, label, drawn.verdict))
+    sections = study_sections(output, _setup(report, options, label, drawn))
     written: list[tuple[str, Path]] = []
     for chart in (c for section in sections for c in section.charts):
         if drawn.plot_dir is not None:

@@ -28,8 +28,9 @@ class StudySetup:
     """What a study simulated, for titles: its label (the trace and its requests) and the pool as configured.
 
     ``pool_blocks`` excludes the null block (0 when only the curve was asked for); ``bytes_per_token``
-    is the model's KV bytes per token, or None when no model says it; ``verdict`` is the first replay's
-    OVERLOADED line, if it was overloaded.
+    is the model's KV bytes per token, or None when no model says it; ``load`` the first replay's load
+    facts as the command's table words them (the load line, why requests queue), and ``overloaded``
+    whether it was: its load line is then drawn on the timeline.
     """
 
     label: str
@@ -38,8 +39,14 @@ class StudySetup:
     policy: str
     tiers: tuple[str, ...] = ()
     bytes_per_token: int | None = None
-    verdict: str | None = None
+    load: tuple[tuple[str, str], ...] = ()
+    overloaded: bool = False
     ttft_points: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def verdict(self) -> str | None:
+        """The load line to draw on the timeline: the first replay's, when it was overloaded."""
+        return dict(self.load).get("load") if self.overloaded else None
 
 
 def _percent(x: float) -> str:
@@ -61,7 +68,7 @@ def _replay_facts(s: Mapping[str, Any], setup: StudySetup) -> list[tuple[str, st
     ]
     if len(s.get("hit_tokens_by_tier", {})) > 1:
         facts.append(("hit tokens by tier", ", ".join(f"{k} {v:,}" for k, v in s["hit_tokens_by_tier"].items())))
-    facts.append(("load", setup.verdict or "not overloaded: the replicas serve the prefill offered"))
+    facts.extend(setup.load)
     return facts
 
 
