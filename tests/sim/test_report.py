@@ -153,3 +153,12 @@ def test_an_overloaded_replay_says_so_on_the_page_and_on_its_timeline(tmp_path):
     assert '<dd class="overloaded">OVERLOADED: ' in page
     svg = page[page.index('data-chart="usage"') :]
     assert ">OVERLOADED: " in svg  # drawn in the timeline's SVG, not only written beside it
+
+
+def test_settings_may_sit_beside_the_summary():
+    nested = _record(replicas=2, routing="prefix", rate_scale=3.0, ttft_slo=5.0)
+    flat = {**nested["settings"], "summary": nested["summary"]}
+    from kvpool.sim.sweep_charts import sweep_points
+
+    (a,), (b,) = sweep_points([nested]), sweep_points([flat])
+    assert a == b and b.load == 3.0 and b.ttft_slo == 5.0

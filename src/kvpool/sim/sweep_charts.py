@@ -7,7 +7,8 @@ A record is one configuration's result, a plain mapping as a sweep writes it in 
      "summary": {... the keys of kvpool simulate --json's "simulation" object ...}}
 
 (``"simulation"`` is read where ``"summary"`` is absent, and a record with neither is taken as
-the summary itself). The summary says the pool, block size, policy, replicas and rule it ran;
+the summary itself; without a ``"settings"`` object, the values beside a nested summary are the
+settings). The summary says the pool, block size, policy, replicas and rule it ran;
 ``settings`` adds what a summary cannot: the tiers as given, the arrival-rate scale (the load
 level, 1.0 when absent) and the TTFT objective. :func:`sweep_sections` draws what the records
 vary; a chart whose axis they do not vary is left out. Where several records share a chart's
@@ -70,8 +71,11 @@ def load_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _point(index: int, record: Mapping[str, Any]) -> SweepPoint:
-    settings = record.get("settings") or {}
     summary = record.get("summary") or record.get("simulation") or record
+    # the settings: their own object, or the record's top-level values beside a nested summary
+    settings = record.get("settings") or (
+        {k: v for k, v in record.items() if k not in {"summary", "simulation"}} if summary is not record else {}
+    )
     try:
         tiers = settings.get("tier", settings.get("tiers"))
         if tiers is None:
