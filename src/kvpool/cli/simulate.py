@@ -46,6 +46,14 @@ def _plot_folder(plot_dir: Path, flag: str) -> None:
         fail("simulate", f"{flag} {str(plot_dir)!r} cannot be created: {exc.strerror or exc}")
 
 
+def _report_folder(report_dir: Path) -> None:
+    """The page's folder, made before any work: a file there, or a folder that cannot be made, fails fast."""
+    from kvpool.sim.report import prepare_report_dir
+
+    require_extra("simulate", "sim", "matplotlib")
+    prepare_report_dir(report_dir)  # a ConfigError: one line naming the path, exit status 2
+
+
 class Duration(FiniteFloatRange):
     """A positive duration in seconds: ``2``, ``2s``, ``500ms``."""
 
@@ -89,6 +97,16 @@ def _load_line(result: SimulationResult) -> str:
             "and time to first token measures the backlog, not the model"
         )
     return rates
+
+
+def _queueing_line(result: SimulationResult) -> str | None:
+    """Why requests queue when the replay is not overloaded but they wait: the pool is full; else None."""
+    if result.overloaded or result.queue_p90_s <= 1.0 or result.peak_usage < 0.99:
+        return None
+    return (
+        f"requests wait for KV blocks, not compute: the pool filled up (peak usage "
+        f"{_percent(result.peak_usage)}, {result.preemptions:,} preemptions)"
+    )
 
 
 def _decisions_line(result: SimulationResult) -> str:
@@ -141,14 +159,9 @@ def _print_table(result: SimulationResult, label: str) -> None:
             )
         )
     rows.append(("load", _load_line(result)))
-    if not result.overloaded and result.queue_p90_s > 1.0 and result.peak_usage >= 0.99:
-        rows.append(
-            (
-                "queueing",
-                f"requests wait for KV blocks, not compute: the pool filled up (peak usage "
-                f"{_percent(result.peak_usage)}, {result.preemptions:,} preemptions)",
-            )
-        )
+    queueing = _queueing_line(result)
+    if queueing is not None:
+        rows.append(("queueing", queueing))
     click.echo(label)
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -322,6 +335,13 @@ def _progress(show: bool) -> Progress:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Write the timeline (KV usage, requests waiting, time to first token) to this PNG.",
 )
+@click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(path_type=Path),
+    help="Write one HTML page of the study to DIR/index.html (charts inline, readable offline), each chart's data "
+    "beside it as CSV and JSON.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @reports_errors("simulate")
 def simulate(
@@ -359,6 +379,7 @@ def simulate(
     window_aware_saves: bool,
     plot_dir: Path | None,
     plot_path: Path | None,
+    report_dir: Path | None,
     as_json: bool,
 ) -> None:
     """Replay TRACE (a trace file, or synthetic:KIND) through kvpool's manager and scheduler.
@@ -384,6 +405,8 @@ def simulate(
         _plot_folder(plot_dir, "--plot-dir")
     if plot_path is not None:
         _plot_folder(plot_path.parent, "--plot")
+    if report_dir is not None:
+        _report_folder(report_dir)
     options = SimulateOptions(
         trace=trace,
         kv_blocks=kv_blocks,
@@ -429,10 +452,16 @@ def simulate(
     report = run_study(options, requests, _progress(show))
     label = f"{trace}: {len(requests):,} requests"
     output = _render(report, label, show)
-    if report.results:
-        _plots(report.results[options.rules[0]], plot_dir, plot_path, label, output, show)
     if report.curve is not None:
-        output["curve"] = _render_curve(report.curve, plot_dir, label, show)
+        output["curve"] = _render_curve(report.curve, options.block_size, show)
+    if plot_dir is not None or plot_path is not None or report_dir is not None:
+        from kvpool.cli.simulate_charts import Drawn, draw
+
+        first = report.results[options.rules[0]] if report.results else None
+        lines = [] if first is None else [("load", _load_line(first)), ("queueing", _queueing_line(first))]
+        load = tuple((k, v) for k, v in lines if v is not None)
+        overloaded = first is not None and first.overloaded
+        draw(report, options, label, output, Drawn(plot_dir, plot_path, report_dir, load, overloaded), show)
     if as_json:
         click.echo(json.dumps({"trace": trace, **output}, indent=2))
 
@@ -513,41 +542,11 @@ def _print_routing(results: dict[Routing, SimulationResult]) -> None:
         )
 
 
-def _plots(
-    result: SimulationResult,
-    plot_dir: Path | None,
-    plot_path: Path | None,
-    label: str,
-    output: dict[str, Any],
-    show: bool,
-) -> None:
-    from kvpool.sim.plots import plot_timeline
-
-    title = f"{label}, {counted(result.replicas, 'replica')}" if result.replicas > 1 else label
-    targets = [p for p in (plot_dir / "usage.png" if plot_dir is not None else None, plot_path) if p is not None]
-    for path in targets:
-        plot_timeline(result.usage_timeline, result.queue_timeline, result.ttft_points, path, title=title)
-    if targets:
-        output["usage_plot"] = str(targets[0])
-        if show:
-            click.echo(f"  timeline plot          {', '.join(str(p) for p in targets)}")
-
-
-def _render_curve(curve: CurveResult, plot_dir: Path | None, label: str, show: bool) -> dict[str, Any]:
+def _render_curve(curve: CurveResult, block_size: int, show: bool) -> dict[str, Any]:
     rates = curve.token_hit_rate
     if show:
-        click.echo("hit-rate curve (sequential model, token hit rate)")
+        click.echo(f"hit-rate curve (sequential model, token hit rate, blocks of {block_size} tokens)")
         click.echo("  " + f"{'blocks':>10}" + "".join(f"{name:>12}" for name in rates))
         for i, size in enumerate(curve.sizes):
             click.echo("  " + f"{size:>10,}" + "".join(f"{_percent(r[i]):>12}" for r in rates.values()))
-    result = curve.to_dict()
-    if plot_dir is not None:
-        from kvpool.sim.plots import plot_hit_rate_curve
-
-        path = plot_hit_rate_curve(
-            list(curve.sizes), rates, plot_dir / "hit_rate_curve.png", title=f"Hit rate vs cache size, {label}"
-        )
-        result["plot"] = str(path)
-        if show:
-            click.echo(f"  curve plot             {path}")
-    return result
+    return curve.to_dict()

@@ -23,8 +23,13 @@ Submodules (imported on demand; this package imports nothing heavy):
   objective (:func:`~kvpool.sim.sizing.fewest_replicas`). Standard library only.
 * :mod:`kvpool.sim.progress` -- where a study reports its progress: nowhere, or
   plain lines for a stream that is not a terminal. Standard library only.
-* :mod:`kvpool.sim.plots` -- PNG plots of a replay. Needs matplotlib (the ``sim``
-  extra).
+* :mod:`kvpool.sim.plots` -- the charts of a replay, a sizing search and a routing
+  comparison, as matplotlib figures, PNG or SVG. Needs matplotlib (the ``sim`` extra).
+* :mod:`kvpool.sim.report` -- one static HTML page of sections and charts (inline SVG,
+  each chart's data beside it as CSV and JSON): ``kvpool simulate --report DIR``.
+* :mod:`kvpool.sim.study_charts` -- a study's sections from what ``kvpool simulate
+  --json`` prints; :mod:`kvpool.sim.sweep_charts` -- a sweep's, from its result records
+  (settings plus the simulate summary). Both need matplotlib.
 """
 
 from __future__ import annotations
