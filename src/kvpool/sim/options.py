@@ -133,6 +133,8 @@ class SimulateOptions:
         sequential: one request at a time in trace order, freed before the next (one pool, no tiers).
         requests: replay only the first N (synthetic: how many to generate); None: all (synthetic: 500).
         seed: seed of a synthetic workload.
+        arrival_rate_scale: requests arrive this many times as fast as the trace says (2.0: arrival times
+            halved); 1.0 replays the trace's own times.
         max_num_batched_tokens, max_num_seqs: the scheduler's budget per step.
         profile: the cost profile (a built-in name or a JSON file, :mod:`kvpool.cost_model`); None: the
             default, ``round-8b-h100``.
@@ -170,6 +172,7 @@ class SimulateOptions:
     sequential: bool = False
     requests: int | None = None
     seed: int = 0
+    arrival_rate_scale: float = 1.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     profile: str | None = None
@@ -220,6 +223,7 @@ class SimulateOptions:
         check_int("--lookahead", self.lookahead, minimum=0)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"--seed must be an integer, got {self.seed!r}")
+        put(self, "arrival_rate_scale", _number("--arrival-rate-scale", self.arrival_rate_scale, positive=True))
         for name in ("sequential",):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"--{name} must be a bool, got {getattr(self, name)!r}")

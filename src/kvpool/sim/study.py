@@ -66,6 +66,9 @@ def load_requests(options: SimulateOptions) -> list[TraceRequest]:
         requests = list(islice(iter_trace(options.trace), options.requests))
     if not requests:
         raise ConfigError(f"trace {options.trace} holds no requests")
+    scale = options.arrival_rate_scale
+    if scale != 1.0:
+        requests = [replace(r, arrival_ms=r.arrival_ms / scale) for r in requests]
     return requests
 
 
