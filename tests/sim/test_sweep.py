@@ -188,3 +188,15 @@ def test_the_shipped_example_sweep_runs(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, [*args, "--workers", "1"])
     assert result.exit_code == 0, result.output
     assert len(read_results(out)) == len(Sweep.from_file(example, {"trace": "synthetic:multi_turn"}).jobs) == 8
+
+
+def test_arrival_rate_scale_divides_the_arrival_times() -> None:
+    from kvpool.sim.options import SimulateOptions
+    from kvpool.sim.study import load_requests
+
+    plain = load_requests(SimulateOptions(**BASE))
+    faster = load_requests(SimulateOptions(**BASE, arrival_rate_scale=4.0))
+    assert [r.arrival_ms / 4 for r in plain] == [r.arrival_ms for r in faster]
+    assert [r.prompt_token_ids() for r in plain] == [r.prompt_token_ids() for r in faster]
+    with pytest.raises(ConfigError, match="--arrival-rate-scale must be a finite number > 0, got 0"):
+        SimulateOptions(**BASE, arrival_rate_scale=0)

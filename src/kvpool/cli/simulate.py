@@ -495,7 +495,9 @@ def _sweep(
     from kvpool.sim.sweep_results import DEFAULT_SWEEP_OUT, SweepResults, read_results
     from kvpool.sim.sweep_runner import run_sweep
 
-    sweep = Sweep.from_file(sweep_file, fields)
+    sweep = Sweep.from_file(sweep_file, fields)  # the whole grid checked before anything runs
+    if ray is not None:
+        require_extra("simulate", "ray", "ray")
     out = sweep_out or sweep_file.with_name(DEFAULT_SWEEP_OUT.format(stem=sweep_file.stem))
     executor = executor_for(workers=workers, ray=ray)
     results = SweepResults(out)
