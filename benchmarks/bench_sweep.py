@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -39,13 +40,21 @@ GRID: dict[str, list[Any]] = {
 }
 
 
-def timed_run(sweep: Sweep, executor: SweepExecutor, folder: Path, name: str) -> tuple[float, list[dict[str, Any]]]:
-    """Wall seconds of one whole sweep on ``executor``, and its results in grid order."""
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (the pool's workers, once it shuts down)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def timed_run(
+    sweep: Sweep, executor: SweepExecutor, folder: Path, name: str
+) -> tuple[float, float, list[dict[str, Any]]]:
+    """Wall and CPU seconds of one whole sweep on ``executor`` (Ray's workers' CPU is not seen), and its results."""
     out = folder / f"{name}.jsonl"
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     run_sweep(sweep, executor, SweepResults(out))
-    seconds = time.perf_counter() - start
-    return seconds, [{"config": r["config"], "figures": r["figures"]} for r in read_results(out)]
+    seconds, cpu = time.perf_counter() - start, _cpu_seconds() - cpu
+    return seconds, cpu, [{"config": r["config"], "figures": r["figures"]} for r in read_results(out)]
 
 
 def measure(sweep: Sweep, executors: dict[str, SweepExecutor], repeats: int, folder: Path) -> dict[str, list[float]]:
@@ -54,13 +63,17 @@ def measure(sweep: Sweep, executors: dict[str, SweepExecutor], repeats: int, fol
     reference: list[dict[str, Any]] | None = None
     for repeat in range(repeats):
         for name, executor in executors.items():
-            seconds, results = timed_run(sweep, executor, folder, f"{name}-{repeat}")
+            seconds, cpu, results = timed_run(sweep, executor, folder, f"{name}-{repeat}")
             if reference is None:
                 reference = results
             elif json.dumps(results, sort_keys=True) != json.dumps(reference, sort_keys=True):
                 raise SystemExit(f"{name} run {repeat}: results differ from the first serial run")
             times[name].append(seconds)
-            print(f"  {name:<8} run {repeat}: {seconds:.1f} s  (load average {os.getloadavg()[0]:.2f})", flush=True)
+            cpu_text = "" if name == "ray" else f", {cpu:.1f} CPU s"
+            print(
+                f"  {name:<8} run {repeat}: {seconds:.1f} s{cpu_text}  (load average {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
     return times
 
 
