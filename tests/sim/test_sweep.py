@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -145,7 +147,7 @@ def test_progress_lines_give_done_total_elapsed_and_remaining(tmp_path: Path) ->
     clock, stream = Clock(), io.StringIO()
 
     class Ticking(SerialExecutor):
-        def run(self, jobs):  # type: ignore[no-untyped-def]
+        def run(self, jobs: Sequence[SweepJob]) -> Iterator[tuple[SweepJob, dict[str, Any]]]:
             for job, figures in super().run(jobs):
                 clock.now += 10.0  # each configuration takes ten (simulated) seconds
                 yield job, figures
