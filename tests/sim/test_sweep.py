@@ -202,3 +202,15 @@ def test_arrival_rate_scale_divides_the_arrival_times() -> None:
     assert [r.prompt_token_ids() for r in plain] == [r.prompt_token_ids() for r in faster]
     with pytest.raises(ConfigError, match="--arrival-rate-scale must be a finite number > 0, got 0"):
         SimulateOptions(**BASE, arrival_rate_scale=0)
+
+
+def test_the_prefix_rule_weight_can_be_swept_and_its_default_is_one_over_the_block_size(tmp_path: Path) -> None:
+    base = {**BASE, "requests": 40, "kv_blocks": 400, "replicas": 2}
+    sweep = Sweep.from_grid({"routing": ["prefix"], "routing-load-cost": [1 / 16, 1e-6, 1e3]}, base)
+    run_sweep(sweep, SerialExecutor(), SweepResults(tmp_path / "out.jsonl"))
+    figures = [r["figures"]["routing"]["prefix"] for r in read_results(tmp_path / "out.jsonl")]
+    default = Sweep.from_grid({"routing": ["prefix"]}, base).jobs[0].run()["routing"]["prefix"]
+    assert figures[0] == default
+    assert figures[1] != figures[2]  # sticking to cached blocks against balancing the queues
+    with pytest.raises(ConfigError, match="routing-load-cost = 0"):
+        Sweep.from_grid({"routing-load-cost": [0]}, base)

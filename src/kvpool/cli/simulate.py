@@ -293,6 +293,11 @@ def _progress(show: bool) -> Progress:
     help="How arrivals are spread over replicas (kvpool.routing's laws); repeat to compare (default: every rule "
     "with --replicas > 1).",
 )
+@click.option(
+    "--routing-load-cost",
+    type=FiniteFloatRange(min=0, min_open=True),
+    help="The prefix rule's weight: cached blocks one queued prompt token is worth (default 1 / --block-size).",
+)
 @click.option("--ttft-slo", type=Duration(), help="Size the deployment: the fewest replicas whose TTFT meets this.")
 @click.option(
     "--ttft-slo-percentile",
@@ -381,6 +386,7 @@ def simulate(
     kv_bytes_per_token: int | None,
     replicas: int,
     routing_rules: tuple[str, ...],
+    routing_load_cost: float | None,
     ttft_slo: float | None,
     ttft_slo_percentile: float,
     max_replicas: int,
@@ -448,6 +454,7 @@ def simulate(
         kv_bytes_per_token=kv_bytes_per_token,
         replicas=replicas,
         routing=tuple(Routing(r) for r in routing_rules),
+        routing_load_cost=routing_load_cost,
         ttft_slo=ttft_slo,
         ttft_slo_percentile=ttft_slo_percentile,
         max_replicas=max_replicas,

@@ -152,6 +152,8 @@ class SimulateOptions:
         replicas: simulated replicas, each its own pool.
         routing: the rules that spread arrivals over replicas, each replayed in turn; empty: every rule
             with several replicas or ``ttft_slo``, else prefix.
+        routing_load_cost: the prefix rule's weight: cached blocks one queued prompt token is worth; None: the
+            simulator's ``1 / block_size`` (a queued block's tokens against one cached block).
         ttft_slo: size the deployment instead: the fewest replicas whose TTFT at ``ttft_slo_percentile``
             is at most this many seconds (with ``replicas`` 1).
         ttft_slo_percentile: in (0, 100).
@@ -187,6 +189,7 @@ class SimulateOptions:
     kv_bytes_per_token: int | None = None
     replicas: int = 1
     routing: tuple[Routing, ...] = ()
+    routing_load_cost: float | None = None
     ttft_slo: float | None = None
     ttft_slo_percentile: float = 90.0
     max_replicas: int = 64
@@ -269,6 +272,8 @@ class SimulateOptions:
         # replicas, routing, sizing
         routing = tuple(Routing(r) for r in dict.fromkeys(_routing(self.routing)))
         put(self, "routing", routing)
+        if self.routing_load_cost is not None:
+            put(self, "routing_load_cost", _number("--routing-load-cost", self.routing_load_cost, positive=True))
         if self.ttft_slo is not None:
             put(self, "ttft_slo", _number("--ttft-slo", self.ttft_slo, positive=True))
         percentile = _number("--ttft-slo-percentile", self.ttft_slo_percentile)

@@ -113,6 +113,7 @@ def _config(options: SimulateOptions) -> SimulationConfig:
         routing=options.rules[0],
         groups=options.groups,
         window_aware_saves=options.window_aware_saves,
+        routing_load_cost=options.routing_load_cost,
     )
 
 

@@ -41,6 +41,7 @@ __all__ = ["SWEEP_KEYS", "Sweep", "SweepConfig", "SweepJob", "job_figures"]
 SWEEP_KEYS: dict[str, str] = {
     "replicas": "replicas",
     "routing": "routing",
+    "routing-load-cost": "routing_load_cost",
     "kv-blocks": "kv_blocks",
     "kv-memory": "kv_memory",
     "block-size": "block_size",
