@@ -84,3 +84,16 @@ def test_long_prompt_replay_on_the_cpu_clock(tmp_path, monkeypatch):
     r = bench_manager.replay_long_prompts(prompts, "xxh3_128", cache_tokens=2048)
     assert len(calls) == 6 * 3  # six readings per request, all from the chosen clock
     assert r["ns"] == {"hash": 3, "lookup": 3, "allocate": 3, "free": 3}  # each phase spans one tick per request
+
+
+def test_sweep_bench_checks_every_executor_against_serial(tmp_path, capsys):
+    import bench_sweep  # noqa: PLC0415
+
+    from kvpool.sim.sweep import Sweep  # noqa: PLC0415
+    from kvpool.sim.sweep_executors import PoolExecutor, SerialExecutor  # noqa: PLC0415
+
+    sweep = Sweep.from_grid({"kv-blocks": [100, 200]}, {"trace": "synthetic:multi_turn", "requests": 8})
+    times = bench_sweep.measure(sweep, {"serial": SerialExecutor(), "pool": PoolExecutor(2)}, 1, tmp_path)
+    assert set(times) == {"serial", "pool"} and all(len(t) == 1 for t in times.values())
+    bench_sweep.report(times, len(sweep.jobs), 2)
+    assert "16-core estimate" in capsys.readouterr().out

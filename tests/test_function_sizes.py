@@ -31,6 +31,10 @@ FRONT_DOORS = (
     "router/ranking.py",
     "router/bookkeeping.py",
     "router/relay.py",
+    "sim/sweep.py",
+    "sim/sweep_executors.py",
+    "sim/sweep_results.py",
+    "sim/sweep_runner.py",
 )
 
 

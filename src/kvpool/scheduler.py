@@ -675,7 +675,8 @@ class Scheduler:
 
     def _take_async_loads(self, result: TransferResult) -> None:
         """Requests whose asynchronous loads the worker reports done wait again, first, to compute the rest."""
-        done = [rid for rid in result.finished_loads if rid in self._loading or rid in self._unloaded]
+        # In request-ID order, not the set's (which hangs on the process's string hash seed): a replay repeats.
+        done = [rid for rid in sorted(result.finished_loads) if rid in self._loading or rid in self._unloaded]
         if not done:
             return
         failed = result.failed_loads
@@ -730,7 +731,7 @@ class Scheduler:
         self._free_saved(result)
 
     def _free_saved(self, result: TransferResult) -> None:
-        for rid in result.finished_saves:
+        for rid in sorted(result.finished_saves):  # the order blocks return to the free queue: not the set's
             entry = self._saving.pop(rid, None)
             if entry is not None and rid not in self._unloaded:
                 self.manager.free(entry.request)

@@ -162,3 +162,21 @@ def test_settings_may_sit_beside_the_summary():
 
     (a,), (b,) = sweep_points([nested]), sweep_points([flat])
     assert a == b and b.load == 3.0 and b.ttft_slo == 5.0
+
+
+def test_a_sweeps_results_file_becomes_records_one_per_configuration_and_rule() -> None:
+    from kvpool.sim.sweep_charts import records_of_results
+
+    summary = {"token_hit_rate": 0.5}
+    results = [
+        {
+            "index": 0,
+            "key": "k0",
+            "config": {"kv_blocks": 300, "arrival-rate-scale": 2.0, "ttft-slo": 1.5, "tier": ["cpu:1GiB"]},
+            "figures": {"requests": 4, "routing": {"prefix": summary, "round-robin": summary}},
+        },
+        {"index": 1, "key": "k1", "config": {"kv-blocks": 600}, "figures": {"requests": 4, "sequential": {}}},
+    ]
+    records = records_of_results(results)
+    settings = {"rate_scale": 2.0, "tier": ["cpu:1GiB"], "ttft_slo": 1.5}
+    assert records == [{"settings": settings, "summary": summary}] * 2  # the sequential replay gives none

@@ -208,6 +208,13 @@ def _progress(show: bool) -> Progress:
     "--requests", "max_requests", type=POSITIVE_INT, help="Replay only the first N requests (synthetic: how many)."
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of synthetic workloads.")
+@click.option(
+    "--arrival-rate-scale",
+    type=FiniteFloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Requests arrive this many times as fast as the trace says (2: arrival times halved).",
+)
 @click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=8192, show_default=True)
 @click.option("--max-num-seqs", type=POSITIVE_INT, default=256, show_default=True)
 @click.option(
@@ -299,6 +306,11 @@ def _progress(show: bool) -> Progress:
     help="How arrivals are spread over replicas (kvpool.routing's laws); repeat to compare (default: every rule "
     "with --replicas > 1).",
 )
+@click.option(
+    "--routing-load-cost",
+    type=FiniteFloatRange(min=0, min_open=True),
+    help="The prefix rule's weight: cached blocks one queued prompt token is worth (default 1 / --block-size).",
+)
 @click.option("--ttft-slo", type=Duration(), help="Size the deployment: the fewest replicas whose TTFT meets this.")
 @click.option(
     "--ttft-slo-percentile",
@@ -343,6 +355,32 @@ def _progress(show: bool) -> Progress:
     "beside it as CSV and JSON.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@click.option(
+    "--sweep",
+    "sweep_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Run the grid this TOML file names (docs/simulator.md, 'Sweeps'): one simulation per configuration, "
+    "over the other flags' options.",
+)
+@click.option(
+    "--sweep-out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The sweep's results, one JSON line per configuration as it finishes (default: SWEEP.results.jsonl "
+    "beside the sweep file); a rerun skips the configurations it holds.",
+)
+@click.option(
+    "--workers",
+    type=POSITIVE_INT,
+    help="Sweep: processes running configurations (default: the CPU count; 1 runs them here, one by one); "
+    "with --ray local, the CPUs of the Ray it starts.",
+)
+@click.option(
+    "--ray",
+    "ray_address",
+    metavar="ADDRESS",
+    help="Sweep: run the configurations as Ray tasks on this cluster (auto: the one this machine is in; local: "
+    "start one here). Needs the ray extra.",
+)
 @reports_errors("simulate")
 def simulate(
     trace: str,
@@ -368,6 +406,7 @@ def simulate(
     kv_bytes_per_token: int | None,
     replicas: int,
     routing_rules: tuple[str, ...],
+    routing_load_cost: float | None,
     ttft_slo: float | None,
     ttft_slo_percentile: float,
     max_replicas: int,
@@ -381,6 +420,11 @@ def simulate(
     plot_path: Path | None,
     report_dir: Path | None,
     as_json: bool,
+    arrival_rate_scale: float,
+    sweep_file: Path | None,
+    sweep_out: Path | None,
+    workers: int | None,
+    ray_address: str | None,
 ) -> None:
     """Replay TRACE (a trace file, or synthetic:KIND) through kvpool's manager and scheduler.
 
@@ -393,8 +437,9 @@ def simulate(
     (a load costs its latency plus the blocks' bytes over the tier's bandwidth,
     and a hit is loaded only where that is faster than computing it);
     --replicas N with --routing spreads the trace over N replicas; --ttft-slo
-    searches for the fewest replicas that meet it. --curve needs numpy, and
-    --plot-dir and --plot matplotlib (the sim extra).
+    searches for the fewest replicas that meet it; --sweep runs a grid of
+    configurations (in a process pool, or on Ray with --ray). --curve needs
+    numpy, and --plot-dir and --plot matplotlib (the sim extra).
     """
     from kvpool.sim.options import FAST_HASH, SimulateOptions
     from kvpool.sim.study import load_requests, run_study
@@ -407,7 +452,7 @@ def simulate(
         _plot_folder(plot_path.parent, "--plot")
     if report_dir is not None:
         _report_folder(report_dir)
-    options = SimulateOptions(
+    fields: dict[str, Any] = dict(
         trace=trace,
         kv_blocks=kv_blocks,
         kv_memory=kv_memory,
@@ -417,6 +462,7 @@ def simulate(
         sequential=sequential,
         requests=max_requests,
         seed=seed,
+        arrival_rate_scale=arrival_rate_scale,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         profile=profile,
@@ -424,23 +470,32 @@ def simulate(
         prefill_us_per_token=prefill_us_per_token,
         decode_us_per_seq=decode_us_per_seq,
         tier=tier_flags,
-        kv_tier_write=tier_write,  # type: ignore[arg-type]  # a name: SimulateOptions parses it
+        kv_tier_write=tier_write,  # a name: SimulateOptions parses it
         load_or_compute=not always_load,
         tier_bandwidth=tier_bandwidth,
         tier_latency=tier_latency,
         kv_bytes_per_token=kv_bytes_per_token,
         replicas=replicas,
         routing=tuple(Routing(r) for r in routing_rules),
+        routing_load_cost=routing_load_cost,
         ttft_slo=ttft_slo,
         ttft_slo_percentile=ttft_slo_percentile,
         max_replicas=max_replicas,
         hash_algo=hash_algo,
-        curve=curve or (),  # type: ignore[arg-type]  # "100,200": SimulateOptions parses it
+        curve=curve or (),  # "100,200": SimulateOptions parses it
         curve_policies=tuple(p.strip() for p in curve_policies.split(",") if p.strip()),
         lookahead=lookahead,
         layer_groups=layer_groups,
         window_aware_saves=window_aware_saves,
     )
+    if sweep_file is not None:
+        if plot_dir is not None or plot_path is not None:
+            fail("simulate", "--sweep writes each configuration's figures to --sweep-out; drop --plot and --plot-dir")
+        _sweep(sweep_file, fields, sweep_out, workers, ray_address, show=not as_json, report_dir=report_dir)
+        return
+    if workers is not None or ray_address is not None:
+        fail("simulate", "--workers and --ray run the configurations of a --sweep; give --sweep FILE")
+    options = SimulateOptions(**fields)
     if options.hash_algo is None and options.block_hash != FAST_HASH:
         click.echo(
             f"kvpool simulate: warning: blocks are hashed with {options.block_hash}, as xxhash is not installed; "
@@ -464,6 +519,47 @@ def simulate(
         draw(report, options, label, output, Drawn(plot_dir, plot_path, report_dir, load, overloaded), show)
     if as_json:
         click.echo(json.dumps({"trace": trace, **output}, indent=2))
+
+
+def _sweep(
+    sweep_file: Path,
+    fields: dict[str, Any],
+    sweep_out: Path | None,
+    workers: int | None,
+    ray: str | None,
+    show: bool,
+    report_dir: Path | None = None,
+) -> None:
+    """Run the sweep ``sweep_file`` names over ``fields``, its results to ``sweep_out`` (or its default).
+
+    With ``report_dir``, the page of every result in the file is written there (:mod:`kvpool.sim.sweep_charts`).
+    """
+    from kvpool.sim.progress import ProgressLines
+    from kvpool.sim.sweep import Sweep
+    from kvpool.sim.sweep_executors import executor_for
+    from kvpool.sim.sweep_results import DEFAULT_SWEEP_OUT, SweepResults, read_results
+    from kvpool.sim.sweep_runner import run_sweep
+
+    sweep = Sweep.from_file(sweep_file, fields)  # the whole grid checked before anything runs
+    if ray is not None:
+        require_extra("simulate", "ray", "ray")
+    out = sweep_out or sweep_file.with_name(DEFAULT_SWEEP_OUT.format(stem=sweep_file.stem))
+    executor = executor_for(workers=workers, ray=ray)
+    results = SweepResults(out)
+    progress = ProgressLines(sys.stderr, every_s=30.0, remaining=True) if not sys.stderr.isatty() else _progress(True)
+    summary = run_sweep(sweep, executor, results, progress if show else _progress(False))
+    if show:
+        click.echo(
+            f"sweep {sweep_file}: {summary.total:,} configurations, {summary.ran:,} run now, "
+            f"{summary.skipped:,} already done; results in {out}"
+        )
+    else:
+        click.echo(json.dumps({"sweep": str(sweep_file), "results": read_results(out)}, indent=2))
+    if report_dir is not None:
+        from kvpool.sim.sweep_charts import records_of_results, write_sweep_report
+
+        page = write_sweep_report(records_of_results(read_results(out)), report_dir, title=f"kvpool sweep {sweep_file}")
+        click.echo(f"report: {page}", err=not show)
 
 
 def _render(report: StudyReport, label: str, show: bool) -> dict[str, Any]:

@@ -23,6 +23,11 @@ Submodules (imported on demand; this package imports nothing heavy):
   objective (:func:`~kvpool.sim.sizing.fewest_replicas`). Standard library only.
 * :mod:`kvpool.sim.progress` -- where a study reports its progress: nowhere, or
   plain lines for a stream that is not a terminal. Standard library only.
+* :mod:`kvpool.sim.sweep` -- a sweep file's grid of configurations, checked before anything runs
+  (:class:`~kvpool.sim.sweep.Sweep`); :mod:`kvpool.sim.sweep_executors` runs its jobs serially, in a
+  process pool or on Ray (the ``ray`` extra, imported lazily); :mod:`kvpool.sim.sweep_results` is its
+  results file (one JSON line per configuration) and :mod:`kvpool.sim.sweep_runner` the loop that
+  resumes and fills it. Standard library only.
 * :mod:`kvpool.sim.plots` -- the charts of a replay, a sizing search and a routing
   comparison, as matplotlib figures, PNG or SVG. Needs matplotlib (the ``sim`` extra).
 * :mod:`kvpool.sim.report` -- one static HTML page of sections and charts (inline SVG,

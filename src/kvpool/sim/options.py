@@ -133,6 +133,8 @@ class SimulateOptions:
         sequential: one request at a time in trace order, freed before the next (one pool, no tiers).
         requests: replay only the first N (synthetic: how many to generate); None: all (synthetic: 500).
         seed: seed of a synthetic workload.
+        arrival_rate_scale: requests arrive this many times as fast as the trace says (2.0: arrival times
+            halved); 1.0 replays the trace's own times.
         max_num_batched_tokens, max_num_seqs: the scheduler's budget per step.
         profile: the cost profile (a built-in name or a JSON file, :mod:`kvpool.cost_model`); None: the
             default, ``round-8b-h100``.
@@ -150,6 +152,8 @@ class SimulateOptions:
         replicas: simulated replicas, each its own pool.
         routing: the rules that spread arrivals over replicas, each replayed in turn; empty: every rule
             with several replicas or ``ttft_slo``, else prefix.
+        routing_load_cost: the prefix rule's weight: cached blocks one queued prompt token is worth; None: the
+            simulator's ``1 / block_size`` (a queued block's tokens against one cached block).
         ttft_slo: size the deployment instead: the fewest replicas whose TTFT at ``ttft_slo_percentile``
             is at most this many seconds (with ``replicas`` 1).
         ttft_slo_percentile: in (0, 100).
@@ -170,6 +174,7 @@ class SimulateOptions:
     sequential: bool = False
     requests: int | None = None
     seed: int = 0
+    arrival_rate_scale: float = 1.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     profile: str | None = None
@@ -184,6 +189,7 @@ class SimulateOptions:
     kv_bytes_per_token: int | None = None
     replicas: int = 1
     routing: tuple[Routing, ...] = ()
+    routing_load_cost: float | None = None
     ttft_slo: float | None = None
     ttft_slo_percentile: float = 90.0
     max_replicas: int = 64
@@ -220,6 +226,7 @@ class SimulateOptions:
         check_int("--lookahead", self.lookahead, minimum=0)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"--seed must be an integer, got {self.seed!r}")
+        put(self, "arrival_rate_scale", _number("--arrival-rate-scale", self.arrival_rate_scale, positive=True))
         for name in ("sequential",):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"--{name} must be a bool, got {getattr(self, name)!r}")
@@ -265,6 +272,8 @@ class SimulateOptions:
         # replicas, routing, sizing
         routing = tuple(Routing(r) for r in dict.fromkeys(_routing(self.routing)))
         put(self, "routing", routing)
+        if self.routing_load_cost is not None:
+            put(self, "routing_load_cost", _number("--routing-load-cost", self.routing_load_cost, positive=True))
         if self.ttft_slo is not None:
             put(self, "ttft_slo", _number("--ttft-slo", self.ttft_slo, positive=True))
         percentile = _number("--ttft-slo-percentile", self.ttft_slo_percentile)

@@ -8,6 +8,10 @@ file, CI, a pipe), where a redrawn bar would be one unreadable line or nothing::
 
     replaying: 3,000 of 12,000 (25%), 41 s
 
+and, with ``remaining`` (a sweep's lines), an estimate of the time left at the rate so far::
+
+    sweep: 3 of 12 (25%), 41 s, about 123 s left
+
 ``kvpool simulate`` draws a bar on a terminal and writes these lines otherwise.
 """
 
@@ -43,7 +47,8 @@ class ProgressLines(Progress):
     ``every_fraction``: a line each time this share of the bar's total is done (0.1: every 10%).
     ``every_items``: a line every this many steps instead. ``every_s``: a line also when this many
     seconds have passed since the last one (checked when the bar advances; None: never by time).
-    ``clock`` gives the seconds the lines show (and ``every_s`` measures).
+    ``clock`` gives the seconds the lines show (and ``every_s`` measures). ``remaining``: also the
+    seconds left, estimated from the rate so far (until the bar is done).
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class ProgressLines(Progress):
         every_items: int | None = None,
         every_s: float | None = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        remaining: bool = False,
     ) -> None:
         if (
             isinstance(every_fraction, bool)
@@ -72,6 +78,7 @@ class ProgressLines(Progress):
         self._every_items = every_items
         self._every_s = every_s
         self._clock = clock
+        self._remaining = remaining
 
     @contextlib.contextmanager
     def bar(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
@@ -84,7 +91,10 @@ class ProgressLines(Progress):
         def line(now: float) -> None:
             nonlocal last_line_at, last_line_done
             share = f" ({100 * done // total}%)" if total > 0 else ""
-            self._stream.write(f"{label}: {done:,} of {total:,}{share}, {now - start:.0f} s\n")
+            left = ""
+            if self._remaining and 0 < done < total:
+                left = f", about {(now - start) / done * (total - done):.0f} s left"
+            self._stream.write(f"{label}: {done:,} of {total:,}{share}, {now - start:.0f} s{left}\n")
             self._stream.flush()
             last_line_at, last_line_done = now, done
 

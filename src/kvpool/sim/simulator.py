@@ -108,9 +108,18 @@ class SimulationConfig:
     groups: tuple[KVCacheGroup, ...] = ()
     #: A window group saves only the blocks a request can still read (default False: every full block).
     window_aware_saves: bool = False
+    #: The prefix rule's weight of one queued token against one cached block; None: ``1 / block_size``.
+    routing_load_cost: float | None = None
 
     def __post_init__(self) -> None:
         check_int("num_blocks", self.num_blocks, minimum=2)
+        cost_ok = self.routing_load_cost is None or (
+            not isinstance(self.routing_load_cost, bool)
+            and isinstance(self.routing_load_cost, int | float)
+            and 0 < self.routing_load_cost < math.inf
+        )
+        if not cost_ok:
+            raise ConfigError(f"routing_load_cost must be a finite number > 0 or None, got {self.routing_load_cost!r}")
         check_flag("load_or_compute", self.load_or_compute)
         check_flag("window_aware_saves", self.window_aware_saves)
         if not isinstance(self.cost, CostProfile):
@@ -442,7 +451,8 @@ def simulate(
     first_arrival = requests[0].arrival_ms / 1000 if requests else 0.0
     shared: dict[TierKind, KeyStore] = {}
     replicas = [_Replica(config, shared, first_arrival) for _ in range(config.replicas)]
-    rule = chooser(config.routing, load_cost=1 / config.block_size)
+    load_cost = 1 / config.block_size if config.routing_load_cost is None else config.routing_load_cost
+    rule = chooser(config.routing, load_cost=load_cost)
     by_figures = config.routing in (Routing.EXPECTED_TTFT, Routing.THRESHOLD)
     wants_prefixes = config.routing is Routing.PREFIX and len(replicas) > 1
     cost = config.cost

@@ -66,6 +66,9 @@ def load_requests(options: SimulateOptions) -> list[TraceRequest]:
         requests = list(islice(iter_trace(options.trace), options.requests))
     if not requests:
         raise ConfigError(f"trace {options.trace} holds no requests")
+    scale = options.arrival_rate_scale
+    if scale != 1.0:
+        requests = [replace(r, arrival_ms=r.arrival_ms / scale) for r in requests]
     return requests
 
 
@@ -110,6 +113,7 @@ def _config(options: SimulateOptions) -> SimulationConfig:
         routing=options.rules[0],
         groups=options.groups,
         window_aware_saves=options.window_aware_saves,
+        routing_load_cost=options.routing_load_cost,
     )
 
 

@@ -32,7 +32,7 @@ from kvpool.errors import ConfigError
 from kvpool.sim import plots
 from kvpool.sim.report import Chart, Section
 
-__all__ = ["SweepPoint", "load_records", "sweep_points", "sweep_sections", "write_sweep_report"]
+__all__ = ["SweepPoint", "load_records", "records_of_results", "sweep_points", "sweep_sections", "write_sweep_report"]
 
 _METRICS = ("token_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s")
 _MEAN = "each point the mean over the records that share it"
@@ -188,7 +188,7 @@ def sweep_sections(records: Iterable[Mapping[str, Any]], *, slo_s: float | None 
     overview = Section(
         title="The sweep",
         facts=[
-            ("configurations", f"{len(points):,}"),
+            ("results (a configuration under one routing rule each)", f"{len(points):,}"),
             ("overloaded", f"{sum(p.overloaded for p in points):,} (their TTFT measures the backlog)"),
         ],
     )
@@ -201,6 +201,24 @@ def sweep_sections(records: Iterable[Mapping[str, Any]], *, slo_s: float | None 
         _compared(points, lambda p: p.tiers, "sweep_tiers", "tiers", "Tier benefit: hit rate and TTFT per tier set-up"),
     ]
     return [s for s in found if s is not None]
+
+
+def records_of_results(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A sweep's result lines (:mod:`kvpool.sim.sweep_results`) as records: one per configuration and rule.
+
+    A line holds the configuration in the sweep file's spelling and the figures of each
+    routing rule it ran; a sequential replay (no routing figures) gives no record.
+    """
+    records = []
+    for line in results:
+        config = {str(k).replace("_", "-"): v for k, v in line["config"].items()}
+        settings: dict[str, Any] = {"rate_scale": config.get("arrival-rate-scale", 1.0)}
+        for key, name in (("tier", "tier"), ("ttft-slo", "ttft_slo")):
+            if key in config:
+                settings[name] = config[key]
+        for summary in line["figures"].get("routing", {}).values():
+            records.append({"settings": settings, "summary": summary})
+    return records
 
 
 def write_sweep_report(

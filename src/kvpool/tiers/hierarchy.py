@@ -608,7 +608,7 @@ class TierHierarchyConnector:
                 if where // n * bs >= valid:
                     self.counters[tier].failed_blocks += 1
         done = result.finished_loads | result.finished_saves
-        for rid in done:
+        for rid in sorted(done):  # events and host slots in request-ID order, not the set's (hash-seed) order
             if rid in result.finished_saves:
                 self._saving.discard(rid)
                 for event in self._stored.pop(rid, ()):
