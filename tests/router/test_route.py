@@ -315,7 +315,8 @@ def test_a_client_gone_mid_stream_closes_the_replica_stream_and_frees_its_slot(r
             r.hold_stream = hold  # the stream stays open after its first chunk, however slow the test thread
         body = {"model": "fake", "messages": [system(3), ask("long answer")], "stream": True}
         with router.client.stream("POST", "/v1/chat/completions", json=body) as response:
-            first = next(response.iter_lines())
+            lines = response.iter_lines()  # kept: a line iterator let go of closes the client's connection
+            first = next(lines)
             assert first.startswith("data: ")
             assert sum(r.served for r in replicas) == 1
 

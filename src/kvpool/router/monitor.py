@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -127,6 +128,7 @@ class ReplicaMonitor:
         self._pending: set[asyncio.Task[None]] = set()  # checks asked for by failed requests
         self._hashers: dict[Hashing, BlockHasher | None] = {}
         self._client: httpx.AsyncClient | None = None
+        self._tls: ssl.SSLContext | None = None  # for the snapshot fetches: the certificates, loaded once
         self.on_down: Callable[[str], None] | None = None  # told the URL of each replica marked down
         self._slow: set[str] = set()  # out of rotation for slowness: entries and feeds kept
         # GET /rates every this many intervals (rarely: rates move slowly, and a check costs the replica too)
@@ -341,8 +343,12 @@ class ReplicaMonitor:
         """A feed of ``replica``'s events, loading its snapshot (asked with the admin key) where it has one."""
         snapshot = None
         if events.snapshot is not None:
+            if self._tls is None:
+                import httpx
+
+                self._tls = httpx.create_ssl_context()  # httpx's defaults, as the router's own client has them
             snapshot = http_snapshot(
-                replica.base + events.snapshot, self._operator, max(self.timeout, SNAPSHOT_TIMEOUT_S)
+                replica.base + events.snapshot, self._operator, max(self.timeout, SNAPSHOT_TIMEOUT_S), self._tls
             )
         return EventFeed(replica.url, events, self.index, snapshot=snapshot)
 

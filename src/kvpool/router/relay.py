@@ -22,6 +22,7 @@ from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.ranking import PromptKeys, Ranker
 from kvpool.router.replicas import Replica
 from kvpool.router.route_options import RouteOptions
+from kvpool.router.upstream import UpstreamAnswer, UpstreamPool
 from kvpool.router.usage import UsageScanner, cached_tokens_of
 
 if TYPE_CHECKING:
@@ -43,12 +44,15 @@ _HOP_HEADERS = frozenset(
 _FORWARDED = ("authorization", "content-type", "accept")
 
 
-def _answer_headers(response: httpx.Response) -> dict[str, str]:
+def _answer_headers(response: httpx.Response | UpstreamAnswer) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
 class Relay:
-    """The router's HTTP client to its replicas: each request to the best replica that takes it, with retries.
+    """The router's HTTP clients to its replicas: each request to the best replica that takes it, with retries.
+
+    Requests go out on :class:`~kvpool.router.upstream.UpstreamPool`'s connections; the
+    httpx client (:attr:`client`) serves the monitor and the router's own GETs.
 
     ``no_replica`` counts the requests answered 503 because no replica was up.
     """
@@ -68,6 +72,7 @@ class Relay:
         self.monitor = monitor
         self.no_replica = 0
         self._client: httpx.AsyncClient | None = None
+        self._upstream: UpstreamPool | None = None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -83,9 +88,12 @@ class Relay:
         timeout = httpx.Timeout(options.health_timeout, connect=options.connect_timeout, read=options.upstream_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self._upstream = UpstreamPool(connect_timeout=options.connect_timeout, read_timeout=options.upstream_timeout)
         return self._client
 
     async def close(self) -> None:
+        if self._upstream is not None:
+            await self._upstream.aclose()
         if self._client is not None:
             await self._client.aclose()
 
@@ -140,17 +148,17 @@ class Relay:
         stream: bool,
         keys: PromptKeys,
         cached: int,
-    ) -> httpx.Response:
+    ) -> UpstreamAnswer:
         """``replica``'s answer (its headers; all of it unless ``stream``); a transport error is told to the monitor.
 
         The request's uncached prompt tokens are reserved at ``replica`` as it is sent (its prefill pending).
         """
         import httpx
 
-        outgoing = self.client.build_request("POST", replica.base + path, content=body, headers=headers)
+        assert self._upstream is not None, "the relay's connections are opened by the app's lifespan"
         self.bookkeeping.sent(replica, keys, cached)
         try:
-            response = await self.client.send(outgoing, stream=True)
+            response = await self._upstream.post(replica.base + path, body, headers)
             if not stream:
                 await response.aread()
         except httpx.TransportError as exc:
@@ -164,7 +172,7 @@ class Relay:
         return response
 
     def _answer(
-        self, replica: Replica, response: httpx.Response, keys: PromptKeys, cached: int, path: str, stream: bool
+        self, replica: Replica, response: UpstreamAnswer, keys: PromptKeys, cached: int, path: str, stream: bool
     ) -> Response | RelayedStream:
         """``replica``'s answer on its way to the client: whole, or as a stream that closes the upstream however it ends."""
         from starlette.responses import Response, StreamingResponse
@@ -201,10 +209,7 @@ class Relay:
         """The replica's bytes as they arrive; closing early (a client gone) closes the upstream request too."""
         import httpx
 
-        # The transport's stream itself, not ``aiter_raw``: the same bytes (httpx's transport maps
-        # httpcore's errors to its own), without a chunker and a request context entered per chunk.
-        chunks = upstream.response.stream
-        assert isinstance(chunks, httpx.AsyncByteStream), "a streamed answer of the async client"
+        chunks = upstream.response
         first_token = self.bookkeeping.first_token
         started = False  # the first chunk: the request's prompt is computed, its prefill no longer pending
         try:
@@ -236,7 +241,7 @@ class _Upstream:
 
     __slots__ = ("replica", "response", "_open", "_ended")
 
-    def __init__(self, replica: Replica, response: httpx.Response, ended: Callable[[], None]) -> None:
+    def __init__(self, replica: Replica, response: UpstreamAnswer, ended: Callable[[], None]) -> None:
         self.replica = replica
         self.response = response
         self._open = True
