@@ -231,7 +231,7 @@ def route(**flags: Any) -> None:
     GET /kv-events (start it with --kv-events-endpoint and --kv-events-replay-endpoint); a vLLM
     replica's are described (--replica URL,events=...,block-size=...,hash=...).
     """
-    require_extra("route", "route", "starlette", "uvicorn", "httpx")
+    require_extra("route", "route", "starlette", "uvicorn", "httpx", "httptools")
     require_extra("route", "route", "zmq", "msgspec")
     from kvpool.router import RouteOptions, Router
     from kvpool.router.replica_config import replica_specs, replicas_isolate_tenants
