@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -66,8 +67,11 @@ class Server:
             writer.close()
 
 
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(test(), 30))
+def run(
+    test: Callable[[], Awaitable[None]], loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+) -> None:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(asyncio.wait_for(test(), 30))
 
 
 def pool(**options: Any) -> UpstreamPool:
@@ -105,6 +109,28 @@ def test_a_kept_connection_serves_the_next_request() -> None:
             await upstream.aclose()
 
     run(test)
+
+
+def test_the_relay_runs_on_uvloop_too() -> None:
+    """uvicorn runs the router on uvloop where it is installed (the route extra brings it); its transports
+    are not asyncio.Transport subclasses."""
+    try:
+        import uvloop
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip("uvloop is not installed (the route extra brings it)")
+
+    async def test() -> None:
+        async with Server(answer_each) as server:
+            upstream = pool()
+            for body in (b"1", b"2"):
+                answer = await upstream.post(server.url, body, {})
+                assert await answer.aread() == body
+            assert server.connections == 1
+            await upstream.aclose()
+
+    run(test, uvloop.new_event_loop)
 
 
 def test_a_streamed_answer_arrives_piece_by_piece_as_it_is_sent() -> None:

@@ -28,7 +28,7 @@ import base64
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 __all__ = ["HIGH_WATER", "UpstreamAnswer", "UpstreamPool"]
@@ -80,8 +80,8 @@ class UpstreamAnswer(asyncio.Protocol):
     # -- asyncio's side --------------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # a TCP connection's transport: asyncio's, or uvloop's (which does not subclass asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self._complete or self._closed or not self._busy:
