@@ -60,6 +60,27 @@ def test_a_mapping_or_a_set_is_no_prompt(tokens, busy):
     assert a.num_tokens == 10 and snapshot(mgr) == before
 
 
+@pytest.mark.parametrize(
+    ("tokens", "bad_at"),
+    [
+        ([5, 6, True], 2),
+        ([False, 7], 0),
+        ([0, 1] * 20 + [True], 40),  # many 0s and 1s: every item's type is read
+        ([2**24, 5, True], 2),  # the bytes of 2**24 then 5 hold an unaligned 1-item before the True
+        ([256, 0, False], 2),  # 256 then 0 hold an unaligned 0-item
+        ([2**24] * 40 + [1, True], 41),  # many unaligned matches before the one that counts
+    ],
+)
+def test_a_bool_among_the_tokens_is_found_wherever_it_is(tokens, bad_at):
+    with pytest.raises(InvalidTokenError, match=rf"prompt_token_ids\[{bad_at}\] = (True|False) is not an integer"):
+        Request("r", tokens)
+
+
+@pytest.mark.parametrize("tokens", [[0, 1] * 50, [2**24, 256, 0, 1, 2**24], [1] + list(range(2, 300)), [0] * 33])
+def test_zeros_and_ones_that_are_ints_are_tokens(tokens):
+    assert list(Request("r", tokens).prompt_token_ids) == tokens
+
+
 def test_token_hashes_take_no_set_and_stop_tokens_still_may_be_one():
     from kvpool.hashing import BlockHasher
     from kvpool.scheduler import StopConditions

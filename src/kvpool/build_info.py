@@ -20,6 +20,10 @@ VERSION: Final = "0.1.0"
 
 #: The bookkeeping core, compiled by the compiled build. Every other module is
 #: always interpreted (BENCHMARKS.md, "A compiled core", says why for each left out).
+#: ``request`` and ``manager`` are the API boundary and stay interpreted: compiled,
+#: their fields become native attributes that interpreted callers read and write
+#: more slowly than slots, and mypyc 1.19 drops a property setter's exception, so a
+#: read-only field could not raise ReadOnlyFieldError ("Round 3: a compiled request path").
 COMPILED_MODULES: Final = (
     "kvpool.block",
     "kvpool.linked_blocks",

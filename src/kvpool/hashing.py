@@ -589,11 +589,45 @@ def to_token_array(token_ids: Iterable[int], what: str, *, ordered: bool = False
         tokens = array(_TOKEN_TYPECODE, values)
     except (TypeError, OverflowError, ValueError):
         raise InvalidTokenError(_describe_bad_token(token_ids, what)) from None
-    # ``array`` takes True as 1; a bool is a flag, never a token ID. One C-level
-    # pass over the element types finds it.
-    if bool in set(map(type, values)):
+    # ``array`` takes True as 1 and False as 0; a bool is a flag, never a token ID.
+    if _holds_bool(values, tokens):
         raise InvalidTokenError(_describe_bad_token(values, what))
     return tokens
+
+
+#: Past this many candidate 0s and 1s, :func:`_holds_bool` reads every item's type instead.
+_FEW_FLAG_VALUES = 32
+#: A token array's item holding 0, and holding 1, as the array stores them (native byte order).
+_ZERO_ITEM = bytes(array(_TOKEN_TYPECODE).itemsize)
+_ONE_ITEM = array(_TOKEN_TYPECODE, [1]).tobytes()
+
+
+def _holds_bool(values: Sequence[object], tokens: array[int]) -> bool:
+    """Whether ``values`` (the items ``tokens`` was built from, one for one) holds a ``bool``.
+
+    Only an item stored as 0 or 1 can be one. Their positions are found by
+    searching the array's bytes (``bytes.find``, C speed, no object per item);
+    a match that does not start an item is skipped, and the items at the
+    others are looked at one by one. With many candidates it reads every
+    item's type instead (one C-level pass, about ten times slower). Exact
+    either way.
+    """
+    raw = tokens.tobytes()
+    width = len(_ZERO_ITEM)
+    seen = 0
+    for pattern in (_ZERO_ITEM, _ONE_ITEM):
+        at = raw.find(pattern)
+        while at >= 0:
+            seen += 1
+            if seen > _FEW_FLAG_VALUES:
+                return bool in set(map(type, values))
+            if at % width:
+                at = raw.find(pattern, at + 1)
+                continue
+            if type(values[at // width]) is bool:
+                return True
+            at = raw.find(pattern, at + width)
+    return False
 
 
 def _describe_bad_token(token_ids: Iterable[object], what: str) -> str:

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from functools import partial
-from itertools import chain, islice, takewhile
+from itertools import chain
 from operator import attrgetter, eq, is_not
-from typing import cast
 
 from kvpool.block import KVBlock
 from kvpool.errors import InvariantViolation
@@ -72,13 +71,21 @@ class PrefixIndex:
     ) -> list[KVBlock]:
         """Cached blocks for ``hashes[0], hashes[1], ...`` up to the first miss or ``max_blocks``.
 
-        The run of hits is one C-level pass (map, takewhile); a second pass
-        unwraps duplicates only while the index holds any.
+        One dictionary probe per block, in a plain loop (native in the compiled
+        build); duplicates are unwrapped only while the index holds any.
         """
-        found = list(takewhile(_found, map(self._map.get, islice(hashes, max_blocks))))
-        if self._num_shared:
-            return [f if f.__class__ is KVBlock else next(iter(f.values())) for f in found]  # type: ignore[union-attr, misc]  # a dict of duplicates unwrapped; mypy cannot narrow by __class__
-        return cast(list[KVBlock], found)  # no duplicates: every value is a block
+        m = self._map
+        found: list[KVBlock] = []
+        stop = len(hashes) if len(hashes) < max_blocks else max_blocks
+        unwrap = self._num_shared != 0
+        for k in range(stop):
+            hit = m.get(hashes[k])
+            if hit is None:
+                break
+            if unwrap and not isinstance(hit, KVBlock):
+                hit = next(iter(hit.values()))
+            found.append(hit)  # type: ignore[arg-type]  # a dict of duplicates was unwrapped above
+        return found
 
     def insert_run(
         self,
