@@ -286,6 +286,8 @@ def test_publish_and_subscribe_with_a_gap_repaired_through_replay():
         # it disconnects; two batches go out while no one listens
         publisher.publish(batch_of(last + 1))
         publisher.publish(batch_of(last + 2))
+        with KVEventSubscriber(connect, replay_endpoint=connect_replay, topic="kv") as probe:  # both sent already
+            assert [b.seq for b in probe.replay(last + 1)] == [last + 1, last + 2]
         with KVEventSubscriber(connect, replay_endpoint=connect_replay, topic="kv", last_seq=last) as sub:
             got = publish_until_heard(publisher, sub)
         assert_in_order(got, last + 1)
@@ -298,6 +300,9 @@ def test_a_gap_the_replay_buffer_no_longer_holds_is_reported():
         connect, connect_replay = addresses(publisher)
         for i in range(5):  # nobody listens
             publisher.publish(batch_of(i))
+        # publish() only queues: once the replay buffer holds batch 4, all five are sent, none to the subscriber
+        with KVEventSubscriber(connect, replay_endpoint=connect_replay) as probe:
+            assert [b.seq for b in probe.replay(0)] == [3, 4]  # the publisher sends queued batches before a replay
         with KVEventSubscriber(connect, replay_endpoint=connect_replay, last_seq=0) as sub:
             got = publish_until_heard(publisher, sub)
     live = got[-1].seq  # the buffer held live - 1 and live when the gap was seen
@@ -324,10 +329,12 @@ def test_without_a_replay_socket_a_gap_is_reported_and_a_restart_is_seen(tmp_pat
 
 def test_a_replay_socket_that_does_not_answer_leaves_the_gap_reported(tmp_path):
     nobody = f"ipc://{tmp_path}/nobody"  # nothing ever binds it
-    with KVEventPublisher(BIND) as publisher:
-        connect = publisher.endpoint
+    with KVEventPublisher(BIND, replay_endpoint=BIND_REPLAY) as publisher:
+        connect, connect_replay = addresses(publisher)
         for i in range(3):
             publisher.publish(batch_of(i))
+        with KVEventSubscriber(connect, replay_endpoint=connect_replay) as probe:  # all three sent, none heard
+            assert [b.seq for b in probe.replay(0)] == [0, 1, 2]
         with KVEventSubscriber(connect, replay_endpoint=nobody, last_seq=0, replay_timeout=0.3) as sub:
             got = publish_until_heard(publisher, sub)
     live = got[-1].seq
