@@ -104,7 +104,8 @@ def compare(a: Sequence[Outcome], b: Sequence[Outcome]) -> dict[str, Any]:
     ``cached_equal`` / ``compared``: requests answered on both sides whose cached tokens are equal;
     ``same_replica``: those routed to the same replica index; ``differences``: each request whose
     cached tokens differ, with both replicas and why (``routed elsewhere`` or ``same replica``);
-    ``ttft_p50_ratio`` / ``ttft_p90_ratio``: ``a``'s over ``b``'s.
+    ``ttft_p50_ratio`` / ``ttft_p90_ratio``: ``a``'s over ``b``'s; ``ttft_ratio_median``: the median over the
+    requests of each one's TTFT on ``a`` over its TTFT on ``b``.
     """
     by_index = {o.index: o for o in b if o.error is None}
     pairs = [(x, by_index[x.index]) for x in a if x.error is None and x.index in by_index]
@@ -118,6 +119,7 @@ def compare(a: Sequence[Outcome], b: Sequence[Outcome]) -> dict[str, Any]:
             )  # fmt: skip
     fa, fb = ttft_figures(a), ttft_figures(b)
     equal = len(pairs) - len(differences)
+    per_request = [x.ttft_s / y.ttft_s for x, y in pairs if x.ttft_s is not None and y.ttft_s]
     return {
         "compared": len(pairs),
         "cached_equal": equal,
@@ -127,6 +129,7 @@ def compare(a: Sequence[Outcome], b: Sequence[Outcome]) -> dict[str, Any]:
         "cached_tokens": [sum(x.cached_tokens for x, _ in pairs), sum(y.cached_tokens for _, y in pairs)],
         "ttft_p50_ratio": fa["ttft_p50_s"] / fb["ttft_p50_s"] if fb["ttft_p50_s"] else math.nan,
         "ttft_p90_ratio": fa["ttft_p90_s"] / fb["ttft_p90_s"] if fb["ttft_p90_s"] else math.nan,
+        "ttft_ratio_median": percentile(per_request, 0.5),
         "differences": differences,
     }
 
@@ -293,12 +296,15 @@ def print_report(
             f"| {side} | {len(rows)} | {len(rows) - len(ok)} | {cached:,} of {prompt:,} ({share:.1%}) | "
             f"{f['ttft_p50_s']:.3f} s | {f['ttft_p90_s']:.3f} s | {loads.get(side, '')} |"
         )
-    print("\n| pair | cached tokens equal | same replica | TTFT p50 ratio | TTFT p90 ratio |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        "\n| pair | cached tokens equal | same replica | TTFT p50 ratio | TTFT p90 ratio | per-request TTFT ratio, median |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     for pair, c in comparisons.items():
         print(
             f"| {pair} | {c['cached_equal']} of {c['compared']} ({c['cached_equal_share']:.1%}) | "
-            f"{c['same_replica']} of {c['compared']} | {c['ttft_p50_ratio']:.3f} | {c['ttft_p90_ratio']:.3f} |"
+            f"{c['same_replica']} of {c['compared']} | {c['ttft_p50_ratio']:.3f} | {c['ttft_p90_ratio']:.3f} | "
+            f"{c['ttft_ratio_median']:.3f} |"
         )
     for pair, c in comparisons.items():
         for d in c["differences"]:

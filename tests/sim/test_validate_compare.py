@@ -39,6 +39,7 @@ def test_compare_matches_by_index_and_says_why_cached_tokens_differ() -> None:
     # TTFT percentiles over each side's own answered requests: sim 1, 2, 3; live 2, 4
     assert c["ttft_p50_ratio"] == pytest.approx(2.0 / 3.0)
     assert c["ttft_p90_ratio"] == pytest.approx(2.8 / 3.8)
+    assert c["ttft_ratio_median"] == pytest.approx(0.625)  # requests 0 and 2: 1/2 and 3/4
 
 
 def test_a_request_on_the_other_replica_is_routed_elsewhere() -> None:
