@@ -152,7 +152,7 @@ def _tree_cpu_seconds(pid: int) -> float:
 
 @dataclass
 class Fleet:
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | None  # None: replicas this benchmark did not start
     urls: list[str]
     log: Path
 
@@ -160,11 +160,20 @@ class Fleet:
         _stop(self.proc)
 
 
-def start_fleet(args: argparse.Namespace, tmp: Path, tag: str) -> Fleet:
+def start_fleet(args: argparse.Namespace, tmp: Path, tag: str, *, serve_flags: list[str] | None = None) -> Fleet:
+    """``args.replicas`` emulated replicas of ``args.profile`` in one process, with KV events.
+
+    ``serve_flags``: the replicas' own flags in place of this benchmark's (its KV memory, model length,
+    time scale and tenant secret).
+    """
     log = tmp / f"fleet-{tag}.log"
     cmd = ["serve", "--emulate", args.profile, "--replicas", str(args.replicas), "--port", "0"]
-    cmd += ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
-    cmd += ["--time-scale", str(args.time_scale), "--tenant-secret-file", str(tmp / "secret"), "--disable-log-stats"]
+    if serve_flags is None:
+        cmd += ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len", str(args.max_model_len)]
+        cmd += ["--time-scale", str(args.time_scale), "--tenant-secret-file", str(tmp / "secret")]
+    else:
+        cmd += serve_flags
+    cmd += ["--disable-log-stats"]
     cmd += ["--kv-events-endpoint", "bind:tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
     proc = _kvpool(cmd, log)
     lines = _wait_for_lines(proc, log, r" serving [^\n]*?(http://[0-9.:]+)", args.replicas, timeout=300)
@@ -182,15 +191,9 @@ class Router:
 def start_router(name: str, fleet: Fleet, args: argparse.Namespace, tmp: Path) -> Router:
     log = tmp / f"router-{name}.log"
     if name in KVPOOL_ROUTING:
-        routing = KVPOOL_ROUTING[name]
-        cmd = ["route", "--port", "0", "--routing", routing, "--model", MODEL]
-        cmd += ["--tenant-secret-file", str(tmp / "secret"), *[a for u in fleet.urls for a in ("--replica", u)]]
-        proc = _kvpool(cmd, log)
-        (url,) = _wait_for_lines(proc, log, r"routing on (http://[0-9.:]+)", 1, timeout=300)
-        router = Router(name, url, proc, kvpool=True)
-        if routing in ("prefix", "expected-ttft", "threshold"):
-            _wait_http(f"{url}/health", lambda body: json.loads(body).get("prefix_mode") == "precise", name)
-        return router
+        return start_kvpool_route(
+            name, KVPOOL_ROUTING[name], fleet.urls, log, ["--tenant-secret-file", str(tmp / "secret")]
+        )
     binary = args.sglang_router if name == "sglang-router" else args.vllm_router
     if not Path(binary).is_file():
         raise RuntimeError(f"{binary} is not installed")
@@ -207,6 +210,28 @@ def start_router(name: str, fleet: Fleet, args: argparse.Namespace, tmp: Path) -
         _stop(proc)
         raise RuntimeError(f"{exc}: {log.read_text(errors='replace')[-600:]}") from None
     return Router(name, url, proc, kvpool=False)
+
+
+def start_kvpool_route(
+    name: str, routing: str, replicas: list[str], log: Path, tenancy: list[str], *, model: str = MODEL
+) -> Router:
+    """``kvpool route --routing ROUTING`` in front of ``replicas`` (URLs or ``--replica`` specs), once it routes.
+
+    ``tenancy``: its tenant flags (``--tenant-secret-file FILE`` or ``--no-tenant-isolation``); ``model``: its
+    ``--model`` (a kvpool model name or a folder with ``tokenizer.json``). A rule that reads prefixes is
+    returned once the router follows every replica's KV events (``prefix_mode`` precise).
+    """
+    cmd = ["route", "--port", "0", "--routing", routing, "--model", model, *tenancy]
+    proc = _kvpool([*cmd, *[a for u in replicas for a in ("--replica", u)]], log)
+    (url,) = _wait_for_lines(proc, log, r"routing on (http://[0-9.:]+)", 1, timeout=300)
+    router = Router(name, url, proc, kvpool=True)
+    if routing in ("prefix", "expected-ttft", "threshold"):
+        try:
+            _wait_http(f"{url}/health", lambda body: json.loads(body).get("prefix_mode") == "precise", name)
+        except RuntimeError:
+            _stop(proc)
+            raise
+    return router
 
 
 def _wait_http(
@@ -236,19 +261,30 @@ class Answer:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    #: The replica that answered, as ``kvpool route``'s ``x-kvpool-replica`` header names it (None without one).
+    replica: str | None = None
 
 
-async def _send(client: Any, url: str, request: fleet_workload.FleetRequest, max_tokens: int, answer: Answer) -> None:
+async def _send(
+    client: Any,
+    url: str,
+    request: fleet_workload.FleetRequest,
+    max_tokens: int,
+    answer: Answer,
+    body_extra: dict[str, Any] | None = None,
+) -> None:
     body = {
         "model": MODEL,
         "prompt": request.prompt,
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(body_extra or {}),
     }
     start = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            answer.replica = response.headers.get("x-kvpool-replica")
             if response.status_code != 200:
                 answer.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
@@ -286,8 +322,15 @@ async def _sample_in_flight(
 
 
 async def replay(
-    router: Router, fleet: Fleet, requests: list[fleet_workload.FleetRequest], stretch: float, args: argparse.Namespace
+    router: Router,
+    fleet: Fleet,
+    requests: list[fleet_workload.FleetRequest],
+    stretch: float,
+    args: argparse.Namespace,
+    *,
+    body_extra: dict[str, Any] | None = None,
 ) -> tuple[list[Answer], list[list[float]], float]:
+    """Send each request at its arrival (trace seconds x ``stretch``); ``body_extra``: fields added to each body."""
     import httpx
 
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
@@ -302,7 +345,7 @@ async def replay(
             delay = answer.arrival_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_send(client, router.url, request, args.max_tokens, answer)))
+            tasks.append(asyncio.create_task(_send(client, router.url, request, args.max_tokens, answer, body_extra)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
         stop.set()

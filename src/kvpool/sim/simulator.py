@@ -76,6 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ReplicaFigures",
+    "RequestFigures",
     "SimulationConfig",
     "SimulationResult",
     "policy_factory",
@@ -158,6 +159,22 @@ class ReplicaFigures:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RequestFigures:
+    """What one finished request met: where it ran, the prompt tokens it found cached, its first token.
+
+    ``cached_tokens`` is counted at its first admission, as a server's ``usage.prompt_tokens_details.cached_tokens``
+    reports it (a preempted request keeps its first count); ``replica`` is its replica's index.
+    """
+
+    request_id: str
+    replica: int
+    prompt_tokens: int
+    cached_tokens: int
+    arrival_s: float
+    ttft_s: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SimulationResult:
     """Figures of one replay. Times are simulated seconds unless named wall_.
 
@@ -217,10 +234,13 @@ class SimulationResult:
     #: Admitted requests the tiers offered blocks, by the rule's decision (``loaded``, ``cut``, ``computed``,
     #: ``probed``; empty when the rule is off).
     load_decisions: dict[str, int] = field(default_factory=dict)
+    #: Every finished request's figures, in finishing order (a benchmark's per-request comparison).
+    request_figures: tuple[RequestFigures, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         del out["ttft_points"]  # one pair per request: for plots, not for the JSON summary
+        del out["request_figures"]  # likewise
         out["usage_timeline"] = [list(p) for p in self.usage_timeline]
         out["queue_timeline"] = [list(p) for p in self.queue_timeline]
         return out
@@ -304,6 +324,7 @@ class _Replica:
             connector=self.connector,
         )
         self.live: dict[str, _Live] = {}
+        self.first_hits: dict[str, int] = {}  # finished request -> its cached tokens at its first admission
         self.pending_prefill = 0  # prompt tokens still to prefill here, the step in flight excluded
         self.in_flight_prefill = 0  # prefill tokens of the step that ends at `clock`
         self.requests = self.prompt_tokens = self.hit_tokens = self.computed = self.saved = 0
@@ -410,7 +431,7 @@ class _Replica:
         self.busy_seconds += seconds
         done = scheduler.update(output, sampled)
         for metrics in done:
-            del self.live[metrics.request_id]
+            self.first_hits[metrics.request_id] = self.live.pop(metrics.request_id).first_hit or 0
             scheduler.forget(metrics.request_id)
         return done
 
@@ -462,6 +483,7 @@ def simulate(
     ttfts: list[float] = []
     queues: list[float] = []
     ttft_points: list[tuple[float, float]] = []
+    request_figures: list[RequestFigures] = []
     output_tokens = rejected = 0
     timeline: list[tuple[float, float]] = [(0.0, 0.0)]
     queue_timeline: list[tuple[float, int]] = [(0.0, 0)]
@@ -521,6 +543,16 @@ def simulate(
             next_sample = now + config.usage_interval_s
         for metrics in done:
             output_tokens += metrics.num_output_tokens
+            request_figures.append(
+                RequestFigures(
+                    request_id=metrics.request_id,
+                    replica=replicas.index(stepping),
+                    prompt_tokens=metrics.num_prompt_tokens,
+                    cached_tokens=stepping.first_hits.pop(metrics.request_id),
+                    arrival_s=metrics.arrival_time,
+                    ttft_s=metrics.time_to_first_token,
+                )
+            )
             if metrics.time_to_first_token is not None:
                 ttfts.append(metrics.time_to_first_token)
                 ttft_points.append(
@@ -586,6 +618,7 @@ def simulate(
         ttft_points=tuple(ttft_points),
         tier_blocks_computed=blocks_computed,
         load_decisions=decisions,
+        request_figures=tuple(request_figures),
     )
 
 
