@@ -9,12 +9,16 @@ import pytest
 
 from kvpool.errors import ConfigError
 from kvpool.routing import (
+    DEFAULT_LOAD_COST,
+    LOAD_COST_TOKENS,
     LeastLoaded,
     PrefixAware,
     RoundRobin,
     Routing,
     RoutingFigures,
     chooser,
+    fleet_chooser,
+    held_or_computing,
     least_loaded,
     prefix_aware,
 )
@@ -138,3 +142,22 @@ def test_chooser_objects_rotate_among_ties_so_an_idle_fleet_still_spreads():
     assert rule.choose([3, 0, 0], [0, 0, 0]) == 0  # a strictly better replica wins whatever the rotation
     assert rule.choose([0, 2, 2], [0, 0, 0]) == 1  # ties rotate from after the previous choice
     assert rule.choose([0, 2, 2], [0, 0, 0]) == 2
+
+
+def test_a_fleets_prefix_rule_weighs_cached_tokens_against_requests_in_flight():
+    rule = fleet_chooser(Routing.PREFIX)
+    assert isinstance(rule, PrefixAware) and rule.load_cost == DEFAULT_LOAD_COST * LOAD_COST_TOKENS == 128
+    assert rule.choose([129, 0], [1, 0]) == 0  # 129 cached tokens outweigh one request in flight
+    assert rule.choose([127, 0], [1, 0]) == 1  # 127 do not
+    assert fleet_chooser(Routing.PREFIX, load_cost=2).choose([33, 0], [1, 0]) == 0  # 2 blocks of 16 a request
+    for bad in (0, -1.0, math.nan, math.inf, True):
+        with pytest.raises(ConfigError, match="load_cost"):
+            fleet_chooser(Routing.PREFIX, load_cost=bad)
+
+
+def test_held_or_computing_extends_the_held_prefix_by_the_blocks_being_computed():
+    prompt = ["a", "b", "c", "d"]
+    assert held_or_computing(prompt, 1, {"b": 1, "c": 2}) == 3  # held a; b and c are being computed there
+    assert held_or_computing(prompt, 0, {"b": 1}) == 0  # a gap: b is not reached
+    assert held_or_computing(prompt, 2, None) == held_or_computing(prompt, 2, {}) == 2
+    assert held_or_computing(prompt, 0, set(prompt)) == 4  # never past the prompt

@@ -20,10 +20,12 @@ and returns the index of the chosen replica. The rules:
 ``prefix`` (:class:`PrefixAware`)
     the largest score ``cached_blocks[i] - load_cost * loads[i]``; ties go to the
     smaller load. ``load_cost`` (> 0) says how many cached blocks one unit of load
-    is worth. With loads in tokens still to prefill and
-    ``load_cost = 1 / block_size`` the score is minus the tokens a replica must
-    compute before this request's first token: the rule picks the earliest first
-    token under a uniform prefill rate.
+    is worth. A fleet (``kvpool route`` and ``kvpool simulate --replicas``, both
+    through :func:`fleet_chooser`) scores cached *tokens* against requests in flight,
+    with ``load_cost`` blocks of :data:`LOAD_COST_TOKENS` tokens per request
+    (:data:`DEFAULT_LOAD_COST`: 8, i.e. 128 cached tokens), and counts as cached the
+    blocks a replica's requests in flight are computing now
+    (:func:`held_or_computing`): their events come only once they are computed.
 
     Why it never piles everything onto one hot replica: replica ``i`` beats ``j``
     only while ``load_cost * (loads[i] - loads[j]) <= cached_blocks[i] -
@@ -107,7 +109,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -115,8 +117,10 @@ from kvpool.errors import ConfigError
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_LOAD_COST",
     "DEFAULT_ROUTING",
     "ExpectedTtft",
+    "LOAD_COST_TOKENS",
     "LeastLoaded",
     "MediumCost",
     "PrefixAware",
@@ -130,6 +134,8 @@ __all__ = [
     "TierCredit",
     "chooser",
     "expected_ttft_s",
+    "fleet_chooser",
+    "held_or_computing",
     "least_loaded",
     "most_saved",
     "prefix_aware",
@@ -158,6 +164,14 @@ DEFAULT_ROUTING = Routing.PREFIX
 
 #: The prompt tokens a replica prefills in one step when its figures say none (vLLM V1's default token budget).
 DEFAULT_CHUNK_TOKENS = 8192
+
+#: The tokens of one "block" in a fleet's ``prefix`` exchange rate, whatever a replica's block size:
+#: ``load_cost`` such blocks cached are worth one request in flight.
+LOAD_COST_TOKENS = 16
+
+#: A fleet's ``prefix`` exchange rate when told none (blocks of :data:`LOAD_COST_TOKENS` per request in
+#: flight): a hand-set weight, 128 cached tokens a request (docs/routing.md, "The laws").
+DEFAULT_LOAD_COST = 8.0
 
 
 class PrefixMode(enum.Enum):
@@ -494,6 +508,31 @@ def chooser(rule: Routing, *, load_cost: float = 1.0) -> ReplicaChooser:
     if rule is Routing.THRESHOLD:
         return ThresholdGate()
     raise ConfigError(f"unknown routing rule {rule!r}; choose one of {[r.value for r in Routing]}")
+
+
+def fleet_chooser(rule: Routing, *, load_cost: float = DEFAULT_LOAD_COST) -> ReplicaChooser:
+    """A fresh chooser for ``rule`` as a fleet asks it, ``kvpool route`` and ``kvpool simulate`` alike.
+
+    Its :meth:`~ReplicaChooser.choose` takes each replica's cached tokens (held, then being
+    computed: :func:`held_or_computing`) and its requests in flight; ``load_cost`` is in blocks of
+    :data:`LOAD_COST_TOKENS` tokens per request in flight (``--load-cost``, ``--routing-load-cost``).
+    """
+    _check_load_cost(load_cost)
+    return chooser(rule, load_cost=load_cost * LOAD_COST_TOKENS)
+
+
+def held_or_computing(prompt: Sequence[Hashable], held: int, computing: Container[Hashable] | None) -> int:
+    """The prompt's leading blocks a replica holds or will hold: ``held``, then each next one it is computing now.
+
+    ``prompt``: the prompt's full blocks, keyed as ``computing`` is; ``held``: how many of them
+    the replica's cache holds; ``computing``: the blocks its requests in flight are computing
+    (a block one of them has too is in the replica's pool once computed). O(blocks added).
+    """
+    n = held
+    if computing:
+        while n < len(prompt) and prompt[n] in computing:
+            n += 1
+    return n
 
 
 # -- tier credit ---------------------------------------------------------------------------

@@ -55,11 +55,26 @@ def test_prefix_routing_never_piles_a_burst_onto_the_hot_replica():
     assert result.request_imbalance < 2.0
 
 
-def test_least_loaded_follows_the_tokens_still_to_prefill():
-    long = TraceRequest.create("long", 0.0, (UniqueSegment(length=3000),), 1)
-    short = [TraceRequest.create(f"s{i}", 1.0 + i, (UniqueSegment(length=40),), 1) for i in range(3)]
+def test_prefix_routing_counts_the_blocks_a_replica_is_computing_as_held_there():
+    """b shares a's first 512 tokens and arrives while a is prefilling: kvpool route sends it where a is."""
+    system = SharedSegment(name="sys", length=512)
+    a = TraceRequest.create("a", 0.0, (system, UniqueSegment(length=1024)), 1)  # 0.16 s of prefill
+    b = TraceRequest.create("b", 1.0, (system, UniqueSegment(length=64)), 1)
+    result = run([a, b], 2, Routing.PREFIX)
+    where = {f.request_id: (f.replica, f.cached_tokens) for f in result.request_figures}
+    assert where == {"a": (0, 0), "b": (0, 512)}  # 512 computing - 128 for a in flight beats the idle replica
+    spread = simulate([a, b], SimulationConfig(num_blocks=400, cost=COST, replicas=2, routing_load_cost=33))
+    assert {f.request_id: f.replica for f in spread.request_figures} == {"a": 0, "b": 1}  # 528 tokens a request
+
+
+def test_least_loaded_counts_requests_in_flight_as_the_router_does():
+    long = TraceRequest.create("long", 0.0, (UniqueSegment(length=3000),), 1)  # in flight for 0.3 s
+    short = [TraceRequest.create(f"s{i}", ms, (UniqueSegment(length=40),), 1) for i, ms in enumerate((1, 200, 250))]
     result = run([long, *short], 2, Routing.LEAST_LOADED)
-    assert [r.requests for r in result.per_replica] == [1, 3]  # the replica busy with 3,000 tokens gets nothing more
+    assert [r.requests for r in result.per_replica] == [1, 3]  # s0 has ended by 200 ms, the long one has not
+    burst = [TraceRequest.create(f"b{i}", 0.0, (UniqueSegment(length=40),), 1) for i in range(2)]
+    tied = run([long, *burst, *short[:1]], 2, Routing.LEAST_LOADED)  # b0 to 1; then 1 each in flight: a tie
+    assert [r.requests for r in tied.per_replica] == [2, 2]  # ties rotate, as kvpool route's chooser does
 
 
 def test_a_shared_redis_tier_serves_one_replica_what_another_computed():
@@ -145,3 +160,12 @@ def test_sizing_says_none_when_the_largest_count_misses():
 def test_sizing_refuses_bad_objectives(slo, percentile, fragment):
     with pytest.raises(ConfigError, match=fragment):
         fewest_replicas([], SimulationConfig(num_blocks=10), slo_s=slo, percentile=percentile)
+
+
+def test_requests_arriving_together_reach_a_woken_replica_one_step_apart():
+    """A live server begins its step with the first request; the second one, a moment later, waits for the next."""
+    pair = [TraceRequest.create(name, 0.0, (UniqueSegment(length=1000),), 1) for name in ("a", "b")]
+    result = simulate(pair, SimulationConfig(num_blocks=400, cost=COST))
+    ttft = {f.request_id: f.ttft_s for f in result.request_figures}
+    assert ttft["a"] == pytest.approx(0.01 + 1000 * 0.0001)  # its step alone
+    assert ttft["b"] == pytest.approx(2 * (0.01 + 1000 * 0.0001))  # the next one

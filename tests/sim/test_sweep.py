@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from kvpool.cli.commands import cli
 from kvpool.errors import ConfigError
+from kvpool.routing import DEFAULT_LOAD_COST
 from kvpool.sim.progress import ProgressLines
 from kvpool.sim.sweep import Sweep, SweepJob
 from kvpool.sim.sweep_executors import SerialExecutor
@@ -204,9 +205,9 @@ def test_arrival_rate_scale_divides_the_arrival_times() -> None:
         SimulateOptions(**BASE, arrival_rate_scale=0)
 
 
-def test_the_prefix_rule_weight_can_be_swept_and_its_default_is_one_over_the_block_size(tmp_path: Path) -> None:
+def test_the_prefix_rule_weight_can_be_swept_and_its_default_is_the_routers(tmp_path: Path) -> None:
     base = {**BASE, "requests": 40, "kv_blocks": 400, "replicas": 2}
-    sweep = Sweep.from_grid({"routing": ["prefix"], "routing-load-cost": [1 / 16, 1e-6, 1e3]}, base)
+    sweep = Sweep.from_grid({"routing": ["prefix"], "routing-load-cost": [DEFAULT_LOAD_COST, 1e-6, 1e3]}, base)
     run_sweep(sweep, SerialExecutor(), SweepResults(tmp_path / "out.jsonl"))
     figures = [r["figures"]["routing"]["prefix"] for r in read_results(tmp_path / "out.jsonl")]
     default = Sweep.from_grid({"routing": ["prefix"]}, base).jobs[0].run()["routing"]["prefix"]

@@ -25,6 +25,7 @@ from kvpool.cli.generate import _log
 from kvpool.cli.params import FiniteFloatRange, reports_errors, require_extra
 from kvpool.cli.shared_flags import TenantFlags, take, tenant_flags
 from kvpool.model_names import DEFAULT_MODEL
+from kvpool.routing import DEFAULT_LOAD_COST
 from kvpool.tenancy import KeyRing, SaltPolicy
 
 __all__ = ["route"]
@@ -121,7 +122,7 @@ def _warn(line: str) -> None:
 @click.option(
     "--load-cost",
     type=FiniteFloatRange(min=0, min_open=True),
-    default=8.0,
+    default=DEFAULT_LOAD_COST,
     show_default=True,
     help="Cached 16-token blocks that one request in flight at a replica is worth (128 tokens at 8), whatever the replicas' block size.",
 )

@@ -309,7 +309,8 @@ def _progress(show: bool) -> Progress:
 @click.option(
     "--routing-load-cost",
     type=FiniteFloatRange(min=0, min_open=True),
-    help="The prefix rule's weight: cached blocks one queued prompt token is worth (default 1 / --block-size).",
+    help="The prefix rule's weight: cached 16-token blocks one request in flight is worth, as kvpool route's "
+    "--load-cost (default 8: 128 tokens).",
 )
 @click.option("--ttft-slo", type=Duration(), help="Size the deployment: the fewest replicas whose TTFT meets this.")
 @click.option(

@@ -27,7 +27,16 @@ from kvpool.router.monitor import ReplicaMonitor
 from kvpool.router.prompt_hashes import block_hashes
 from kvpool.router.replicas import Hashing, Replica
 from kvpool.router.route_options import RouteOptions
-from kvpool.routing import DEFAULT_CHUNK_TOKENS, ExpectedTtft, PrefixMode, Routing, RoutingFigures, chooser
+from kvpool.routing import (
+    DEFAULT_CHUNK_TOKENS,
+    LOAD_COST_TOKENS,
+    ExpectedTtft,
+    PrefixMode,
+    Routing,
+    RoutingFigures,
+    fleet_chooser,
+    held_or_computing,
+)
 
 if TYPE_CHECKING:
     from kvpool.openai_http.protocol import GenerationRequest
@@ -42,10 +51,6 @@ __all__ = [
     "computing_after",
     "replica_figures",
 ]
-
-#: The tokens of one "block" in the routing rule's exchange rate: ``load_cost`` such blocks
-#: cached are worth one request in flight, whatever block size the replicas use.
-LOAD_COST_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,10 +114,7 @@ def computing_after(
     ``computing``: this router's requests' blocks being computed there; ``shared``: the
     prompt's leading blocks any router's requests are computing there (the load board's).
     """
-    n = held
-    while computing and n < len(prompt) and prompt[n] in computing:
-        n += 1  # held, then being computed there now: its events are on their way
-    n = max(n, min(shared, len(prompt)))
+    n = max(held_or_computing(prompt, held, computing), min(shared, len(prompt)))
     return ((_IN_POOL, n - held),) if n > held else ()
 
 
@@ -148,8 +150,8 @@ class Ranker:
         self.approx = approx
         self.computing = computing
         self.approx_hasher = BlockHasher(options.approx_block_size)
-        self.load_cost = options.load_cost * LOAD_COST_TOKENS  # in cached tokens
-        self.rule = chooser(options.routing, load_cost=self.load_cost)
+        self.load_cost = options.load_cost * LOAD_COST_TOKENS  # in cached tokens, as the rule weighs them
+        self.rule = fleet_chooser(options.routing, load_cost=options.load_cost)
         self.by_figures = options.routing in (Routing.EXPECTED_TTFT, Routing.THRESHOLD)
         self.prefill_pending: dict[str, int] = {}  # replica URL -> prompt tokens to compute (the bookkeeping's)
         self.regret = RoutingRegret()  # what each choice held against the best one (the router's /metrics)

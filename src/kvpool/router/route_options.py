@@ -14,7 +14,7 @@ from kvpool.router.monitor import Ejection
 from kvpool.router.prompt_hashes import Tokenizer
 from kvpool.router.replica_config import ReplicaSpec
 from kvpool.router.replicas import MAX_BLOCK_SIZE, check_distinct
-from kvpool.routing import DEFAULT_ROUTING, MediumCost, PrefixMode, Routing, TierCredit
+from kvpool.routing import DEFAULT_LOAD_COST, DEFAULT_ROUTING, MediumCost, PrefixMode, Routing, TierCredit
 from kvpool.tenancy import KeyRing, SaltPolicy
 from kvpool.tiers.store import medium_links
 
@@ -59,7 +59,7 @@ def parse_medium_link(spec: str) -> tuple[str, float, float]:
 class RouteOptions:
     """Everything ``kvpool route`` is told on its command line, checked.
 
-    ``load_cost``: cached blocks of :data:`~kvpool.router.ranking.LOAD_COST_TOKENS` tokens one request queued or
+    ``load_cost``: cached blocks of :data:`~kvpool.routing.LOAD_COST_TOKENS` tokens one request queued or
     running at a replica is worth (the ``prefix`` rule's exchange rate; 8: 128 tokens, a hand-set weight that
     overrides nothing else); ``routing``: the rule (:data:`~kvpool.routing.DEFAULT_ROUTING` unless told;
     ``round-robin`` and ``least-loaded``, for comparison, ignore prefixes). ``admin_key``: sent to the replicas'
@@ -92,7 +92,7 @@ class RouteOptions:
     tokenizer: Tokenizer | None
     keys: KeyRing | None
     salts: SaltPolicy
-    load_cost: float = 8.0
+    load_cost: float = DEFAULT_LOAD_COST
     admin_key: str | None = None
     admin_keys: KeyRing | None = None
     routing: Routing = DEFAULT_ROUTING

@@ -152,8 +152,8 @@ class SimulateOptions:
         replicas: simulated replicas, each its own pool.
         routing: the rules that spread arrivals over replicas, each replayed in turn; empty: every rule
             with several replicas or ``ttft_slo``, else prefix.
-        routing_load_cost: the prefix rule's weight: cached blocks one queued prompt token is worth; None: the
-            simulator's ``1 / block_size`` (a queued block's tokens against one cached block).
+        routing_load_cost: the prefix rule's weight: cached blocks of 16 tokens one request in flight is
+            worth, as ``kvpool route --load-cost`` takes it; None: :data:`~kvpool.routing.DEFAULT_LOAD_COST`.
         ttft_slo: size the deployment instead: the fewest replicas whose TTFT at ``ttft_slo_percentile``
             is at most this many seconds (with ``replicas`` 1).
         ttft_slo_percentile: in (0, 100).

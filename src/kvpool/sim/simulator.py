@@ -28,19 +28,27 @@ each way.
 
 Several replicas (``replicas``): each has its own pool, scheduler and clock
 (private tiers too; a shared tier, Redis, is one store for all). Each arrival is
-routed by a rule of :mod:`kvpool.routing`, seeing every replica's cached prefix
-of the request (GPU and tiers) and its load: the prompt tokens it has still to
-prefill (those of a step still running at the arrival included). The prefix rule weighs them with ``load_cost = 1 / block_size``, i.e. it
-sends the request where the fewest tokens must be computed before its first token.
+routed by a rule of :mod:`kvpool.routing`, asked as ``kvpool route`` asks it
+(:func:`~kvpool.routing.fleet_chooser`), seeing what a router that follows the
+replicas' KV events would: each replica's cached prefix of the request (the
+prompt's leading full blocks in its GPU pool or a tier, then those its requests
+in flight are computing: :func:`~kvpool.routing.held_or_computing`) and its
+requests in flight. The ``prefix`` rule weighs one request in flight at
+``routing_load_cost`` blocks of 16 tokens (the router's ``--load-cost``, 8 unless
+told), so a simulated fleet predicts the one behind ``kvpool route``.
 The figure laws (``expected-ttft``, ``threshold``) see each replica as
-:class:`~kvpool.routing.RoutingFigures` built from its own state: its cached prefix
-tokens, its requests in flight, that load as prefill pending, the cost profile's
+:class:`~kvpool.routing.RoutingFigures` built from its own state: the same cached
+prefix tokens, its requests in flight, the prompt tokens it has still to prefill
+(those of a step still running at the arrival included), the cost profile's
 prefill rate at a full batch and, as the decode step, the profile's step overhead
 plus its requests in flight decoding (one sequence each).
 The busy replica with the earliest clock steps next, and an arrival is routed
-once every busy replica's clock has reached it: routing sees an idle replica as it
+once every busy replica's clock has passed it: routing sees an idle replica as it
 is, and a busy one as it will be when its current step ends (its load still
-counts that step's prefill tokens).
+counts that step's requests and prefill tokens). A replica whose step begins at
+the arrival's instant (one an earlier arrival of that instant woke) has started
+it: requests that arrive together reach a replica's next step one after another,
+as they reach a live server that began its step with the first of them.
 
 Decisions never read a wall clock, so a replay is bit-for-bit repeatable.
 """
@@ -58,10 +66,10 @@ from kvpool.checks import check_flag, check_int
 from kvpool.connector import GPU
 from kvpool.cost_model import CostProfile, default_profile
 from kvpool.errors import CapacityError, ConfigError
-from kvpool.hashing import HashAlgo
+from kvpool.hashing import BlockHash, HashAlgo
 from kvpool.manager import KVCacheManager
 from kvpool.request import Request
-from kvpool.routing import DEFAULT_ROUTING, Routing, RoutingFigures, chooser
+from kvpool.routing import DEFAULT_LOAD_COST, DEFAULT_ROUTING, Routing, RoutingFigures, fleet_chooser, held_or_computing
 from kvpool.scheduler import ChunkDetail, RequestMetrics, Scheduler, SchedulerConfig, SchedulerOutput, StopConditions
 from kvpool.sim.traces import TraceRequest
 from kvpool.sim.transfers import DEFAULT_LINKS, KeyStore, TierLink, TimingWorker, build_tiers
@@ -109,7 +117,8 @@ class SimulationConfig:
     groups: tuple[KVCacheGroup, ...] = ()
     #: A window group saves only the blocks a request can still read (default False: every full block).
     window_aware_saves: bool = False
-    #: The prefix rule's weight of one queued token against one cached block; None: ``1 / block_size``.
+    #: The prefix rule's weight of one request in flight, in cached blocks of 16 tokens (``kvpool route
+    #: --load-cost``); None: :data:`~kvpool.routing.DEFAULT_LOAD_COST`.
     routing_load_cost: float | None = None
 
     def __post_init__(self) -> None:
@@ -277,13 +286,14 @@ def ttft_quantile(result: SimulationResult, percentile: float) -> float:
 class _Live:
     """A request on its way through a simulated replica."""
 
-    __slots__ = ("request", "outputs", "first_hit", "to_prefill")
+    __slots__ = ("request", "outputs", "first_hit", "to_prefill", "prompt_blocks")
 
-    def __init__(self, request: Request, outputs: Sequence[int]) -> None:
+    def __init__(self, request: Request, outputs: Sequence[int], prompt_blocks: Sequence[BlockHash]) -> None:
         self.request = request
         self.outputs = outputs
         self.first_hit: int | None = None
         self.to_prefill = request.num_prompt_tokens  # prompt tokens not yet computed or found cached
+        self.prompt_blocks = prompt_blocks  # what a router counts as computing here while it is in flight
 
 
 class _Replica:
@@ -324,9 +334,11 @@ class _Replica:
             connector=self.connector,
         )
         self.live: dict[str, _Live] = {}
+        self.computing: dict[BlockHash, int] = {}  # prompt blocks of the requests in flight -> how many hold each
         self.first_hits: dict[str, int] = {}  # finished request -> its cached tokens at its first admission
         self.pending_prefill = 0  # prompt tokens still to prefill here, the step in flight excluded
         self.in_flight_prefill = 0  # prefill tokens of the step that ends at `clock`
+        self.ending = 0  # requests that step finished: in flight until it ends
         self.requests = self.prompt_tokens = self.hit_tokens = self.computed = self.saved = 0
         self.full_blocks = self.hit_blocks = 0
         self.load_seconds = self.save_seconds = self.busy_seconds = 0.0
@@ -335,17 +347,27 @@ class _Replica:
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def in_flight(self, now: float) -> int:
+        """The requests in flight here a router sees at ``now``: those live, and those the running step ends."""
+        return len(self.live) + (self.ending if self.clock > now else 0)
+
     def load(self, now: float) -> int:
         """The load a router sees at ``now``: prompt tokens still to prefill, the step still running included."""
         return self.pending_prefill + (self.in_flight_prefill if self.clock > now else 0)
 
-    def cached_prefix_tokens(self, request: Request) -> int:
-        """Tokens of the request's prefix held here, in the GPU pool or a tier; changes nothing."""
+    def routed_prefix_tokens(self, request: Request) -> int:
+        """What a router following this replica's events counts of the request's prefix here, in tokens.
+
+        The prompt's leading full blocks held in the GPU pool or a tier, then each next one a
+        request in flight here is computing (:func:`~kvpool.routing.held_or_computing`, the
+        router's rule); changes nothing.
+        """
         self.manager.hash_request(request)
-        _, num_hit = self.manager.coordinator.find_longest_cache_hit(request, request.num_tokens - 1)
-        if self.connector is None:
-            return num_hit
-        return num_hit + self.connector.preview_match(request, num_hit).num_tokens
+        _, num_hit = self.manager.coordinator.find_longest_cache_hit(request, request.num_tokens)
+        if self.connector is not None:
+            num_hit += self.connector.preview_match(request, num_hit).num_tokens
+        bs = self.config.block_size
+        return held_or_computing(request.block_hashes, num_hit // bs, self.computing) * bs
 
     def add(self, trace_request: TraceRequest, request: Request) -> bool:
         """Queue a request; False when it could never fit in this pool."""
@@ -356,7 +378,13 @@ class _Replica:
             return False
         # An idle replica's clock jumps to the arrival; a busy one's is already past it (see simulate).
         self.clock = max(self.clock, trace_request.arrival_ms / 1000)
-        self.live[request.request_id] = _Live(request, trace_request.output_token_ids())
+        blocks: list[BlockHash] = []
+        if self.config.replicas > 1:  # only routing reads them
+            self.manager.hash_request(request)
+            blocks = request.block_hashes
+            for h in blocks:
+                self.computing[h] = self.computing.get(h, 0) + 1
+        self.live[request.request_id] = _Live(request, trace_request.output_token_ids(), blocks)
         self.requests += 1
         self.prompt_tokens += request.num_prompt_tokens
         self.pending_prefill += request.num_prompt_tokens
@@ -430,8 +458,16 @@ class _Replica:
         self.clock += seconds
         self.busy_seconds += seconds
         done = scheduler.update(output, sampled)
+        self.ending = len(done)
         for metrics in done:
-            self.first_hits[metrics.request_id] = self.live.pop(metrics.request_id).first_hit or 0
+            entry = self.live.pop(metrics.request_id)
+            self.first_hits[metrics.request_id] = entry.first_hit or 0
+            for h in entry.prompt_blocks:
+                n = self.computing[h] - 1
+                if n:
+                    self.computing[h] = n
+                else:
+                    del self.computing[h]
             scheduler.forget(metrics.request_id)
         return done
 
@@ -472,8 +508,8 @@ def simulate(
     first_arrival = requests[0].arrival_ms / 1000 if requests else 0.0
     shared: dict[TierKind, KeyStore] = {}
     replicas = [_Replica(config, shared, first_arrival) for _ in range(config.replicas)]
-    load_cost = 1 / config.block_size if config.routing_load_cost is None else config.routing_load_cost
-    rule = chooser(config.routing, load_cost=load_cost)
+    load_cost = DEFAULT_LOAD_COST if config.routing_load_cost is None else config.routing_load_cost
+    rule = fleet_chooser(config.routing, load_cost=load_cost)
     by_figures = config.routing in (Routing.EXPECTED_TTFT, Routing.THRESHOLD)
     wants_prefixes = config.routing is Routing.PREFIX and len(replicas) > 1
     cost = config.cost
@@ -493,7 +529,7 @@ def simulate(
     while True:
         busy = [r for r in replicas if r.busy]
         stepping = min(busy, key=lambda r: r.clock) if busy else None
-        if i < len(requests) and (stepping is None or requests[i].arrival_ms / 1000 <= stepping.clock):
+        if i < len(requests) and (stepping is None or requests[i].arrival_ms / 1000 < stepping.clock):
             trace_request = requests[i]
             i += 1
             request = Request(
@@ -508,8 +544,8 @@ def simulate(
                 now = trace_request.arrival_ms / 1000
                 figures = [
                     RoutingFigures(
-                        cached_tokens=r.cached_prefix_tokens(request),
-                        in_flight=len(r.live),
+                        cached_tokens=r.routed_prefix_tokens(request),
+                        in_flight=r.in_flight(now),
                         prefill_pending=r.load(now),
                         prefill_tokens_per_s=prefill_rate,
                         decode_step_s=cost.step_overhead_s + cost.decode_s_per_seq * len(r.live),
@@ -519,13 +555,9 @@ def simulate(
                 ]
                 target = replicas[rule.pick(figures, request.num_prompt_tokens)]
             else:
-                cached = (
-                    [r.cached_prefix_tokens(request) // config.block_size for r in replicas]
-                    if wants_prefixes
-                    else no_prefixes
-                )
+                cached = [r.routed_prefix_tokens(request) for r in replicas] if wants_prefixes else no_prefixes
                 now = trace_request.arrival_ms / 1000
-                target = replicas[rule.choose(cached, [r.load(now) for r in replicas])]
+                target = replicas[rule.choose(cached, [r.in_flight(now) for r in replicas])]
             if not target.add(trace_request, request):
                 rejected += 1
                 if progress is not None:
