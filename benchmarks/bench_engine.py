@@ -854,6 +854,8 @@ def bench_contention_default(args) -> str:
         try:
             for i in range(args.default_runs):
                 for name, src in codes:
+                    if src is not None and i >= args.baseline_runs:
+                        continue
                     before = _load()
                     command = child + ([] if src is None else ["--src", str(src)])
                     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
@@ -871,7 +873,7 @@ def bench_contention_default(args) -> str:
         f"Command: `{args.command}`",
         "",
         f"The same W, each run a fresh process with the engine's default settings (`LLM()` given no `threads`), "
-        f"{args.default_runs} runs per row, interleaved, first on the machine as it was, then beside a process "
+        f"{args.default_runs} runs per row ({args.baseline_runs} of the baseline), interleaved, first on the machine as it was, then beside a process "
         f"spinning on core {cores[-1]}; medians, each run's figure in brackets. Start-up is `LLM()`'s time "
         "(loading, the profile pass, the KV allocation); the profile pass's time and tokens are the engine's own "
         "figures. Load average (1 / 5 min) before -> after each run.",
@@ -956,6 +958,9 @@ def main() -> None:
         "--default-runs", type=int, default=0,
         help="with --contention: only W with the default settings, this many fresh processes per row",
     )  # fmt: skip
+    parser.add_argument(
+        "--baseline-runs", type=int, default=None, help="with --default-runs: runs of --baseline-src (default: as many)"
+    )
     parser.add_argument("--default-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mixed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, default=None, help=argparse.SUPPRESS)
@@ -966,12 +971,16 @@ def main() -> None:
 
         print(json.dumps(_default_child(args)))
         return
+    if args.baseline_runs is None:
+        args.baseline_runs = args.default_runs
     if args.contention and args.default_runs:
         section = bench_contention_default(args)
         print()
         print(section)
         if args.write is not None:
-            write_subsection(args.write, section, "## Engine: threads under contention", "### Default settings")
+            write_subsection(
+                args.write, section, "## Engine: threads under contention", "### Default settings (no `--threads`)"
+            )
         return
     torch.set_num_threads(args.threads)
     if args.vs_vllm_cpu:

@@ -23,6 +23,8 @@ may run on; so on a quiet machine ``"auto"`` runs at the count torch's own
 setting gives, and a count pinned before the engine starts stays pinned. A
 fixed count (an int) is set once and kept: what a caller that needs one
 reduction order throughout a run passes. ``None`` leaves torch's setting alone.
+Torch's count is one per process: engines in one process share it, so an engine
+started after another's governor lowered it starts from that lower ceiling.
 """
 
 from __future__ import annotations
