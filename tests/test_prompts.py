@@ -99,7 +99,7 @@ def engine() -> Iterator[Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield LLMEngine(model=str(FOLDER), kv_cache_memory="32MiB", max_model_len=256, log=lambda line: None)
+        yield LLMEngine(model=str(FOLDER), kv_cache_memory="32MiB", max_model_len=256, threads=1, log=lambda line: None)
     finally:
         torch.set_num_threads(threads)
 

@@ -67,6 +67,8 @@ def test_an_unknown_profile_lists_the_built_in_ones(tokenizer_folder: Path) -> N
         (["--replicas", "3"], "--replicas needs --emulate"),
         (["--time-scale", "2"], "--time-scale needs --emulate"),
         (["--emulate", "llama-3.1-8b-h100", "--kv-tier", "cpu:1GiB"], "--kv-tiers is not emulated"),
+        (["--emulate", "llama-3.1-8b-h100", "--threads", "2"], "--threads is not emulated"),
+        (["--emulate", "llama-3.1-8b-h100", "--threads", "torch"], "--threads is not emulated"),
         (["--emulate", "llama-3.1-8b-h100", "--kv-cache-memory", "auto"], "--kv-cache-memory auto"),
         (["--emulate", "llama-3.1-8b-h100", "--kv-cache-memory", "1KiB"], "at least 2"),
     ],

@@ -19,7 +19,9 @@ REQUEST = re.compile(
     r"request (\S+): (\d+) prompt tokens \((\d+) cached, (\d+) computed\), (\d+) output tokens; "
     r"time to first token \d+ ms; [\d.]+ tokens/s; finished: (length|eos|stop)"
 )
-ENGINE = ["--block-size", "4", "--kv-cache-memory", "64KiB", "--max-model-len", "64"]
+SIZES = ["--block-size", "4", "--kv-cache-memory", "64KiB", "--max-model-len", "64"]
+#: Pinned to one thread: what is streamed is compared token for token with the offline API's output.
+ENGINE = [*SIZES, "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def test_generate_logs_startup_streams_text_and_logs_each_request(folder):
     assert int(second[2]) > 0  # the repeat found the first request's blocks
     assert int(second[3]) == int(first[3]) - int(second[2])  # and computed only the rest
     # What was streamed is what the offline API produces for the same request.
-    llm = LLM(folder, block_size=4, kv_cache_memory="64KiB", max_model_len=64, log=lambda line: None)
+    llm = LLM(folder, block_size=4, kv_cache_memory="64KiB", max_model_len=64, threads=1, log=lambda line: None)
     [expected] = llm.chat([{"role": "user", "content": prompt}], SamplingParams(max_tokens=6))
     assert result.stdout == f"{expected.text}\n{expected.text}\n"
     assert int(first[4]) == expected.num_output_tokens
@@ -144,6 +146,11 @@ def test_threads_reach_the_engine_and_bad_counts_are_refused(folder):
     result = invoke("generate", "w1 w2", "--model", folder, "--max-tokens", "2", "--threads", "1", *ENGINE)
     assert result.exit_code == 0, result.output
     assert "(1 thread)" in result.stderr  # the start-up line names the step's threads
-    for bad, needle in (("0", "give at least 1"), ("many", "neither 'auto' nor a thread count")):
-        refused = invoke("generate", "w1", "--model", folder, "--threads", bad, *ENGINE)
+    # Without --threads the engine follows the free cores (the library's default); 'torch' leaves torch's count.
+    default = invoke("generate", "w1 w2", "--model", folder, "--max-tokens", "2", *SIZES)
+    assert default.exit_code == 0 and "following the free cores)" in default.stderr, default.stderr
+    torch_count = invoke("generate", "w1 w2", "--model", folder, "--max-tokens", "2", "--threads", "torch", *SIZES)
+    assert torch_count.exit_code == 0 and "following the free cores" not in torch_count.stderr, torch_count.stderr
+    for bad, needle in (("0", "give at least 1"), ("many", "neither 'auto', 'torch' nor a thread count")):
+        refused = invoke("generate", "w1", "--model", folder, "--threads", bad, *SIZES)
         assert refused.exit_code == 2 and needle in refused.stderr, refused.stderr

@@ -42,6 +42,7 @@ def llm(tiny: tuple[Any, Any]) -> Iterator[LLM]:
         max_model_len=64,
         max_num_batched_tokens=64,
         max_num_seqs=4,
+        threads=1,
         log=lambda line: None,
     )
     yield llm

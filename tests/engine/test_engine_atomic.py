@@ -48,6 +48,7 @@ def llm(tiny):
         max_model_len=MAX_LEN,
         max_num_batched_tokens=8,
         max_num_seqs=2,
+        threads=1,
         log=lambda line: None,
     )
 

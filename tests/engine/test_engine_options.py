@@ -31,7 +31,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
 
 
 def make_llm(folder: Any, **kwargs: Any) -> LLM:
-    options: dict[str, Any] = dict(block_size=BLOCK, kv_cache_memory=256 * BLOCK_BYTES, log=lambda line: None)
+    options: dict[str, Any] = dict(
+        block_size=BLOCK, kv_cache_memory=256 * BLOCK_BYTES, threads=1, log=lambda line: None
+    )
     options.update(kwargs)
     return LLM(folder, **options)
 

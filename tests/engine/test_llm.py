@@ -53,7 +53,7 @@ def tiny(tmp_path_factory):
 
 
 def make_llm(folder, **kwargs) -> LLM:
-    options = dict(block_size=BLOCK, kv_cache_memory=256 * BLOCK_BYTES, log=lambda line: None)
+    options = dict(block_size=BLOCK, kv_cache_memory=256 * BLOCK_BYTES, threads=1, log=lambda line: None)
     options.update(kwargs)
     return LLM(folder, **options)
 

@@ -27,7 +27,9 @@ def llm():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the CI machine's cores are shared; one thread is the steadiest
     try:
-        yield LLM(kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=256, log=lambda line: None)
+        yield LLM(
+            kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=256, threads=1, log=lambda line: None
+        )
     finally:
         torch.set_num_threads(threads)
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.engine.threads import CpuTimes, ThreadGovernor, choose_threads, parse_threads, read_cpu_times
+from kvpool.engine.threads import (
+    CpuTimes,
+    ThreadGovernor,
+    auto_ceiling,
+    available_cores,
+    choose_threads,
+    parse_threads,
+    read_cpu_times,
+)
 from kvpool.errors import ConfigError
 
 pytestmark = pytest.mark.engine
@@ -83,3 +91,10 @@ def test_read_cpu_times_reads_this_machine():
     if times is None:
         pytest.skip("no /proc here")
     assert 0 <= times.busy <= times.total and times.own >= 0
+
+
+def test_auto_uses_at_most_torchs_count_and_the_allowed_cores():
+    cores = available_cores()
+    assert auto_ceiling(1) == 1
+    assert auto_ceiling(cores + 8) == cores  # never more than the cores this process may run on
+    assert auto_ceiling(0) == 1

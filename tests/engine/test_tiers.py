@@ -20,7 +20,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]  # a dozen engine start-ups
 BLOCK = 4
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # layers x (K, V) x tokens x KV heads x head dim x float32
 TINY_POOL = dict(
-    block_size=BLOCK, kv_cache_memory=17 * BLOCK_BYTES, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8
+    block_size=BLOCK,
+    kv_cache_memory=17 * BLOCK_BYTES,
+    max_model_len=64,
+    max_num_batched_tokens=64,
+    max_num_seqs=8,
+    threads=1,  # one reduction order: runs are compared token for token
 )
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 PROMPT_LEN = 30

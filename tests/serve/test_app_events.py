@@ -30,7 +30,9 @@ def engine() -> Iterator[Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield LLMEngine(kv_cache_memory="32MiB", max_model_len=512, enable_kv_events=True, log=lambda line: None)
+        yield LLMEngine(
+            kv_cache_memory="32MiB", max_model_len=512, enable_kv_events=True, threads=1, log=lambda line: None
+        )
     finally:
         torch.set_num_threads(threads)
 

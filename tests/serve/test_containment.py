@@ -42,7 +42,7 @@ def engine() -> Iterator[Any]:
     torch.set_num_threads(1)
     try:
         yield LLMEngine(
-            kv_cache_memory="32MiB", max_model_len=MAX_LEN, max_num_batched_tokens=256, log=lambda line: None
+            kv_cache_memory="32MiB", max_model_len=MAX_LEN, max_num_batched_tokens=256, threads=1, log=lambda line: None
         )
     finally:
         torch.set_num_threads(threads)

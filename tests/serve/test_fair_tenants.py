@@ -35,7 +35,12 @@ def engine() -> Iterator[Any]:
     torch.set_num_threads(1)
     try:
         yield LLMEngine(
-            kv_cache_memory="16MiB", max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8, log=lambda _: None
+            kv_cache_memory="16MiB",
+            max_model_len=256,
+            max_num_batched_tokens=128,
+            max_num_seqs=8,
+            threads=1,
+            log=lambda _: None,
         )
     finally:
         torch.set_num_threads(threads)

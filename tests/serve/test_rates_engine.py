@@ -20,7 +20,7 @@ def test_rates_are_none_before_a_prefill_then_measured_with_the_tiers_load_rate(
     folder = save_model(build_model("llama"), tmp_path / "llama")
     engine = LLMEngine(
         folder, block_size=BLOCK, kv_cache_memory=17 * BLOCK_BYTES, max_model_len=64, max_num_batched_tokens=64,
-        max_num_seqs=8, kv_tiers=["cpu:1MiB"], log=None,
+        max_num_seqs=8, kv_tiers=["cpu:1MiB"], threads=1, log=None,
     )  # fmt: skip
     assert engine.rates() is None
     params = SamplingParams(max_tokens=6, ignore_eos=True)

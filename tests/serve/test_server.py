@@ -36,7 +36,9 @@ def engine() -> Iterator[Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield LLMEngine(kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=256, log=lambda line: None)
+        yield LLMEngine(
+            kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=256, threads=1, log=lambda line: None
+        )
     finally:
         torch.set_num_threads(threads)
 

@@ -42,7 +42,9 @@ def server() -> Iterator[LiveServer]:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = LLMEngine(kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=256, log=lambda line: None)
+    engine = LLMEngine(
+        kv_cache_memory="64MiB", max_model_len=512, max_num_batched_tokens=256, threads=1, log=lambda line: None
+    )
     config = ServeConfig(
         model_name=MODEL,
         api_keys=None,

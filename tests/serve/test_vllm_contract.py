@@ -195,7 +195,7 @@ def server() -> Iterator[LiveServer]:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = LLMEngine(kv_cache_memory="160MiB", max_model_len=2048, log=lambda line: None)
+    engine = LLMEngine(kv_cache_memory="160MiB", max_model_len=2048, threads=1, log=lambda line: None)
     config = ServeConfig(model_name=MODEL, api_keys=None, salts=SaltPolicy.isolated(b"a test secret of enough bytes"))
     live = LiveServer(build_app(engine, config))
     try:

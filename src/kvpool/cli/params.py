@@ -21,6 +21,7 @@ from typing import Any, NoReturn, ParamSpec
 
 import click
 
+from kvpool.engine.threads import AUTO
 from kvpool.errors import ExternalDataError, KVPoolError
 
 P = ParamSpec("P")
@@ -56,20 +57,26 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
-class ThreadsType(click.ParamType):  # type: ignore[type-arg]  # generic only from click 8.2; >= 8.1 is allowed
-    """``auto`` or a thread count >= 1 (the engine's ``threads`` option)."""
+#: ``--threads torch``: leave torch's own thread count (the engine's ``threads=None``).
+TORCH_THREADS = "torch"
 
-    name = "auto|N"
+
+class ThreadsType(click.ParamType):  # type: ignore[type-arg]  # generic only from click 8.2; >= 8.1 is allowed
+    """``auto``, a thread count >= 1, or ``torch`` (None: torch's own setting), the engine's ``threads`` option."""
+
+    name = "auto|N|torch"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, int) or value == "auto":
+        if value is None or isinstance(value, int) or value == AUTO:
             return value
+        if value == TORCH_THREADS:
+            return None
         try:
             count = int(value)
         except (TypeError, ValueError):
-            self.fail(f"{value!r} is neither 'auto' nor a thread count", param, ctx)
+            self.fail(f"{value!r} is neither 'auto', 'torch' nor a thread count", param, ctx)
         if count < 1:
-            self.fail(f"{value!r} threads: give at least 1, or 'auto'", param, ctx)
+            self.fail(f"{value!r} threads: give at least 1, 'auto' or 'torch'", param, ctx)
         return count
 
 

@@ -21,6 +21,7 @@ from kvpool.cli import shared_flags
 from kvpool.cli.generate import _log
 from kvpool.cli.params import NON_NEGATIVE_INT, POSITIVE_INT, FiniteFloatRange, reports_errors, require_extra
 from kvpool.cli.shared_flags import DEFAULT_KV_CACHE_MEMORY, TenantFlags, take, tenant_flags
+from kvpool.engine.threads import DEFAULT_THREADS
 from kvpool.model_names import DEFAULT_MODEL
 from kvpool.tenancy import KeyRing, SaltPolicy
 
@@ -258,7 +259,7 @@ class EmulationFlags:
 #: Engine flags an emulated replica has no use for, with the value that means "not given".
 _NOT_EMULATED = {
     "kv_tiers": (), "kv_tier_secret_file": None, "kv_tier_namespace": None, "kv_tier_unauthenticated": False,
-    "kv_tier_always_load": False, "device": None, "dtype": None, "threads": None, "gpu_memory_utilization": None,
+    "kv_tier_always_load": False, "device": None, "dtype": None, "threads": DEFAULT_THREADS, "gpu_memory_utilization": None,
     "tensor_parallel_size": 1,
 }  # fmt: skip
 

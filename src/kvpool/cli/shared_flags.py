@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import click
 
 from kvpool.cli.params import THREADS, TOKEN_COUNT
+from kvpool.engine.threads import DEFAULT_THREADS
 from kvpool.hashing import HashAlgo
 from kvpool.model_names import DEFAULT_MODEL
 from kvpool.tiers.kinds import WritePolicy
@@ -75,9 +76,10 @@ ENGINE_OPTIONS: dict[str, Decorator] = {
     ),
     "device": click.option("--device", default=None, help="cpu or cuda [default: cuda when available]."),
     "threads": click.option(
-        "--threads", type=THREADS, default=None,
-        help="CPU threads of a step: a count, or 'auto' to use only the cores other processes leave free "
-        "[default: torch's own setting].",
+        "--threads", type=THREADS, default=DEFAULT_THREADS, show_default=True,
+        help="CPU threads of a step: 'auto' uses only the cores other processes leave free (re-measured between "
+        "steps, at most torch's count: OMP_NUM_THREADS or the physical cores); a count is fixed for the whole run; "
+        "'torch' leaves torch's own setting.",
     ),
     "hash_algo": click.option(
         "--hash", "hash_algo", type=click.Choice([a.value for a in HashAlgo]), default=HashAlgo.SHA256.value,

@@ -12,10 +12,15 @@ The steps a serving engine takes before it accepts a request:
    (``max_num_batched_tokens`` tokens as dummy prefill chunks, one per
    sequence a step may hold, each sampled) through a
    scratch KV cache just large enough for it, after a short warm-up pass
-   (which pages in weights mapped from disk), and measure the peak as
-   :mod:`kvpool.engine.memory` describes: with ``torch.cuda`` memory
-   statistics on CUDA, as the growth of the peak resident set on the CPU (an
-   estimate, and reported as one).
+   (which pages in weights mapped from disk) and a timed probe pass, and
+   measure the peak as :mod:`kvpool.engine.memory` describes: with
+   ``torch.cuda`` memory statistics on CUDA, as the growth of the peak
+   resident set on the CPU (an estimate, and reported as one). The passes are
+   bounded in time (:data:`PROFILE_BUDGET_S`): where the probe says the full
+   pass would not fit (a busy machine), a smaller one is measured and its peak
+   scaled up to the full step, never below what the full pass would show
+   (:func:`_profile`). The thread governor sets the threads of these passes
+   as it does of a served step.
 4. Budget: ``total x gpu_memory_utilization - weights - peak activations -
    other`` (:func:`kvpool.engine.memory.kv_budget`; capped on the CPU), or an
    explicit ``kv_cache_memory`` (the profile still runs: it warms the model
@@ -59,13 +64,14 @@ from kvpool.engine.memory import (
 )
 from kvpool.engine.model_runner import ModelRunner
 from kvpool.engine.model_store import load_model, pending_conversion, resolve_model
-from kvpool.engine.threads import ThreadGovernor, parse_threads
+from kvpool.engine.threads import AUTO, DEFAULT_THREADS, ThreadGovernor, auto_ceiling, parse_threads
 from kvpool.errors import ConfigError
 from kvpool.fair_share import TenantWeights
 from kvpool.hashing import HashAlgo
 from kvpool.model_config import max_position_embeddings, serving_dtype
 from kvpool.model_layers import layer_sliding_windows, layer_specs_from_config
 from kvpool.planner import KVPlan, longest_fitting_request, parse_size, plan_kv_cache
+from kvpool.scheduler import ScheduledChunk
 from kvpool.specs import KVCacheGroup, KVDtype, LayerKind, cdiv, group_layers
 from kvpool.tiers.entry import check_namespace
 from kvpool.tiers.kinds import WritePolicy
@@ -131,9 +137,11 @@ class EngineOptions:
         kv_tier_load_deadline: seconds a disk or Redis load may take; a request
             whose blocks have not arrived by then computes them instead. Those
             loads run off the step: the request waits, the batch steps on.
-        threads: CPU threads of a step: a count, ``"auto"`` (follow the cores
-            other processes leave free, re-measured between steps; see
-            :mod:`kvpool.engine.threads`), or None to leave torch's setting.
+        threads: CPU threads of a step: ``"auto"`` (the default: follow the
+            cores other processes leave free, re-measured between steps, never
+            more than torch's count when the engine starts; see
+            :mod:`kvpool.engine.threads`), a fixed count (set once and kept: one
+            reduction order for the whole run), or None to leave torch's setting.
         tenant_weights: each tenant's weight in the fair share of the batch,
             the pool and a step (:mod:`kvpool.fair_share`); tenants not named
             weigh 1.
@@ -161,7 +169,7 @@ class EngineOptions:
     kv_tier_write: WritePolicy = WritePolicy.WRITE_THROUGH
     kv_tier_load_deadline: float = DEFAULT_LOAD_DEADLINE_S
     kv_tier_always_load: bool = False
-    threads: int | str | None = None
+    threads: int | str | None = DEFAULT_THREADS
     tenant_weights: TenantWeights = field(default_factory=TenantWeights)
     tensor_parallel_size: int = 1
     #: ``kv_tiers`` parsed, once, into their typed targets (what the engine's start-up opens).
@@ -317,6 +325,31 @@ def _dummy_chunks(
     return chunks, next_block
 
 
+#: Seconds the profile's measured passes may take together, roughly (see :func:`_profile`).
+PROFILE_BUDGET_S = 5.0
+#: Tokens of the profile's first measured pass, which times the machine.
+PROFILE_PROBE_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _ProfileResult:
+    """What the profile step found (see :func:`_profile`)."""
+
+    peak: int | None  # activation bytes for the biggest step, attention's bound included (None: not observable)
+    attention: int  # attention's bound alone
+    tokens: int  # tokens of the pass the peak was measured on
+    seconds: float  # that pass's time
+    scale: float  # the measured pass's peak was multiplied by this (1: the full step was measured)
+
+
+def _thread_governor(threads: int | str | None) -> ThreadGovernor | None:
+    """The engine's governor: None leaves torch's count; ``"auto"`` starts at :func:`auto_ceiling`."""
+    if threads is None:
+        return None
+    cores = auto_ceiling(torch.get_num_threads()) if threads == AUTO else None
+    return ThreadGovernor(threads, torch.set_num_threads, cores=cores)
+
+
 def _profile(
     model: Any,
     spec: KVCacheSpec,
@@ -326,37 +359,98 @@ def _profile(
     options: EngineOptions,
     max_model_len: int,
     device: torch.device,
-) -> tuple[int | None, int, int, float]:
-    """Run the profile step; returns (peak activation bytes or None, attention's share, tokens, seconds).
+    *,
+    governor: ThreadGovernor | None = None,
+    budget_s: float = PROFILE_BUDGET_S,
+    clock: Callable[[], float] = time.perf_counter,
+    measure: Callable[[torch.device, Callable[[], object]], int | None] | None = None,
+) -> _ProfileResult:
+    """Run the profile step: the peak activation bytes of the biggest step, bounded in time.
 
-    The peak is the pass's measured peak plus the most attention may hold in any
-    step within the limits, which the pass (fresh, short contexts) does not show.
+    The peak is a measured pass's peak, scaled as below, plus the most attention
+    may hold in any step within the limits, which the pass (fresh, short
+    contexts) does not show.
+
+    The bound: after a short unmeasured warm-up pass (weights mapped from disk
+    are paged in), a probe pass of ``PROBE = min(PROFILE_PROBE_TOKENS,
+    max_num_batched_tokens)`` tokens is measured and timed. If the probe's
+    time per token says the full ``max_num_batched_tokens`` pass fits in what is
+    left of ``budget_s``, the full pass is measured, as it always was; otherwise
+    (a busy or slow machine) the largest pass that fits is (at least the probe),
+    and its peak is scaled by ``max_num_batched_tokens / its tokens``. The
+    passes' time is then about ``budget_s`` at most wherever a step's time grows
+    no faster than its tokens (the probe's time per token carries its fixed
+    cost, so it overestimates bigger passes'), instead of growing with the
+    machine's load.
+
+    Why scaling is safe: apart from attention (bounded separately), a step's
+    activations are a part that grows in proportion to its tokens plus a part
+    that does not shrink with fewer tokens (the logits of the sampled
+    sequences: a pass of ``m`` tokens samples ``min(max_num_seqs, m)``, which
+    times ``n / m`` is at least ``min(max_num_seqs, n)``; fixed buffers). For
+    ``p(m) = f + m x t`` with ``f, t >= 0`` and ``m <= n``, ``p(m) x n / m =
+    f x n / m + n x t >= p(n)``: the scaled figure is never below the full
+    pass's, and is above it by the fixed part times ``n / m``.
+
+    The governor (if any) sets the threads before each pass, as it does before a
+    served step, so that a busy machine does not run the passes on threads that
+    wait for a shared core. ``clock`` and ``measure`` are for tests.
     """
-    chunks, num_blocks = _dummy_chunks(
-        options.max_num_batched_tokens, max_model_len, options.max_num_seqs, model.config.vocab_size, spec.block_size
-    )
-    scratch = allocate_kv_caches(spec, max(num_blocks, 2), device=device, layer_slots=to_slot)
+    measure = measure_peak if measure is None else measure
+    full = options.max_num_batched_tokens
+    probe = min(PROFILE_PROBE_TOKENS, full)
+
+    def batch_of(num_tokens: int) -> tuple[list[ScheduledChunk], int]:
+        chunks, blocks = _dummy_chunks(
+            num_tokens, max_model_len, options.max_num_seqs, model.config.vocab_size, spec.block_size
+        )
+        num_groups = max(to_group) + 1
+        made = [SequenceChunk(request_id=rid, token_ids=t, start_position=0, block_tables=(table,) * num_groups)
+                for rid, t, table in chunks]  # fmt: skip
+        return made, blocks
+
+    batches = {n: batch_of(n) for n in {probe, full}}
+    scratch = allocate_kv_caches(spec, max(max(b for _, b in batches.values()), 2), device=device, layer_slots=to_slot)
     runner = ModelRunner(model, scratch, layer_to_group=to_group, sliding_windows=windows)
-    num_groups = max(to_group) + 1
-    batch = [
-        SequenceChunk(request_id=rid, token_ids=tokens, start_position=0, block_tables=(table,) * num_groups)
-        for rid, tokens, table in chunks
-    ]
-    tokens = sum(len(c.token_ids) for c in batch)
+    runner.thread_governor = governor
+
+    def measured(batch: list[ScheduledChunk], runner: ModelRunner = runner) -> tuple[int | None, float]:
+        began = clock()
+        peak = measure(device, functools.partial(runner.execute, batch))
+        return peak, clock() - began
+
     # A short pass first: weights mapped from disk are paged in and kernels set up,
-    # so that the measured pass sees activations only.
-    first = batch[0]
+    # so that the measured passes see activations only (and the probe times the model, not the disk).
+    first = batches[probe][0][0]
     runner.execute([SequenceChunk(first.request_id, first.token_ids[: spec.block_size], 0, first.block_tables)])
-    started = time.perf_counter()
-    peak = measure_peak(device, functools.partial(runner.execute, batch))
-    seconds = time.perf_counter() - started
+    budget_start = clock()
+    peak, seconds = measured(batches[probe][0])
+    tokens = probe
+    if probe < full:
+        per_token = seconds / probe
+        left = budget_s - (clock() - budget_start)
+        fits = full if per_token * full <= left else int(left / per_token)  # per_token > 0 here: left < its product
+        if fits >= full:
+            peak, seconds = measured(batches[full][0])
+            tokens = full
+        elif fits > probe:
+            peak, seconds = measured(batch_of(fits)[0])  # its blocks are within the full batch's
+            tokens = fits
     attention = runner.attention_workspace_bytes(
-        max_num_tokens=options.max_num_batched_tokens, max_num_seqs=options.max_num_seqs, max_model_len=max_model_len
+        max_num_tokens=full, max_num_seqs=options.max_num_seqs, max_model_len=max_model_len
     )
     del runner, scratch
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return None if peak is None else peak + attention, attention, tokens, seconds
+    scale = full / tokens
+    scaled = None if peak is None else -(-peak * full // tokens)
+    return _ProfileResult(
+        peak=None if scaled is None else scaled + attention,
+        attention=attention,
+        tokens=tokens,
+        seconds=seconds,
+        scale=scale,
+    )
 
 
 def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -420,7 +514,7 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
     """
     started = time.perf_counter()
     device = _resolve_device(options.device)
-    governor = None if options.threads is None else ThreadGovernor(options.threads, torch.set_num_threads)
+    governor = _thread_governor(options.threads)
     baseline = MemoryBaseline.capture(device)
     name = os.fspath(options.model)
     loading = time.perf_counter()
@@ -433,7 +527,7 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
     num_threads = torch.get_num_threads()
     threads = f" ({num_threads} thread{'s' if num_threads > 1 else ''}" if device.type == "cpu" else ""
     if threads:
-        threads += ", following the free cores)" if options.threads == "auto" else ")"
+        threads += ", following the free cores)" if options.threads == AUTO else ")"
     log(f"model {name} ({arch}, {hf_config.num_hidden_layers} layers) from {path}")
     log(
         f"dtype {str(dtype).removeprefix('torch.')}, device {device}{threads}; "
@@ -455,14 +549,16 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
     windows = layer_sliding_windows(served)  # the rule the groups were formed by; the runner computes with it
     spec = KVCacheSpec.from_model_config(hf_config, block_size=options.block_size, dtype=dtype)
 
-    peak, attention, profile_tokens, profile_seconds = _profile(
-        model, spec, to_group, to_slot, windows, options, max_model_len, device
-    )
+    profiled = _profile(model, spec, to_group, to_slot, windows, options, max_model_len, device, governor=governor)
+    peak = profiled.peak
     how = "torch.cuda peak" if device.type == "cuda" else "CPU estimate: peak resident-set growth"
+    full = options.max_num_batched_tokens
+    scaled = "" if profiled.tokens == full else f", its peak scaled x{profiled.scale:.2f} to {full} (the time bound)"
     log(
-        f"profile: one forward pass of {profile_tokens} tokens (max_num_batched_tokens) in {profile_seconds:.2f} s; "
-        f"peak activations {'not observable here' if peak is None else format_bytes(peak)} ({how}, "
-        f"with {format_bytes(attention)} for attention over contexts up to {max_model_len} tokens)"
+        f"profile: one forward pass of {profiled.tokens} tokens (max_num_batched_tokens {full}) in "
+        f"{profiled.seconds:.2f} s{scaled}; peak activations "
+        f"{'not observable here' if peak is None else format_bytes(peak)} ({how}, "
+        f"with {format_bytes(profiled.attention)} for attention over contexts up to {max_model_len} tokens)"
     )
     memory = kv_budget(
         baseline=baseline,
@@ -470,8 +566,8 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
         weights=weights,
         peak=peak,
         given=options.kv_cache_memory,  # type: ignore[arg-type]  # bytes after EngineOptions' check
-        profile_tokens=profile_tokens,
-        profile_seconds=profile_seconds,
+        profile_tokens=profiled.tokens,
+        profile_seconds=profiled.seconds,
     )
     plan = plan_kv_cache(
         served, gpu_memory_bytes=memory.kv_budget_bytes, gpu_memory_utilization=1, weights_bytes=0,

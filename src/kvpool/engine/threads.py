@@ -14,6 +14,17 @@ process may run on (``/proc/stat`` minus this process's own ``/proc/self/stat``)
 and sets torch's thread count to the cores left (:func:`choose_threads`): a busy
 machine then costs throughput in proportion to the cores it takes. Where
 ``/proc`` cannot be read (not Linux) the count stays at the most allowed.
+
+``"auto"`` is the engine's default (:data:`DEFAULT_THREADS`). The engine starts
+it with a ceiling of :func:`auto_ceiling`: never more threads than torch was set
+to use when the engine started (``OMP_NUM_THREADS``, ``torch.set_num_threads``,
+or torch's own default of the physical cores), nor than the cores this process
+may run on; so on a quiet machine ``"auto"`` runs at the count torch's own
+setting gives, and a count pinned before the engine starts stays pinned. A
+fixed count (an int) is set once and kept: what a caller that needs one
+reduction order throughout a run passes. ``None`` leaves torch's setting alone.
+Torch's count is one per process: engines in one process share it, so an engine
+started after another's governor lowered it starts from that lower ceiling.
 """
 
 from __future__ import annotations
@@ -25,10 +36,23 @@ from dataclasses import dataclass
 
 from kvpool.errors import ConfigError
 
-__all__ = ["CpuTimes", "ThreadGovernor", "available_cores", "choose_threads", "parse_threads", "read_cpu_times"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_THREADS",
+    "CpuTimes",
+    "ThreadGovernor",
+    "auto_ceiling",
+    "available_cores",
+    "choose_threads",
+    "parse_threads",
+    "read_cpu_times",
+]
 
 #: ``threads="auto"``: follow the free cores (see the module docstring).
 AUTO = "auto"
+
+#: The engine's ``threads`` when none is given (``EngineOptions``, ``LLM()``, ``--threads``).
+DEFAULT_THREADS = AUTO
 
 
 def available_cores() -> int:
@@ -37,6 +61,15 @@ def available_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def auto_ceiling(torch_threads: int) -> int:
+    """The most threads ``"auto"`` uses: torch's count at start (``torch_threads``), at most the cores allowed.
+
+    Torch's count is what ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` asked
+    for, or torch's default (the physical cores, which leaves hyper-threads idle).
+    """
+    return max(1, min(available_cores(), torch_threads))
 
 
 def parse_threads(value: object) -> int | str | None:
