@@ -345,9 +345,9 @@ class TierWorker:
         if lost:
             why = "ran past its deadline" if miss is not None else "failed" if outcome.error else "missed blocks"
             _log.warning(
-                "kvpool connector: request %s's fetch %s after %.3g s; %d of its %d blocks arrived, vLLM computes "
-                "the rest (%s)",
-                job.request_id, why, outcome.seconds, len(job.loads) - len(lost), len(job.loads), self.describe(),
+                "kvpool connector: request %s: %d of %d blocks not loaded (its fetch %s after %.3g s); vLLM "
+                "recomputes them (%s)",
+                job.request_id, len(lost), len(job.loads), why, outcome.seconds, self.describe(),
             )  # fmt: skip
         return lost
 
@@ -365,6 +365,10 @@ class TierWorker:
             self._note(timings)
             if owed is not None:
                 self.notes.late_done.append(owed)
+                _log.info(
+                    "kvpool connector: request %s's late piece from %s was read after all (%s)",
+                    job.request_id, owed, ", ".join(f"{n} blocks in {s:.3g} s" for _t, n, s in timings) or "failed",
+                )  # fmt: skip
         self._late = late
 
     @property

@@ -495,9 +495,18 @@ class TierPlanner:
                 tell()
             except (ConfigError, TypeError, ValueError) as exc:
                 _log.warning("kvpool connector: a worker's measurement was dropped (%s)", exc)
+        for miss in notes.misses:
+            if isinstance(miss, DeadlineMiss) and miss.reading and miss.tier in costs.tiers and costs.owes(miss.tier):
+                _log.info(
+                    "kvpool connector: %s missed a load's deadline (a piece of %d blocks not back in %.3g s); "
+                    "not loaded from until it is",
+                    miss.tier, miss.late_blocks, miss.seconds,
+                )  # fmt: skip
         for tier in notes.late_done:
             if tier in costs.tiers and costs.owes(tier):
                 costs.note_late_piece_done(tier)
+                if not costs.owes(tier):
+                    _log.info("kvpool connector: %s's late pieces arrived; it is loaded from again", tier)
 
     def build(self, chunks: Sequence[VllmScheduledChunk]) -> StepPlan:
         """The step's loads and saves for vLLM's scheduled ``chunks``; resets what allocation queued.
