@@ -59,11 +59,16 @@ def test_a_second_vllm_process_loads_the_first_one_s_blocks_from_redis() -> None
     log = (logs / "reader.log").read_text(errors="replace")
     for kind in ("checksum", "foreign key", "foreign layout"):
         assert kind in log, f"no {kind!r} refusal in {logs / 'reader.log'}"
-    # through a slow Redis, asynchronous and synchronous loads: hits (the text is batched with another
+    # through a slow Redis, asynchronous and synchronous loads: each request loaded whole blocks, or load or
+    # compute had it computed (a hit measured slower than computing, or an asynchronous load that missed its
+    # compute-bounded deadline), said so in the log, and none failed (the text is batched with another
     # request's prefill there, so it is not compared)
     for mode in ("async", "sync"):
         cached_tokens = result["slow_tier"][mode]["loading_cached_tokens"]
-        assert all(cached and cached >= block for cached in cached_tokens), result
+        assert all(cached % block == 0 for cached in cached_tokens), result
+        if 0 in cached_tokens:
+            slow_log = (logs / f"slow_{mode}.log").read_text(errors="replace")
+            assert "missed a load's deadline" in slow_log or "load or compute computed a tier hit" in slow_log, logs
     # Redis killed mid-run: no request fails
     assert result["outage_statuses"] == [200] * 4, result
     assert result["reader_after_outage"]["status"] == 200

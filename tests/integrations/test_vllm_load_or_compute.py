@@ -10,6 +10,7 @@ from kvpool.integrations.vllm.plan import ConnectorOptions, TierPlanner, Transfe
 from kvpool.tiers import ByteTier, HostTier
 from kvpool.tiers.hierarchy import TierHierarchyConnector
 from kvpool.tiers.load_or_compute import LoadOrCompute, TransferCosts, registry_links
+from kvpool.tiers.piece_fetch import DeadlineMiss
 from tests.integrations.test_vllm_plan import BS, DictStore, FakeRequest
 
 BLOCK_BYTES = 4096
@@ -154,11 +155,13 @@ def test_the_worker_notes_each_fetch_a_timed_out_one_at_its_deadline_and_hands_t
         assert store.read_started.wait(5)
         clock.now = 1.0  # its deadline
         assert worker.received() == ({"slow"}, {1})
-        notes = worker.take_notes()
-        assert notes is not None and notes.failed == [("redis", 1, 1.0)] and notes.loads == []
+        notes = worker.take_notes()  # a deadline miss: the piece not back after 1 s, its tier owing it
+        assert notes is not None and notes.loads == [] and notes.failed == []
+        assert notes.misses == [DeadlineMiss("redis", late_blocks=1, abandoned_blocks=1, seconds=1.0, reading=True)]
+        assert worker.take_notes() is None
     finally:
         store.release.set()
-        worker.close()
+    worker.transfers.close(drain_timeout=5)  # type: ignore[union-attr]
 
 
 def test_a_planner_fed_the_worker_s_timed_out_fetch_computes_the_next_request():

@@ -52,7 +52,6 @@ import dataclasses
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +67,8 @@ from kvpool.manager import KVCacheManager
 from kvpool.secret_files import read_secret_file
 from kvpool.tiers.hierarchy import ByteTier, HostTier, TierHierarchyConnector
 from kvpool.tiers.kinds import CpuTarget, TierKind, WritePolicy
-from kvpool.tiers.load_or_compute import LoadOrCompute, LoadWait, TransferCosts, registry_links
+from kvpool.tiers.load_or_compute import LoadOrCompute, TransferCosts, registry_links
+from kvpool.tiers.piece_fetch import DeadlineMiss, PieceFetch, tier_runs
 from kvpool.tiers.store import TierTarget, check_tier_trust, parse_specs
 from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads
 from kvpool.tiers.weights import tier_weights
@@ -147,39 +147,16 @@ def _one_pair_per_layer(kv_caches: KVCaches) -> bool:
 class _AsyncFetch:
     """One request's byte-tier blocks, fetched on a load thread into ``staging`` (row ``i``: ``loads[i]``).
 
-    The load thread reads ``pieces`` in order and, under ``lock``, records each
-    one's time and how many leading rows are in (``landed``: those rows are
-    verified and never written again); the caller, under ``lock``, may mark it
-    ``abandoned``, after which the thread reads no further piece.
+    ``fetch`` (:class:`~kvpool.tiers.piece_fetch.PieceFetch`) reads them in pieces and says how long
+    the request waits and what it keeps; rows before its ``landed`` are verified and never written again.
     """
 
     request_id: str
     loads: tuple[BlockLoad, ...]
     staging: torch.Tensor
-    #: ``(tier, blocks)`` in the order they are read, one store call each.
-    pieces: tuple[tuple[str, int], ...]
-    #: How long the request waits for it (None: the threads' fixed deadline).
-    wait: LoadWait | None = None
+    fetch: PieceFetch
     #: Byte views of the staging rows, made on the caller's thread (no torch on a load thread).
     views: list[memoryview] = field(default_factory=list)
-    #: Each piece's fetch, as the load thread timed it: (tier, blocks, seconds).
-    timings: list[tuple[str, int, float]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    landed: int = 0
-    #: The piece being read: (tier, blocks, when it started, by the transfer threads' clock).
-    current: tuple[str, int, float] | None = None
-    started: bool = False
-    abandoned: bool = False
-    finished: bool = False
-    #: Timings the measurement has been told of.
-    noted: int = 0
-    #: The tier of the piece it was reading when its request stopped waiting (owed until the thread is done).
-    late_tier: str | None = None
-
-    def deadline_s(self) -> float:
-        """Seconds from submission its request waits now (asked by the transfer threads)."""
-        assert self.wait is not None  # asked only of fetches submitted with a wait
-        return self.wait.deadline_s(self.landed)
 
 
 @dataclass(slots=True)
@@ -351,21 +328,16 @@ class KVTransferWorker:
                 del self._fetching[rid]
                 continue
             staging = torch.empty((len(fetched), *self.block_shape), dtype=self.kv_caches.spec.dtype)
-            runs: list[tuple[str, int]] = []  # each tier's blocks, in order
-            for load in fetched:
-                if runs and runs[-1][0] == load.tier:
-                    runs[-1] = (load.tier, runs[-1][1] + 1)
-                else:
-                    runs.append((load.tier, 1))
+            tiers = [load.tier for load in fetched]
             wait = None
             if threads is not None and self.costs is not None:  # waited for only as long as computing takes
-                wait = self.costs.load_wait(runs, block_size=self.block_size, cap_s=threads.load_deadline_s)
-            pieces = tuple(runs) if wait is None else wait.pieces
-            job = _AsyncFetch(rid, fetched, staging, pieces, wait, _row_views(staging, range(len(fetched))))
+                wait = self.costs.load_wait(tier_runs(tiers), block_size=self.block_size, cap_s=threads.load_deadline_s)
+            fetch = PieceFetch(tiers, wait, fixed_deadline_s=self._fixed_deadline(), clock=self._clock())
+            job = _AsyncFetch(rid, fetched, staging, fetch, _row_views(staging, range(len(fetched))))
             if threads is None:  # no threads: the fetch runs here, and is reported at the next get_finished
                 self._land(job, self._fetch(job), None)
                 continue
-            deadline = None if wait is None else job.deadline_s
+            deadline = None if wait is None else fetch.deadline_s
             self._fetches[threads.submit_load(functools.partial(self._fetch, job), deadline=deadline)] = job
 
     def _fetch(self, job: _AsyncFetch) -> list[bool]:
@@ -373,37 +345,14 @@ class KVTransferWorker:
 
         Stops before the next piece once the caller abandoned the fetch (its request stopped waiting).
         """
-        arrived: list[bool] = []
-        start = 0
-        clock = self._clock()
-        with job.lock:
-            job.started = True
-        try:
-            for tier, blocks in job.pieces:
-                stop = start + blocks
-                with job.lock:
-                    if job.abandoned:
-                        break
-                    job.current = (tier, blocks, clock())
-                began = time.perf_counter()
-                got = self._fetch_into(tier, job.loads[start:stop], job.views[start:stop])
-                seconds = time.perf_counter() - began
-                self.figures[tier].load_seconds += seconds
-                arrived.extend(got)
-                whole = all(got)
-                with job.lock:
-                    job.timings.append((tier, blocks, seconds))
-                    job.current = None
-                    if whole:
-                        job.landed = stop  # rows before it are in, verified, and never written again
-                if not whole:
-                    break
-                start = stop
-        finally:
-            with job.lock:
-                job.finished = True
-        arrived.extend([False] * (len(job.loads) - len(arrived)))  # the request computes from the first miss
-        return arrived
+
+        def read(tier: str, start: int, stop: int) -> list[bool]:
+            began = time.perf_counter()
+            got = self._fetch_into(tier, job.loads[start:stop], job.views[start:stop])
+            self.figures[tier].load_seconds += time.perf_counter() - began
+            return got
+
+        return job.fetch.run(read)
 
     def _land(self, job: _AsyncFetch, arrived: list[bool] | None, reason: str | None) -> None:
         """On the caller's thread: copy what a fetch brought into the pool, up to its first miss, and report it.
@@ -415,18 +364,14 @@ class KVTransferWorker:
         self._fetching.pop(rid, None)
         timed_out = reason == "timed out"
         if arrived is None:
-            with job.lock:  # a snapshot: the thread reads no piece after this one
-                job.abandoned = True
-                kept = job.landed
-                current = job.current
-                timings = len(job.timings)
-                running = job.started and not job.finished
-            self._note_costs(job, timings)
-            if timed_out and kept == len(job.loads):
+            given = job.fetch.abandon(timed_out=timed_out)  # the thread reads no piece after this one
+            self._note_costs(given.timings)
+            kept = given.kept
+            if timed_out and given.miss is None:
                 reason, timed_out = None, False  # it all landed just as its deadline passed: a load in time
-            elif timed_out:
-                self._missed(job, kept, current)
-            if running:
+            elif given.miss is not None:
+                self._missed(job, kept, given.miss)
+            if given.running:
                 self._late.append(job)  # its piece's real time is measured when the thread is done with it
             if reason is not None:
                 _LOGGER.warning(
@@ -434,7 +379,7 @@ class KVTransferWorker:
                     rid, reason, kept, len(job.loads),
                 )  # fmt: skip
         else:
-            self._note_costs(job, len(job.timings))
+            self._note_costs(job.fetch.take_timings())
             kept = 0
             while kept < len(arrived) and arrived[kept]:
                 kept += 1
@@ -450,33 +395,13 @@ class KVTransferWorker:
         if kept < len(job.loads):
             self._failed[rid] = job.loads[kept].position * self.block_size
 
-    def _missed(self, job: _AsyncFetch, kept: int, current: tuple[str, int, float] | None) -> None:
+    def _missed(self, job: _AsyncFetch, kept: int, miss: DeadlineMiss) -> None:
         """A fetch ran past its deadline with ``kept`` blocks in: counted, and told to the measurement."""
-        abandoned: dict[str, int] = {}
-        for load in job.loads[kept:]:
-            abandoned[load.tier] = abandoned.get(load.tier, 0) + 1
-        late_tier = current[0] if current is not None else job.loads[kept].tier
-        figures = self.figures[late_tier]
-        figures.deadline_misses += 1
+        self.figures[miss.tier].deadline_misses += 1
         for load in job.loads[:kept]:
             self.figures[load.tier].kept_at_deadline += 1
-        costs = self.costs
-        if costs is None:
-            return
-        if current is not None:  # the piece being read had not arrived after this long
-            tier, blocks, began = current
-            seconds = max(0.0, self._clock()() - began)
-            job.late_tier = tier  # owed until the thread is done with it (_note_late)
-        else:  # it never started (queued behind other loads): none of its blocks came in the whole wait
-            tier, blocks = late_tier, abandoned[late_tier]
-            seconds = job.wait.deadline_s(kept) if job.wait is not None else self._fixed_deadline()
-        costs.note_deadline_miss(
-            tier,
-            late_blocks=blocks,
-            abandoned_blocks=abandoned.get(tier, 0),
-            seconds=seconds,
-            reading=current is not None,
-        )
+        if self.costs is not None:
+            miss.tell(self.costs)
 
     def _clock(self) -> Callable[[], float]:
         """The clock deadlines are kept by (the transfer threads'), which a late piece is timed by too."""
@@ -485,24 +410,22 @@ class KVTransferWorker:
     def _fixed_deadline(self) -> float:
         return self.threads.load_deadline_s if self.threads is not None else DEFAULT_LOAD_DEADLINE_S
 
-    def _note_costs(self, job: _AsyncFetch, upto: int) -> None:
-        """Tell the measurement what the fetch's pieces before ``upto`` took (the ones not told yet)."""
+    def _note_costs(self, timings: Sequence[tuple[str, int, float]]) -> None:
+        """Tell the measurement what a fetch's pieces took."""
         costs = self.costs
         if costs is not None:
-            for tier, blocks, seconds in job.timings[job.noted : upto]:
+            for tier, blocks, seconds in timings:
                 costs.note_load(tier, blocks, blocks * self.block_bytes, seconds)
-        job.noted = max(job.noted, upto)
 
     def _note_late(self) -> None:
         """Measure the pieces abandoned fetches were reading, now that their threads are done with them."""
         late = []
         for job in self._late:
-            with job.lock:
-                done, timings = job.finished, len(job.timings)
+            done, owed, timings = job.fetch.late_done()
             if done:
-                self._note_costs(job, timings)
-                if job.late_tier is not None and self.costs is not None:
-                    self.costs.note_late_piece_done(job.late_tier)
+                self._note_costs(timings)
+                if owed is not None and self.costs is not None:
+                    self.costs.note_late_piece_done(owed)
             else:
                 late.append(job)
         self._late = late
@@ -531,8 +454,7 @@ class KVTransferWorker:
         """
         dropped = {rid: position * self.block_size for rid, position in self._fetching.items()}
         for job in self._fetches.values():
-            with job.lock:
-                job.abandoned = True  # its thread reads no further piece
+            job.fetch.stop()  # its thread reads no further piece
         self._fetches.clear()
         self._fetching.clear()
         return dropped

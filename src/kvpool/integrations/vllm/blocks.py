@@ -20,10 +20,18 @@ vLLM recomputes from it (``"kv_load_failure_policy": "recompute"``). Torch, no v
 With :class:`~kvpool.tiers.transfer_threads.TransferThreads`, nothing waits on a store:
 
 * a receiving request's store loads (:attr:`StepPlan.receiving`) are one fetch on a load
-  thread, which only fills bytes this worker owns; :meth:`TierWorker.received` (never
-  blocking) copies them into vLLM's blocks on the caller's thread when the fetch came back in
-  time, and reports the request either way; a fetch that failed or ran past the deadline
-  reports all of its blocks as failed loads, and its late bytes are dropped;
+  thread, which only fills bytes this worker owns. It is the engine's fetch
+  (:class:`~kvpool.tiers.piece_fetch.PieceFetch`): read in the pieces the scheduler planned
+  (:attr:`StepPlan.waits`, :meth:`~kvpool.tiers.load_or_compute.TransferCosts.load_wait`), and
+  waited for only as long as computing the blocks still to come would take (the fixed
+  ``load_deadline_s`` where the plan has no wait). :meth:`TierWorker.received` (never blocking)
+  reports the request once its fetch ended or ran past its deadline, having copied into vLLM's
+  blocks the leading blocks that arrived (whole pieces, verified); every later block is a failed
+  load, which vLLM recomputes, and its late bytes are never copied. A miss is counted
+  (:attr:`WorkerFigures.deadline_misses`, ``kept_at_deadline``, ``timed_out_loads``) and sent to
+  the scheduler (:attr:`TransferNotes.misses`), whose load or compute then neither loads from nor
+  looks up in that tier until the worker reports the late piece's real time
+  (:attr:`TransferNotes.late_done`);
 * saves read vLLM's blocks into bytes on the caller's thread, at once (so vLLM may reuse the
   blocks when the step ends), and queue the ``put_many`` for the save thread; a save that finds
   the queue full is dropped and counted (a later miss).
@@ -46,6 +54,7 @@ import torch
 from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.plan import StepPlan, TransferNotes
 from kvpool.tiers import BlockStore
+from kvpool.tiers.piece_fetch import PieceFetch
 from kvpool.tiers.transfer_threads import LoadOutcome, TransferThreads
 
 __all__ = ["KVBlockLayout", "TierWorker", "WorkerFigures"]
@@ -115,10 +124,22 @@ class WorkerFigures:
     failed_saves: Counter[str] = field(default_factory=Counter)  # a store said it did not keep them
     dropped_saves: Counter[str] = field(default_factory=Counter)  # the save queue was full
     timed_out_loads: Counter[str] = field(default_factory=Counter)  # past the load deadline (in failed_loads too)
+    deadline_misses: Counter[str] = field(default_factory=Counter)  # fetches past their deadline, by the late tier
+    kept_at_deadline: Counter[str] = field(default_factory=Counter)  # blocks such fetches had brought, used
 
 
-# One receiving request's store loads, by tier: (key, vLLM block ID) in the plan's order.
+# A synchronous load's store loads, by tier: (key, vLLM block ID) in the plan's order.
 _Wanted = dict[str, list[tuple[bytes, int]]]
+
+
+@dataclass(slots=True)
+class _Receiving:
+    """One receiving request's store loads, fetched on a load thread into ``payloads`` (one per load)."""
+
+    request_id: str
+    loads: list[tuple[str, bytes, int]]  # (tier, key, vLLM block ID) in the plan's order
+    fetch: PieceFetch
+    payloads: list[bytes | None]
 
 
 class TierWorker:
@@ -145,10 +166,9 @@ class TierWorker:
         self.figures = WorkerFigures()
         #: Each fetch's size and seconds (and each timed forward pass), until the scheduler is sent them.
         self.notes = TransferNotes()
-        self._fetching: dict[
-            int, tuple[str, _Wanted, list[tuple[str, int, int, float]]]
-        ] = {}  # ticket -> (request, its store loads, its fetches' timings)
+        self._fetching: dict[int, _Receiving] = {}  # ticket -> the fetch
         self._received: set[str] = set()  # receiving requests with nothing left to fetch
+        self._late: list[_Receiving] = []  # fetches past their deadline whose thread still reads a piece
 
     # -- loads -------------------------------------------------------------------------------------
 
@@ -165,7 +185,7 @@ class TierWorker:
             raise ConfigError(
                 f"requests {list(plan.receiving)[:4]} load asynchronously, and this worker has no threads"
             )
-        later: dict[str, _Wanted] = {request_id: {} for request_id in plan.receiving}
+        later: dict[str, list[tuple[str, bytes, int]]] = {request_id: [] for request_id in plan.receiving}
         for load in plan.loads:
             if load.request_id not in later:
                 continue
@@ -173,14 +193,33 @@ class TierWorker:
                 self.layout.write(load.block_id, self.host[load.slot])
                 self.figures.loaded[load.tier] += 1
             else:
-                later[load.request_id].setdefault(load.tier, []).append((load.key, load.block_id))
-        for request_id, wanted in later.items():
-            if not wanted:
+                later[load.request_id].append((load.tier, load.key, load.block_id))
+        waits = dict(plan.waits)
+        transfers = self.transfers
+        for request_id, loads in later.items():
+            if not loads:
                 self._received.add(request_id)
                 continue
-            timings: list[tuple[str, int, int, float]] = []
-            ticket = self.transfers.submit_load(functools.partial(self._fetch, wanted, timings))
-            self._fetching[ticket] = (request_id, wanted, timings)
+            fetch = PieceFetch(
+                [tier for tier, _key, _block in loads],
+                waits.get(request_id),  # one for other blocks is ignored: the fixed deadline
+                fixed_deadline_s=transfers.load_deadline_s,
+                clock=transfers.clock,
+            )
+            job = _Receiving(request_id, loads, fetch, [None] * len(loads))
+            ticket = transfers.submit_load(functools.partial(self._read_pieces, job), deadline=fetch.deadline_s)
+            self._fetching[ticket] = job
+
+    def _read_pieces(self, job: _Receiving) -> list[bool]:
+        """On a load thread: the request's store blocks into its payloads, piece by piece (PieceFetch.run)."""
+
+        def read(tier: str, start: int, stop: int) -> list[bool]:
+            got = self._get(tier, [key for _tier, key, _block in job.loads[start:stop]])
+            whole = [payload is not None and len(payload) == self.layout.block_bytes for payload in got]
+            job.payloads[start:stop] = [p if ok else None for p, ok in zip(got, whole)]
+            return whole
+
+        return job.fetch.run(read)
 
     def load(self, plan: StepPlan) -> set[int]:
         """Copy the loads of the plan's other (not receiving) requests into vLLM's blocks now; the block IDs that failed."""
@@ -204,21 +243,35 @@ class TierWorker:
         return failed
 
     def _fetch(self, wanted: _Wanted, timings: list[tuple[str, int, int, float]]) -> dict[str, Sequence[bytes | None]]:
-        """Each tier's payloads for ``wanted`` (None for a block not returned); on a load thread when asynchronous.
+        """Each tier's payloads for ``wanted`` (None for a block not returned), on the caller's thread.
 
         Each tier's fetch is appended to ``timings`` as (tier, blocks, bytes, seconds), failed ones too.
         """
         out: dict[str, Sequence[bytes | None]] = {}
         for name, items in wanted.items():
-            store = self.stores.get(name)
             started = time.perf_counter()
-            try:
-                out[name] = store.get_many([key for key, _ in items]) if store is not None else [None] * len(items)
-            except Exception as exc:  # noqa: BLE001  # a store's fault is a miss; vLLM recomputes
-                _log.warning("kvpool connector: reading %d blocks from %s failed (%s)", len(items), name, exc)
-                out[name] = [None] * len(items)
+            out[name] = self._get(name, [key for key, _ in items])
             timings.append((name, len(items), len(items) * self.layout.block_bytes, time.perf_counter() - started))
         return out
+
+    def _get(self, name: str, keys: list[bytes]) -> list[bytes | None]:
+        """The payloads of ``keys`` from store ``name``: None for each not returned.
+
+        A store that raises, or answers anything but one bytes-like payload or None per key, is a miss
+        of them all (vLLM recomputes them), never an error of the request.
+        """
+        store = self.stores.get(name)
+        if store is None:
+            return [None] * len(keys)
+        try:
+            got = list(store.get_many(keys))
+        except Exception as exc:  # noqa: BLE001  # a store's fault is a miss; vLLM recomputes
+            _log.warning("kvpool connector: reading %d blocks from %s failed (%s)", len(keys), name, exc)
+            return [None] * len(keys)
+        if len(got) != len(keys) or not all(p is None or isinstance(p, bytes | bytearray) for p in got):
+            _log.warning("kvpool connector: %s answered %d blocks garbled; vLLM recomputes them", name, len(keys))
+            return [None] * len(keys)
+        return [None if p is None else bytes(p) for p in got]
 
     def _copy(self, name: str, items: list[tuple[bytes, int]], payloads: Sequence[bytes | None]) -> set[int]:
         """Write the payloads that are whole blocks into their vLLM blocks; the block IDs of the others."""
@@ -240,51 +293,92 @@ class TierWorker:
     def received(self) -> tuple[set[str], set[int]]:
         """The receiving requests whose loads ended since the last call, and the block IDs of theirs that failed.
 
-        Never blocks. A fetch that came back in time is copied into vLLM's blocks here; one that
-        raised or ran past the deadline fails all of its blocks (its bytes, if they come, are dropped).
+        Never blocks. A request is reported once its fetch came back, failed, or ran past its
+        deadline (:meth:`~kvpool.tiers.piece_fetch.PieceFetch.deadline_s`: the compute the blocks
+        still to come save); the leading blocks that arrived are copied into vLLM's blocks here, and
+        every later one is failed (its bytes, if they come, are dropped).
         """
+        self._poll_late()
         done, self._received = self._received, set()
         failed: set[int] = set()
         outcomes: list[LoadOutcome] = self.transfers.finished_loads() if self.transfers is not None else []
         for outcome in outcomes:
-            request_id, wanted, timings = self._fetching.pop(outcome.ticket)
-            done.add(request_id)
-            timed = list(timings)  # a fetch past its deadline may still be running: what it timed so far
-            self.notes.loads.extend(timed)
-            if outcome.timed_out:  # a tier not back took the deadline, as the engine's worker counts it
-                back = {tier for tier, *_ in timed}
-                self.notes.failed.extend(
-                    (name, len(items), outcome.seconds) for name, items in wanted.items() if name not in back
-                )
-            count = sum(len(items) for items in wanted.values())
-            if outcome.ok:
-                _log.debug(
-                    "kvpool connector: request %s: %d blocks fetched in %.3f s", request_id, count, outcome.seconds
-                )
-                payloads = outcome.value
-                assert isinstance(payloads, dict)  # what _fetch returns
-                lost = set().union(*(self._copy(name, items, payloads[name]) for name, items in wanted.items()))
-                if lost:
-                    self._warn_not_loaded(len(lost), count)
-                failed |= lost
+            job = self._fetching.pop(outcome.ticket, None)
+            if job is None:
                 continue
-            for name, items in wanted.items():
-                self.figures.failed_loads[name] += len(items)
-                if outcome.timed_out:
-                    self.figures.timed_out_loads[name] += len(items)
-                failed.update(block_id for _key, block_id in items)
-            why = f"not back in {outcome.seconds:.3g} s" if outcome.timed_out else f"failed ({outcome.error})"
-            _log.warning(
-                "kvpool connector: %d blocks of request %s %s; vLLM computes them (%s)",
-                count,
-                request_id,
-                why,
-                self.describe(),
-            )
+            done.add(job.request_id)
+            failed |= self._land(job, outcome)
         return done, failed
+
+    def _land(self, job: _Receiving, outcome: LoadOutcome) -> set[int]:
+        """Copy what an ended fetch brought, up to its first missing block; the block IDs of the rest, counted."""
+        fetch = job.fetch
+        miss = None
+        if outcome.ok:
+            timings = fetch.take_timings()
+            arrived = outcome.value if isinstance(outcome.value, list) else []
+            kept = 0
+            while kept < len(arrived) and kept < len(job.loads) and arrived[kept]:
+                kept += 1
+        else:
+            given = fetch.abandon(timed_out=outcome.timed_out)  # its thread reads no piece after this one
+            timings, kept, miss = list(given.timings), given.kept, given.miss
+            if given.running:
+                self._late.append(job)  # its late piece's real time is sent once the thread is done with it
+        self._note(timings)
+        if miss is not None:
+            self.notes.misses.append(miss)
+            self.figures.deadline_misses[miss.tier] += 1
+        lost: set[int] = set()
+        for index, (tier, _key, block_id) in enumerate(job.loads):
+            payload = job.payloads[index] if index < kept else None
+            if payload is not None:
+                self.layout.write(block_id, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+                self.figures.loaded[tier] += 1
+                if miss is not None:
+                    self.figures.kept_at_deadline[tier] += 1
+                continue
+            lost.add(block_id)
+            self.figures.failed_loads[tier] += 1
+            if miss is not None:
+                self.figures.timed_out_loads[tier] += 1
+        if lost:
+            why = "ran past its deadline" if miss is not None else "failed" if outcome.error else "missed blocks"
+            _log.warning(
+                "kvpool connector: request %s: %d of %d blocks not loaded (its fetch %s after %.3g s); vLLM "
+                "recomputes them (%s)",
+                job.request_id, len(lost), len(job.loads), why, outcome.seconds, self.describe(),
+            )  # fmt: skip
+        return lost
+
+    def _note(self, timings: Sequence[tuple[str, int, float]]) -> None:
+        self.notes.loads.extend((tier, n, n * self.layout.block_bytes, seconds) for tier, n, seconds in timings)
+
+    def _poll_late(self) -> None:
+        """Send the real time of the pieces fetches were reading when their requests stopped waiting, once read."""
+        late = []
+        for job in self._late:
+            done, owed, timings = job.fetch.late_done()
+            if not done:
+                late.append(job)
+                continue
+            self._note(timings)
+            if owed is not None:
+                self.notes.late_done.append(owed)
+                _log.info(
+                    "kvpool connector: request %s's late piece from %s was read after all (%s)",
+                    job.request_id, owed, ", ".join(f"{n} blocks in {s:.3g} s" for _t, n, s in timings) or "failed",
+                )  # fmt: skip
+        self._late = late
+
+    @property
+    def num_late(self) -> int:
+        """Fetches their requests stopped waiting for, whose threads still read a piece."""
+        return len(self._late)
 
     def take_notes(self) -> TransferNotes | None:
         """What was measured since the last call (None: nothing), for the scheduler's load or compute."""
+        self._poll_late()
         if not self.notes:
             return None
         notes, self.notes = self.notes, TransferNotes()
@@ -335,6 +429,10 @@ class TierWorker:
             text = f"{name}: {f.loaded[name]} loaded, {f.failed_loads[name]} not loaded"
             if f.timed_out_loads[name]:
                 text += f" ({f.timed_out_loads[name]} past the deadline)"
+            if f.deadline_misses[name]:
+                text += f", {f.deadline_misses[name]} fetches past their deadline"
+            if f.kept_at_deadline[name]:
+                text += f" ({f.kept_at_deadline[name]} blocks kept)"
             text += f", {f.saved[name]} saved"
             if f.dropped_saves[name]:
                 text += f", {f.dropped_saves[name]} dropped (save queue full)"

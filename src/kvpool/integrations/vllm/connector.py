@@ -14,8 +14,11 @@ both back on it). A new request's lookup runs on a thread, and ``get_num_new_mat
 answers ``None`` until it is back (vLLM asks again at its next step); then it answers
 ``load_async`` for a match a store serves, so vLLM allocates the request's blocks, parks it in
 ``WAITING_FOR_REMOTE_KVS`` and goes on stepping the others. The worker starts the fetch on a
-load thread in ``start_load_kv`` and reports the request from ``get_finished`` once its blocks
-are copied in, or once its fetch failed or ran past ``load_deadline_s``. Host tier loads are
+load thread as soon as vLLM binds the step's plan and reports the request from ``get_finished``
+once its blocks are copied in, or once its fetch failed or ran past its deadline: the compute its
+blocks still to come save (the engine's rule, :meth:`~kvpool.tiers.load_or_compute.TransferCosts.load_wait`,
+priced in the scheduler and carried in the plan), never more than ``load_deadline_s``. The
+leading blocks that arrived by then are used; the rest are load errors, which vLLM recomputes. Host tier loads are
 memory copies, done in ``start_load_kv`` before the forward pass. Saves read the blocks in
 ``wait_for_save`` and queue the store writes for a save thread, so vLLM never holds a finished
 request's blocks for them. A block that cannot be loaded is reported through
@@ -201,7 +204,12 @@ class KVPoolConnector(KVConnectorBase_V1):
                 )
                 chooser = LoadOrCompute(costs, block_size=self._block_size)
             self._planner = TierPlanner(
-                tiers, self._block_size, async_loads=options.async_loads, lookups=lookups, chooser=chooser
+                tiers,
+                self._block_size,
+                async_loads=options.async_loads,
+                lookups=lookups,
+                chooser=chooser,
+                load_deadline_s=options.load_deadline_s,
             )
         # The worker times each forward pass for load or compute's prefill rate where the host sees the pass
         # end (vLLM-CPU), unless the rate is configured or the rule is off.

@@ -36,8 +36,10 @@ reassigned by a later plan is read or written by this plan's copies first.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,8 +48,9 @@ from kvpool.connector import ExternalMatch, TierRun
 from kvpool.errors import ConfigError
 from kvpool.tiers import ByteTier, CpuTarget, HostTier, parse_specs
 from kvpool.tiers.entry import check_namespace
-from kvpool.tiers.load_or_compute import LoadOrCompute
+from kvpool.tiers.load_or_compute import LoadOrCompute, LoadWait
 from kvpool.tiers.lookups import OffStepLookups
+from kvpool.tiers.piece_fetch import DeadlineMiss, tier_runs
 from kvpool.tiers.policy import TierPolicy
 from kvpool.tiers.store import BACKENDS, TierTarget, check_tier_trust
 from kvpool.tiers.transfer_threads import DEFAULT_LOAD_DEADLINE_S, TransferThreads, check_load_deadline
@@ -62,6 +65,8 @@ __all__ = [
     "TierPlanner",
     "TransferNotes",
 ]
+
+_log = logging.getLogger("kvpool.integrations.vllm")
 
 _OPTION_KEYS = frozenset(
     {
@@ -87,9 +92,11 @@ class ConnectorOptions:
     write to the tier may have planted; :func:`kvpool.tiers.store.check_tier_trust`);
     ``namespace``: names the weights instead of hashing the model folder's files;
     ``async_loads`` (default true): loads from a disk or Redis tier run off vLLM's step, vLLM
-    holding only the requests that wait on them; ``load_deadline_s``: how long such a load may take
-    before its request computes those blocks instead (checked where the worker's transfer threads
-    start, :class:`~kvpool.tiers.transfer_threads.TransferThreads`).
+    holding only the requests that wait on them; ``load_deadline_s``: the longest such a lookup or
+    load may take before its request computes those blocks instead (the worker's transfer
+    threads, :class:`~kvpool.tiers.transfer_threads.TransferThreads`); with load or compute a
+    load is given up sooner, once waiting for its next piece costs more than computing it
+    (:attr:`StepPlan.waits`).
 
     Load or compute (:class:`~kvpool.tiers.load_or_compute.LoadOrCompute`, the engine's rule): a
     match is trimmed to the blocks whose load is measured to beat computing them. ``always_load``
@@ -207,7 +214,11 @@ class StepPlan:
 
     ``receiving``: the requests whose loads vLLM waits for off its step (``WAITING_FOR_REMOTE_KVS``);
     each is reported received once, when its blocks are in place or reported as load errors.
-    The other requests' loads are in place before the forward pass.
+    The other requests' loads are in place before the forward pass. ``waits``: for a receiving
+    request, how its disk and Redis blocks (its loads without a host slot, in order) are read and
+    how long it waits for them (:meth:`~kvpool.tiers.load_or_compute.TransferCosts.load_wait`, the
+    engine's rule, priced by the scheduler's measurement); a request without one waits the fixed
+    load deadline.
     """
 
     loads: tuple[VllmBlockLoad, ...] = ()
@@ -215,29 +226,37 @@ class StepPlan:
     receiving: tuple[str, ...] = ()
     #: Tokens the step computes (all its requests': what its forward pass is timed against).
     num_scheduled_tokens: int = 0
+    waits: tuple[tuple[str, LoadWait], ...] = ()
 
 
 @dataclass(slots=True)
 class TransferNotes:
     """What a worker measured since its last report, for the scheduler's load-or-compute rule.
 
-    ``loads``: (tier, blocks, bytes, seconds) per fetch; ``failed``: (tier, blocks, seconds) per
-    fetch that never came back (it took its deadline); ``steps``: (tokens, seconds) per forward
-    pass. Sent back to the scheduler as vLLM's worker metadata, where :meth:`TierPlanner.note`
-    hands it to the measurement, as the engine's worker does.
+    ``loads``: (tier, blocks, bytes, seconds) per fetch (per piece of an asynchronous one);
+    ``failed``: (tier, blocks, seconds) per fetch that failed after that long; ``steps``: (tokens,
+    seconds) per forward pass; ``misses``: the asynchronous fetches their request stopped waiting
+    for (:class:`~kvpool.tiers.piece_fetch.DeadlineMiss`: the tier then owes its late piece);
+    ``late_done``: the tiers whose late piece has since been read (its real time is in ``loads``).
+    Sent back to the scheduler as vLLM's worker metadata, where :meth:`TierPlanner.note` hands it
+    to the measurement, as the engine's worker does.
     """
 
     loads: list[tuple[str, int, int, float]] = field(default_factory=list)
     failed: list[tuple[str, int, float]] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)
+    misses: list[DeadlineMiss] = field(default_factory=list)
+    late_done: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.failed or self.steps)
+        return bool(self.loads or self.failed or self.steps or self.misses or self.late_done)
 
     def extend(self, other: TransferNotes) -> None:
         self.loads += other.loads
         self.failed += other.failed
         self.steps += other.steps
+        self.misses += other.misses
+        self.late_done += other.late_done
 
 
 class PlannedRequest(Protocol):
@@ -295,7 +314,8 @@ class TierPlanner:
     ``chooser``: load or compute, the engine's :class:`~kvpool.tiers.load_or_compute.LoadOrCompute`
     asked the same way :class:`~kvpool.tiers.hierarchy.TierHierarchyConnector` asks it (a lookup not
     worth waiting for is not asked, one outlasting the compute is given up, each match is trimmed,
-    each admission counted); None: every hit loads.
+    each admission counted, and each asynchronous load's wait bounded by the compute it saves,
+    :attr:`StepPlan.waits`); None: every hit loads, waited for up to ``load_deadline_s``.
     O(blocks looked up) per match, O(blocks moved) per plan.
     """
 
@@ -307,6 +327,7 @@ class TierPlanner:
         async_loads: bool = False,
         lookups: TransferThreads | None = None,
         chooser: LoadOrCompute | None = None,
+        load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S,
     ) -> None:
         names = [t.name for t in tiers]
         if not tiers or len(set(names)) != len(names):
@@ -320,6 +341,8 @@ class TierPlanner:
         self.block_size = block_size
         self.host = self.policy.host
         self.async_loads = check_flag("async_loads", async_loads)
+        #: The fixed deadline that bounds every asynchronous load's wait (the worker's transfer threads').
+        self.load_deadline_s = check_load_deadline(load_deadline_s)
         has_store = any(not isinstance(t, HostTier) for t in self.tiers)
         if chooser is not None and not isinstance(chooser, LoadOrCompute):
             raise ConfigError(f"chooser must be a LoadOrCompute, got {chooser!r}")
@@ -453,16 +476,37 @@ class TierPlanner:
         """A worker's measurements (:class:`TransferNotes`) into load or compute's; nothing without a chooser.
 
         A fixed prefill rate (``prefill_tokens_per_s`` configured) is kept: the worker sends no steps then.
+        A deadline miss makes its tier owe the late piece, so load or compute neither loads from it nor
+        looks it up until a ``late_done`` names it (the piece's real time is then among the loads).
+        A note the measurement refuses (a tier it does not measure, a negative time: another process's
+        bug) is dropped, never raised into vLLM's step.
         """
         if self.chooser is None:
             return
         costs = self.chooser.costs
-        for tier, blocks, num_bytes, seconds in notes.loads:
-            costs.note_load(tier, blocks, num_bytes, seconds)
-        for tier, blocks, seconds in notes.failed:
-            costs.note_failed_load(tier, blocks, seconds)
-        for tokens, seconds in notes.steps:
-            costs.note_prefill(tokens, seconds)
+        told: list[Callable[[], object]] = [
+            *(functools.partial(costs.note_load, *load) for load in notes.loads),
+            *(functools.partial(costs.note_failed_load, *failed) for failed in notes.failed),
+            *(functools.partial(costs.note_prefill, *step) for step in notes.steps),
+            *(functools.partial(miss.tell, costs) for miss in notes.misses if isinstance(miss, DeadlineMiss)),
+        ]
+        for tell in told:
+            try:
+                tell()
+            except (ConfigError, TypeError, ValueError) as exc:
+                _log.warning("kvpool connector: a worker's measurement was dropped (%s)", exc)
+        for miss in notes.misses:
+            if isinstance(miss, DeadlineMiss) and miss.reading and miss.tier in costs.tiers and costs.owes(miss.tier):
+                _log.info(
+                    "kvpool connector: %s missed a load's deadline (a piece of %d blocks not back in %.3g s); "
+                    "not loaded from until it is",
+                    miss.tier, miss.late_blocks, miss.seconds,
+                )  # fmt: skip
+        for tier in notes.late_done:
+            if tier in costs.tiers and costs.owes(tier):
+                costs.note_late_piece_done(tier)
+                if not costs.owes(tier):
+                    _log.info("kvpool connector: %s's late pieces arrived; it is loaded from again", tier)
 
     def build(self, chunks: Sequence[VllmScheduledChunk]) -> StepPlan:
         """The step's loads and saves for vLLM's scheduled ``chunks``; resets what allocation queued.
@@ -476,10 +520,14 @@ class TierPlanner:
         pinned: list[int] = []
         host_name = self.host.name if self.host is not None else None
         promotions: list[tuple[bytes, int, tuple[str, ...]]] = []
+        waits: list[tuple[str, LoadWait]] = []
         for request_id in self._allocated:
             loading = self._requests[request_id]
             if loading.load_async:
                 receiving.append(request_id)
+                wait = self._wait(loading.loads, host_name)
+                if wait is not None:
+                    waits.append((request_id, wait))
             for index, (name, key, block_id) in enumerate(loading.loads, start=loading.first_block):
                 slot = None
                 if name == host_name and self.host is not None:
@@ -531,7 +579,15 @@ class TierPlanner:
         if self.host is not None and pinned:
             self.host.release(pinned)
         scheduled = sum(chunk.num_scheduled_tokens for chunk in chunks)
-        return StepPlan(tuple(loads), tuple(saves), tuple(receiving), scheduled)
+        return StepPlan(tuple(loads), tuple(saves), tuple(receiving), scheduled, tuple(waits))
+
+    def _wait(self, loads: Sequence[tuple[str, bytes, int]], host_name: str | None) -> LoadWait | None:
+        """How an asynchronous load's store blocks are read and waited for (None: no rule, the fixed deadline)."""
+        tiers = [name for name, _key, _block in loads if name != host_name]
+        if self.chooser is None or not tiers:
+            return None
+        costs = self.chooser.costs
+        return costs.load_wait(tier_runs(tiers), block_size=self.block_size, cap_s=self.load_deadline_s)
 
     def _save(self, key: bytes, block_id: int, tiers: tuple[str, ...], pinned: list[int]) -> VllmBlockSave | None:
         placement = self.policy.place(key, tiers)  # a host slot when the cpu tier is among them
