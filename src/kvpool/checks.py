@@ -30,11 +30,13 @@ from fractions import Fraction
 from kvpool.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_THREADS",
     "GB",
     "KB",
     "MB",
     "MIN_MODEL_LEN",
     "TB",
+    "THREADS_AUTO",
     "GiB",
     "KiB",
     "MiB",
@@ -44,6 +46,7 @@ __all__ = [
     "counted",
     "format_bytes",
     "parse_size",
+    "parse_threads",
     "parse_token_count",
 ]
 
@@ -169,3 +172,24 @@ def format_bytes(n: int) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+#: ``threads="auto"``: a CPU step's threads follow the cores other processes leave free
+#: (:mod:`kvpool.engine.threads`).
+THREADS_AUTO = "auto"
+
+#: The engine's ``threads`` when none is given (``EngineOptions``, ``LLM()``, ``--threads``).
+DEFAULT_THREADS = THREADS_AUTO
+
+
+def parse_threads(value: object) -> int | str | None:
+    """``None`` (leave torch's setting), ``"auto"``, or a thread count >= 1; anything else is refused.
+
+    Raises:
+        ConfigError: naming the value.
+    """
+    if value is None or value == THREADS_AUTO:
+        return value  # type: ignore[return-value]  # None or the string "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"threads must be an int >= 1, 'auto' or None, got {value!r}")
+    return value

@@ -21,7 +21,7 @@ from typing import Any, NoReturn, ParamSpec
 
 import click
 
-from kvpool.engine.threads import AUTO
+from kvpool.checks import THREADS_AUTO as AUTO
 from kvpool.errors import ExternalDataError, KVPoolError
 
 P = ParamSpec("P")

@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvpool.checks import counted
+from kvpool.checks import DEFAULT_THREADS, counted
 from kvpool.cli import shared_flags
 from kvpool.cli.generate import _log
 from kvpool.cli.params import NON_NEGATIVE_INT, POSITIVE_INT, FiniteFloatRange, reports_errors, require_extra
 from kvpool.cli.shared_flags import DEFAULT_KV_CACHE_MEMORY, TenantFlags, take, tenant_flags
-from kvpool.engine.threads import DEFAULT_THREADS
 from kvpool.model_names import DEFAULT_MODEL
 from kvpool.tenancy import KeyRing, SaltPolicy
 

@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 import click
 
+from kvpool.checks import DEFAULT_THREADS
 from kvpool.cli.params import THREADS, TOKEN_COUNT
-from kvpool.engine.threads import DEFAULT_THREADS
 from kvpool.hashing import HashAlgo
 from kvpool.model_names import DEFAULT_MODEL
 from kvpool.tiers.kinds import WritePolicy

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpool.checks import DEFAULT_THREADS, THREADS_AUTO, parse_threads
 from kvpool.errors import ConfigError
 
 __all__ = [
@@ -48,11 +49,10 @@ __all__ = [
     "read_cpu_times",
 ]
 
-#: ``threads="auto"``: follow the free cores (see the module docstring).
-AUTO = "auto"
-
-#: The engine's ``threads`` when none is given (``EngineOptions``, ``LLM()``, ``--threads``).
-DEFAULT_THREADS = AUTO
+#: ``threads="auto"``: follow the free cores (see the module docstring). The option's words, its
+#: default and :func:`parse_threads` live in :mod:`kvpool.checks`, so the commands that only name
+#: them (``kvpool route`` among them) import no engine.
+AUTO = THREADS_AUTO
 
 
 def available_cores() -> int:
@@ -70,19 +70,6 @@ def auto_ceiling(torch_threads: int) -> int:
     for, or torch's default (the physical cores, which leaves hyper-threads idle).
     """
     return max(1, min(available_cores(), torch_threads))
-
-
-def parse_threads(value: object) -> int | str | None:
-    """``None`` (leave torch's setting), ``"auto"``, or a thread count >= 1; anything else is refused.
-
-    Raises:
-        ConfigError: naming the value.
-    """
-    if value is None or value == AUTO:
-        return value  # type: ignore[return-value]  # None or the string "auto"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"threads must be an int >= 1, 'auto' or None, got {value!r}")
-    return value
 
 
 def choose_threads(cores: int, busy_elsewhere: float) -> int:
