@@ -154,6 +154,19 @@ class Setup:
             self.lookup_threads.close()
 
 
+def receive_until_done(s: Setup, plan: StepPlan, request_id: str) -> set[int]:
+    """Start ``plan``'s loads and take the worker's answers until ``request_id``'s is in; its failed blocks."""
+    s.worker.start_receiving(plan)
+    done: set[str] = set()
+    failed: set[int] = set()
+    while request_id not in done:
+        s.transfers.wait_for_loads(timeout=5)
+        got, lost = s.worker.received()
+        done |= got
+        failed |= lost
+    return failed
+
+
 @pytest.fixture
 def make():
     made: list[Setup] = []
@@ -181,14 +194,7 @@ def test_the_plan_carries_the_engine_s_wait_for_each_receiving_request_and_pickl
 def test_a_fetch_that_comes_back_in_time_is_used_whole(make):
     s = make(free=OFFERED)
     plan = s.admit()
-    s.worker.start_receiving(plan)
-    done: set[str] = set()
-    failed: set[int] = set()
-    while "a" not in done:
-        s.transfers.wait_for_loads(timeout=5)
-        got, lost = s.worker.received()
-        done |= got
-        failed |= lost
+    failed = receive_until_done(s, plan, "a")
     assert failed == set() and all(s.copied(b) for b in s.block_ids[:OFFERED])
     assert s.store.sizes == [n for _, n in dict(plan.waits)["a"].pieces]  # read in the planned pieces
     assert s.worker.figures.deadline_misses["redis"] == 0 and s.worker.figures.loaded["redis"] == OFFERED
@@ -273,14 +279,7 @@ def test_a_store_that_goes_away_mid_load_gives_the_pieces_before_and_the_rest_is
     plan = s.admit()
     pieces = dict(plan.waits)["a"].pieces
     kept = pieces[0][1] + pieces[1][1]
-    s.worker.start_receiving(plan)
-    done: set[str] = set()
-    failed: set[int] = set()
-    while "a" not in done:
-        s.transfers.wait_for_loads(timeout=5)
-        got, lost = s.worker.received()
-        done |= got
-        failed |= lost
+    failed = receive_until_done(s, plan, "a")
     ids = s.block_ids[:OFFERED]
     assert failed == set(ids[kept:]) and all(s.copied(b) for b in ids[:kept])
     assert s.store.sizes == [n for _, n in pieces[:3]]  # nothing read after the failed piece
@@ -293,14 +292,7 @@ def test_a_store_that_answers_garbage_is_a_miss_from_that_piece(make):
     s.store.garble_from = 1
     plan = s.admit()
     first = dict(plan.waits)["a"].pieces[0][1]
-    s.worker.start_receiving(plan)
-    done: set[str] = set()
-    failed: set[int] = set()
-    while "a" not in done:
-        s.transfers.wait_for_loads(timeout=5)
-        got, lost = s.worker.received()
-        done |= got
-        failed |= lost
+    failed = receive_until_done(s, plan, "a")
     assert failed == set(s.block_ids[first:OFFERED]) and all(s.copied(b) for b in s.block_ids[:first])
 
 
