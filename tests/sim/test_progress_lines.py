@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import re
 
 import pytest
@@ -86,8 +87,10 @@ def test_kvpool_simulate_writes_lines_when_stderr_is_captured() -> None:
     lines = parsed(result.stderr)
     assert len(lines) >= 5 and lines[-1]["done"] == "60" and lines[-1]["share"] == "100"
     assert "replaying" not in result.stdout  # the figures stay alone on stdout
-    quiet = CliRunner().invoke(cli, [*args, "--json"])
-    assert quiet.exit_code == 0 and quiet.stderr == ""  # --json: no progress, as with a bar
+    as_json = CliRunner().invoke(cli, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert parsed(as_json.stderr)[-1]["done"] == "60"  # --json keeps the lines on stderr
+    assert json.loads(as_json.stdout)["simulation"]["requests"] == 60  # and stdout stays one JSON document
 
 
 @pytest.mark.parametrize(

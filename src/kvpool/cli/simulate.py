@@ -168,20 +168,21 @@ def _print_table(result: SimulationResult, label: str) -> None:
         click.echo(f"  {key:<{width}}  {value}")
 
 
-def _progress(show: bool) -> Progress:
-    """The study's progress on stderr: bars on a terminal, else plain lines every 10% (neither with --json).
+def _progress() -> Progress:
+    """The study's progress on stderr: bars on a terminal, else plain lines every 10%.
 
-    The sizing search's lines are written either way.
+    ``--json`` keeps it: the figures go to stdout alone, so a script that reads them still sees how far
+    a long replay has come in its log. The sizing search's lines are written either way.
     """
     from kvpool.sim.progress import Progress, ProgressLines
 
-    if show and not sys.stderr.isatty():
+    if not sys.stderr.isatty():
         return ProgressLines(sys.stderr)
 
     class Bars(Progress):
         @contextlib.contextmanager
         def bar(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
-            with click.progressbar(length=total, label=label, file=sys.stderr, hidden=not show) as bar:
+            with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
                 yield bar.update
 
         def note(self, text: str) -> None:
@@ -505,7 +506,7 @@ def simulate(
         )
     show = not as_json
     requests = load_requests(options)
-    report = run_study(options, requests, _progress(show))
+    report = run_study(options, requests, _progress())
     label = f"{trace}: {len(requests):,} requests"
     output = _render(report, label, show)
     if report.curve is not None:
@@ -547,8 +548,8 @@ def _sweep(
     out = sweep_out or sweep_file.with_name(DEFAULT_SWEEP_OUT.format(stem=sweep_file.stem))
     executor = executor_for(workers=workers, ray=ray)
     results = SweepResults(out)
-    progress = ProgressLines(sys.stderr, every_s=30.0, remaining=True) if not sys.stderr.isatty() else _progress(True)
-    summary = run_sweep(sweep, executor, results, progress if show else _progress(False))
+    progress = ProgressLines(sys.stderr, every_s=30.0, remaining=True) if not sys.stderr.isatty() else _progress()
+    summary = run_sweep(sweep, executor, results, progress)
     if show:
         click.echo(
             f"sweep {sweep_file}: {summary.total:,} configurations, {summary.ran:,} run now, "
