@@ -150,7 +150,7 @@ def test_plan_and_simulate_take_the_model_as_config_or_model() -> None:
     by_model = runner.invoke(cli, [*base, "--model", "smollm2-135m"])
     by_config = runner.invoke(cli, [*base, "--config", "smollm2-135m"])
     assert by_model.exit_code == 0 and by_config.exit_code == 0, by_config.output
-    sized, same = json.loads(by_model.output)["simulation"], json.loads(by_config.output)["simulation"]
+    sized, same = json.loads(by_model.stdout)["simulation"], json.loads(by_config.stdout)["simulation"]
     sized.pop("wall_seconds"), same.pop("wall_seconds")
     assert same == sized and sized["num_blocks"] == 182  # 64 MiB of SmolLM2-135M's KV, in blocks
 

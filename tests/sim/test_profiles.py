@@ -77,8 +77,8 @@ def test_a_profile_file_is_read_and_a_bad_one_is_refused_by_its_field(tmp_path):
 def test_the_command_takes_a_profile_and_refuses_a_bad_one():
     runner = CliRunner()
     args = ["simulate", "synthetic:multi_turn", "--kv-blocks", "2000", "--requests", "40", "--json"]
-    default = json.loads(runner.invoke(cli, args).output)["simulation"]
-    h100 = json.loads(runner.invoke(cli, [*args, "--profile", "llama-3.1-8b-h100"]).output)["simulation"]
+    default = json.loads(runner.invoke(cli, args).stdout)["simulation"]
+    h100 = json.loads(runner.invoke(cli, [*args, "--profile", "llama-3.1-8b-h100"]).stdout)["simulation"]
     assert default["prompt_tokens"] == h100["prompt_tokens"]
     assert h100["ttft_p50_s"] < default["ttft_p50_s"]  # the derived H100 figures are faster than the round ones
     bad = runner.invoke(cli, [*args, "--profile", "no-such-gpu"])
