@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches, num_blocks_for_budget
+from kvpool.engine.linear import LinearKernel, linear_function, select_linear_kernel
 from kvpool.engine.paged_attention import (
     AttentionBackend,
     AttentionBackendKind,
@@ -187,6 +187,9 @@ class ModelRunner:
             passes the windows it formed the KV cache groups from.
         attention_backend: Which paged-attention implementation to use; default:
             the best one for the caches' device. Chosen once, here.
+        linear_kernel: The kernel of the projections and the head
+            (:class:`kvpool.engine.linear.LinearKernel` or its name); default:
+            oneDNN for float32 on a CPU that has it, else torch's ``F.linear``.
 
     Attributes:
         num_computed_tokens: Tokens fed through the model so far (summed over
@@ -206,6 +209,7 @@ class ModelRunner:
         layer_to_group: Sequence[int] | None = None,
         sliding_windows: Sequence[int | None] | None = None,
         attention_backend: AttentionBackendKind | str | None = None,
+        linear_kernel: LinearKernel | str | None = None,
     ) -> None:
         config: Any = model.config  # a transformers config: typed loosely upstream
         model_type = _supported_model_type(config)
@@ -262,6 +266,9 @@ class ModelRunner:
         self.layers: tuple[LayerInfo, ...] = tuple(infos)
         self.num_groups = num_groups
         self.backend: AttentionBackend = select_attention_backend(kv_caches.device, attention_backend)
+        #: The kernel of the projections and the head (see :mod:`kvpool.engine.linear`).
+        self.linear_kernel = select_linear_kernel(param.device, param.dtype, linear_kernel)
+        self._linear = linear_function(self.linear_kernel)
         self.num_computed_tokens = 0
         self.num_steps = 0
         #: Called with a layer's index just before it runs, to wait for KV loaded into it (a KV connector's worker).
@@ -290,6 +297,7 @@ class ModelRunner:
         block_size: int = 16,
         layer_to_group: Sequence[int] | None = None,
         attention_backend: AttentionBackendKind | str | None = None,
+        linear_kernel: LinearKernel | str | None = None,
     ) -> ModelRunner:
         """Allocate KV caches sized for ``model`` and build a runner over them.
 
@@ -306,7 +314,10 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(spec, cast(int, kv_cache_bytes))  # exactly one was given
         caches = allocate_kv_caches(spec, num_blocks, device=param.device)
-        return cls(model, caches, layer_to_group=layer_to_group, attention_backend=attention_backend)
+        return cls(
+            model, caches, layer_to_group=layer_to_group, attention_backend=attention_backend,
+            linear_kernel=linear_kernel,
+        )  # fmt: skip
 
     @property
     def block_size(self) -> int:
@@ -401,7 +412,7 @@ class ModelRunner:
         fused = self._fused[info.index]
         if fused is not None:
             q, k, v = torch.split_with_sizes(
-                F.linear(hidden, fused.qkv_weight, fused.qkv_bias), list(fused.qkv_sizes), dim=-1
+                self._linear(hidden, fused.qkv_weight, fused.qkv_bias), list(fused.qkv_sizes), dim=-1
             )
         else:
             q, k, v = attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)
@@ -418,7 +429,7 @@ class ModelRunner:
         out = self.backend.attend(
             query, key_cache, value_cache, metadata, scale=info.scale, logit_softcap=info.logit_softcap
         )
-        return cast(torch.Tensor, attn.o_proj(out.reshape(num_tokens, -1)))
+        return self._project(attn.o_proj, out.reshape(num_tokens, -1))
 
     def _mlp(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's MLP, ``down(act(gate(x)) * up(x))``, with gate and up as one product where fused."""
@@ -426,8 +437,14 @@ class ModelRunner:
         fused = self._fused[index]
         if fused is None or fused.gate_up_weight is None:
             return cast(torch.Tensor, mlp(hidden))
-        gate, up = torch.chunk(F.linear(hidden, fused.gate_up_weight), 2, dim=-1)  # equal halves
-        return cast(torch.Tensor, mlp.down_proj(mlp.act_fn(gate) * up))
+        gate, up = torch.chunk(self._linear(hidden, fused.gate_up_weight, None), 2, dim=-1)  # equal halves
+        return self._project(mlp.down_proj, mlp.act_fn(gate) * up)
+
+    def _project(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``, through the runner's linear kernel when ``module`` is a plain linear."""
+        if type(module) is nn.Linear:
+            return self._linear(x, module.weight, module.bias)
+        return cast(torch.Tensor, module(x))
 
     def _rotary_tables(
         self, hidden: torch.Tensor, positions: torch.Tensor
@@ -512,7 +529,7 @@ class ModelRunner:
         if not last_rows:
             return torch.empty((0, self._vocab_size), dtype=torch.float32, device=self._device)
         selected = hidden.index_select(0, torch.tensor(last_rows, dtype=torch.int64, device=self._device))
-        logits: torch.Tensor = cast(Any, self.model).lm_head(selected)
+        logits = self._project(cast(Any, self.model).lm_head, selected)
         if self._final_softcap is not None:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
         return logits.float()

@@ -53,6 +53,7 @@ from kvpool.checks import MIN_MODEL_LEN, check_flag, check_int
 from kvpool.engine.batch import SequenceChunk
 from kvpool.engine.kv_cache import KVCaches, KVCacheSpec, allocate_kv_caches
 from kvpool.engine.kv_transfer import check_tier_specs
+from kvpool.engine.linear import LinearKernel, select_linear_kernel
 from kvpool.engine.memory import (
     MemoryBaseline,
     MemoryProfile,
@@ -142,6 +143,10 @@ class EngineOptions:
             more than torch's count when the engine starts; see
             :mod:`kvpool.engine.threads`), a fixed count (set once and kept: one
             reduction order for the whole run), or None to leave torch's setting.
+        linear_kernel: the kernel of the weight products, a
+            :class:`kvpool.engine.linear.LinearKernel` or its name (``"onednn"``,
+            ``"torch"``); None picks oneDNN for float32 on a CPU whose torch has
+            it, else torch's ``F.linear`` (:func:`kvpool.engine.linear.select_linear_kernel`).
         tenant_weights: each tenant's weight in the fair share of the batch,
             the pool and a step (:mod:`kvpool.fair_share`); tenants not named
             weigh 1.
@@ -170,6 +175,7 @@ class EngineOptions:
     kv_tier_load_deadline: float = DEFAULT_LOAD_DEADLINE_S
     kv_tier_always_load: bool = False
     threads: int | str | None = DEFAULT_THREADS
+    linear_kernel: LinearKernel | str | None = None
     tenant_weights: TenantWeights = field(default_factory=TenantWeights)
     tensor_parallel_size: int = 1
     #: ``kv_tiers`` parsed, once, into their typed targets (what the engine's start-up opens).
@@ -206,6 +212,8 @@ class EngineOptions:
         check_flag("kv_tier_always_load", self.kv_tier_always_load)
         check_load_deadline(self.kv_tier_load_deadline, "kv_tier_load_deadline")
         parse_threads(self.threads)
+        if self.linear_kernel is not None:
+            object.__setattr__(self, "linear_kernel", LinearKernel.parse(self.linear_kernel))
         if check_int("tensor_parallel_size", self.tensor_parallel_size) != 1:
             raise ConfigError(
                 f"tensor_parallel_size {self.tensor_parallel_size} is not supported: kvpool's engine runs a model "
@@ -411,7 +419,9 @@ def _profile(
 
     batches = {n: batch_of(n) for n in {probe, full}}
     scratch = allocate_kv_caches(spec, max(max(b for _, b in batches.values()), 2), device=device, layer_slots=to_slot)
-    runner = ModelRunner(model, scratch, layer_to_group=to_group, sliding_windows=windows)
+    runner = ModelRunner(
+        model, scratch, layer_to_group=to_group, sliding_windows=windows, linear_kernel=options.linear_kernel
+    )
     runner.thread_governor = governor
 
     def measured(batch: list[ScheduledChunk], runner: ModelRunner = runner) -> tuple[int | None, float]:
@@ -529,8 +539,9 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
     if threads:
         threads += ", following the free cores)" if options.threads == AUTO else ")"
     log(f"model {name} ({arch}, {hf_config.num_hidden_layers} layers) from {path}")
+    kernel = select_linear_kernel(device, dtype, options.linear_kernel)  # ConfigError before any profiling
     log(
-        f"dtype {str(dtype).removeprefix('torch.')}, device {device}{threads}; "
+        f"dtype {str(dtype).removeprefix('torch.')}, device {device}{threads}, {kernel.value} linears; "
         f"weights {format_bytes(weights)} loaded in {load_seconds:.1f} s"
         + ("" if tokenizer is not None else "; no tokenizer (token-ID prompts only)")
     )
@@ -594,7 +605,9 @@ def start_engine(options: EngineOptions, log: Callable[[str], None]) -> EngineSe
         raise ConfigError(
             f"allocated {kv_caches.nbytes} B of KV cache but planned {plan.num_blocks * plan.pool_block_bytes} B"
         )
-    runner = ModelRunner(model, kv_caches, layer_to_group=to_group, sliding_windows=windows)
+    runner = ModelRunner(
+        model, kv_caches, layer_to_group=to_group, sliding_windows=windows, linear_kernel=options.linear_kernel
+    )
     runner.thread_governor = governor
     log(plan.capacity_line)
     return EngineSetup(
