@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from click.testing import CliRunner
 
+from kvpool.cli.commands import cli
 from kvpool.engine.batch import SequenceChunk
 from kvpool.engine.linear import LinearKernel, linear_function, select_linear_kernel
 from kvpool.engine.model_runner import ModelRunner
@@ -74,3 +76,11 @@ def test_a_step_on_either_kernel_gives_the_same_logits(kind):
         full = model(torch.tensor([prompt])).logits[0, -1].float()
     torch.testing.assert_close(logits["onednn"][0], full, atol=1e-4, rtol=1e-4)
     assert int(logits["onednn"].argmax()) == int(full.argmax())
+
+
+def test_the_commands_take_the_kernel_and_refuse_an_unknown_one_before_loading():
+    result = CliRunner().invoke(cli, ["generate", "hello", "--linear-kernel", "cublas"])
+    assert result.exit_code != 0
+    assert "unknown linear kernel 'cublas'; known: torch, onednn" in result.output
+    assert "Traceback" not in result.output
+    assert "--linear-kernel" in CliRunner().invoke(cli, ["serve", "--help"]).output

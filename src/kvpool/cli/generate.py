@@ -56,7 +56,7 @@ def _engine_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--seed", type=int, default=None, help="Seed for reproducible sampling."),
         *(engine[name] for name in ("kv_cache_memory", "block_size", "max_model_len", "dtype", "tensor_parallel_size")),
         click.option("--cache-salt", default=None, help="Requests with different salts never share cached blocks."),
-        *(engine[name] for name in ("device", "threads", "hash_algo", "kv_tiers", "kv_tier_secret_file",
+        *(engine[name] for name in ("device", "threads", "linear_kernel", "hash_algo", "kv_tiers", "kv_tier_secret_file",
                                     "kv_tier_unauthenticated", "kv_tier_namespace", "kv_tier_write",
                                     "kv_tier_load_deadline", "kv_tier_always_load")),
     ]  # fmt: skip

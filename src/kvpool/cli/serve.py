@@ -259,7 +259,7 @@ class EmulationFlags:
 _NOT_EMULATED = {
     "kv_tiers": (), "kv_tier_secret_file": None, "kv_tier_namespace": None, "kv_tier_unauthenticated": False,
     "kv_tier_always_load": False, "device": None, "dtype": None, "threads": DEFAULT_THREADS, "gpu_memory_utilization": None,
-    "tensor_parallel_size": 1,
+    "tensor_parallel_size": 1, "linear_kernel": None,
 }  # fmt: skip
 
 

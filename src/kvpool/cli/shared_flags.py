@@ -81,6 +81,11 @@ ENGINE_OPTIONS: dict[str, Decorator] = {
         "steps, at most torch's count: OMP_NUM_THREADS or the physical cores); a count is fixed for the whole run; "
         "'torch' leaves torch's own setting.",
     ),
+    "linear_kernel": click.option(
+        "--linear-kernel", metavar="KERNEL", default=None,
+        help="Kernel of the weight products: onednn or torch (F.linear) [default: onednn for float32 on a CPU "
+        "whose torch has it, else torch].",
+    ),
     "hash_algo": click.option(
         "--hash", "hash_algo", type=click.Choice([a.value for a in HashAlgo]), default=HashAlgo.SHA256.value,
         show_default=True, help="Block hash: kvpool's chain, or vLLM's sha256 / sha256_cbor (hashes identical to vLLM's).",
