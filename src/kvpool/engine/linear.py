@@ -2,11 +2,11 @@
 
 A step of a small model on a CPU is mostly weight products (q/k/v, output, gate/up,
 down and the LM head), and torch's ``F.linear`` in fp32 goes to its BLAS (MKL in the
-CPU wheel). On an AMD EPYC that path reads the weights at roughly half the memory
+CPU wheel). On an AMD EPYC that path reads the weights well below the memory
 bandwidth oneDNN's inner-product kernel reaches on the same matrices: one decode step
-of SmolLM2-135M spent 34.7 ms in the layers' products and 9.7 ms in the head through
-``F.linear``, against 20.1 and 4.1 ms through oneDNN, on the same weights in the same
-layout (BENCHMARKS.md, "Engine: the weight products on oneDNN"). oneDNN is reached
+of SmolLM2-135M spent 36.5 ms in the layers' products and 9.9 ms in the head through
+``F.linear``, against 22.9 and 3.9 ms through oneDNN, on the same weights in the same
+layout (2 threads; BENCHMARKS.md, "Engine: the weight products on oneDNN"). oneDNN is reached
 through ``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler emits for
 CPU linears; it takes the weight as stored, so nothing is copied or repacked.
 
