@@ -70,7 +70,7 @@ def _onednn_usable(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"oneDNN linears run on the CPU, not on {device}"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"oneDNN linears take float32 or bfloat16 weights, not {dtype}"
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this torch build has no torch.ops.mkldnn._linear_pointwise"
